@@ -1,0 +1,212 @@
+"""The Qwen3.5 text model in readable PyTorch, with static shapes.
+
+It is the oracle of every kernel test and the eager and torch.compile baselines of the benchmark.
+Everything a generation needs is preallocated for `max_batch` sequences of up to `max_length` tokens:
+the KV cache of the full-attention layers, and the conv state and float32 recurrent state of the Gated
+DeltaNet layers. Prefill runs one sequence (its slot) with the chunked gated delta rule; decode runs one
+token of each of the first B slots with the one-step recurrent form, and has no data-dependent Python
+control flow, so `torch.compile(model.decode, fullgraph=True)` compiles it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import FULL_ATTENTION, ModelConfig
+from . import functional as fn
+
+
+class ReferenceCache:
+    """Per-layer state: KV cache [B, Hkv, S, D] for attention, conv [B, C, W-1] and fp32 state for DeltaNet."""
+
+    def __init__(self, config: ModelConfig, max_batch: int, max_length: int, device, dtype):
+        c = config
+        self.key: dict[int, torch.Tensor] = {}
+        self.value: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        for i, layer_type in enumerate(c.layer_types):
+            if layer_type == FULL_ATTENTION:
+                shape = (max_batch, c.num_key_value_heads, max_length, c.head_dim)
+                self.key[i] = torch.zeros(shape, device=device, dtype=dtype)
+                self.value[i] = torch.zeros(shape, device=device, dtype=dtype)
+            else:
+                self.conv[i] = torch.zeros(
+                    max_batch, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=dtype
+                )
+                self.recurrent[i] = torch.zeros(
+                    max_batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                    device=device, dtype=torch.float32,
+                )
+
+    def reset(self, slot: int) -> None:
+        for tensors in (self.key, self.value, self.conv, self.recurrent):
+            for t in tensors.values():
+                t[slot].zero_()
+
+
+class ReferenceModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_batch: int = 1,
+        max_length: int = 4096,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config = config
+        self.w = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.max_length = max_length
+        self.cache = ReferenceCache(config, max_batch, max_length, self.device, dtype)
+        self.lm_head = weights["embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+        # fp32 rotary tables for every position, sliced by position at run time
+        self.cos, self.sin = fn.rotary_cos_sin(
+            torch.arange(max_length, device=self.device), config.rotary_dim, config.rope_theta
+        )
+
+    # ---- the layers -------------------------------------------------------------------------------
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ self.w[name].t()
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        gate = self._linear(x, p + "mlp.gate_proj.weight")
+        up = self._linear(x, p + "mlp.up_proj.weight")
+        return self._linear(fn.silu_and_multiply(gate, up), p + "mlp.down_proj.weight")
+
+    def _attention_projections(self, x: torch.Tensor, p: str, positions: torch.Tensor):
+        """q (normed, rotated) [T, Hq, D], gate [T, Hq*D] or None, k (normed, rotated), v [T, Hkv, D]."""
+        c = self.config
+        tokens = x.shape[0]
+        q = self._linear(x, p + "q_proj.weight")
+        gate = None
+        if c.attn_output_gate:
+            q, gate = q.view(tokens, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(tokens, -1)
+        q = q.reshape(tokens, c.num_attention_heads, c.head_dim)
+        k = self._linear(x, p + "k_proj.weight").view(tokens, c.num_key_value_heads, c.head_dim)
+        v = self._linear(x, p + "v_proj.weight").view(tokens, c.num_key_value_heads, c.head_dim)
+        q = fn.rms_norm(q, self.w[p + "q_norm.weight"], c.rms_norm_eps)
+        k = fn.rms_norm(k, self.w[p + "k_norm.weight"], c.rms_norm_eps)
+        cos, sin = self.cos[positions], self.sin[positions]
+        return fn.apply_rotary(q, cos, sin), gate, fn.apply_rotary(k, cos, sin), v
+
+    def _attention_output(self, out: torch.Tensor, gate: torch.Tensor | None, p: str) -> torch.Tensor:
+        out = out.reshape(out.shape[0], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self._linear(out, p + "o_proj.weight")
+
+    def _delta_net_inputs(self, x: torch.Tensor, p: str):
+        mixed = self._linear(x, p + "in_proj_qkv.weight")
+        z = self._linear(x, p + "in_proj_z.weight")
+        b = self._linear(x, p + "in_proj_b.weight")
+        a = self._linear(x, p + "in_proj_a.weight")
+        return mixed, z, b, a
+
+    def _split_heads(self, mixed: torch.Tensor):
+        c = self.config
+        q, k, v = mixed.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
+        rows = mixed.shape[0]
+        return (
+            q.reshape(rows, c.linear_num_key_heads, c.linear_key_head_dim),
+            k.reshape(rows, c.linear_num_key_heads, c.linear_key_head_dim),
+            v.reshape(rows, c.linear_num_value_heads, c.linear_value_head_dim),
+        )
+
+    def _delta_net_output(self, out: torch.Tensor, z: torch.Tensor, p: str) -> torch.Tensor:
+        c = self.config
+        rows = out.shape[0]
+        z = z.reshape(rows, c.linear_num_value_heads, c.linear_value_head_dim)
+        out = fn.gated_rms_norm(out, z, self.w[p + "norm.weight"], c.rms_norm_eps)
+        return self._linear(out.reshape(rows, -1), p + "out_proj.weight")
+
+    # ---- prefill: one sequence --------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
+        """Run tokens [T] of the sequence in `slot`, whose first `start` tokens are already cached.
+
+        Returns the logits of every position, float32 [T, vocab].
+        """
+        c = self.config
+        tokens = token_ids.shape[0]
+        positions = torch.arange(start, start + tokens, device=self.device)
+        x = self.w["embed_tokens.weight"][token_ids]
+        for i, layer_type in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            h = fn.rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            if layer_type == FULL_ATTENTION:
+                a = p + "self_attn."
+                q, gate, k, v = self._attention_projections(h, a, positions)
+                self.cache.key[i][slot, :, start:start + tokens] = k.transpose(0, 1)
+                self.cache.value[i][slot, :, start:start + tokens] = v.transpose(0, 1)
+                out = fn.attention(
+                    q, self.cache.key[i][slot], self.cache.value[i][slot], positions, start + tokens
+                )
+                h = self._attention_output(out, gate, a)
+            else:
+                a = p + "linear_attn."
+                mixed, z, b, a_input = self._delta_net_inputs(h, a)
+                conv_weight = self.w[a + "conv1d.weight"][:, 0, :]
+                mixed, self.cache.conv[i][slot] = fn.causal_conv1d(mixed, conv_weight, self.cache.conv[i][slot])
+                q, k, v = self._split_heads(mixed)
+                g, beta = fn.gating(a_input, b, self.w[a + "A_log"], self.w[a + "dt_bias"])
+                out, self.cache.recurrent[i][slot] = fn.gated_delta_rule_chunked(
+                    q, k, v, g, beta, self.cache.recurrent[i][slot]
+                )
+                h = self._delta_net_output(out, z, a)
+            x = x + h
+            h = fn.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x = x + self._mlp(h, p)
+        x = fn.rms_norm(x, self.w["norm.weight"], c.rms_norm_eps)
+        return (x @ self.lm_head.t()).float()
+
+    # ---- decode: one token for each of B sequences -----------------------------------------------
+    @torch.no_grad()
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step for slots 0..B-1: token_ids [B] at positions [B]. Returns float32 logits [B, vocab]."""
+        c = self.config
+        batch = token_ids.shape[0]
+        slots = torch.arange(batch, device=self.device)
+        x = self.w["embed_tokens.weight"][token_ids]
+        for i, layer_type in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            h = fn.rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            if layer_type == FULL_ATTENTION:
+                a = p + "self_attn."
+                q, gate, k, v = self._attention_projections(h, a, positions)
+                key_cache, value_cache = self.cache.key[i], self.cache.value[i]
+                key_cache[slots, :, positions] = k
+                value_cache[slots, :, positions] = v
+                out = torch.stack(
+                    [
+                        fn.attention(q[b:b + 1], key_cache[b], value_cache[b], positions[b:b + 1])[0]
+                        for b in range(batch)
+                    ]
+                )
+                h = self._attention_output(out, gate, a)
+            else:
+                a = p + "linear_attn."
+                mixed, z, b_input, a_input = self._delta_net_inputs(h, a)
+                conv_weight = self.w[a + "conv1d.weight"][:, 0, :]
+                conv_state = self.cache.conv[i]
+                mixed, new_conv = fn.causal_conv1d_step(mixed, conv_weight, conv_state[:batch])
+                conv_state[:batch] = new_conv
+                q, k, v = self._split_heads(mixed)
+                g, beta = fn.gating(a_input, b_input, self.w[a + "A_log"], self.w[a + "dt_bias"])
+                state = self.cache.recurrent[i]
+                out, new_state = fn.gated_delta_rule_recurrent(q, k, v, g, beta, state[:batch])
+                state[:batch] = new_state
+                h = self._delta_net_output(out, z, a)
+            x = x + h
+            h = fn.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x = x + self._mlp(h, p)
+        x = fn.rms_norm(x, self.w["norm.weight"], c.rms_norm_eps)
+        return (x @ self.lm_head.t()).float()
+
+    def reset(self, slot: int | None = None) -> None:
+        for s in range(self.max_batch) if slot is None else [slot]:
+            self.cache.reset(s)
