@@ -1,0 +1,172 @@
+"""The `qwen-triton` command line.
+
+    qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
+    qwen-triton generate [--model DIR] "prompt"
+    qwen-triton chat [--model DIR]
+    qwen-triton ops
+
+Without --model, generate and chat run a random-weight model (the 0.8b shape on a GPU, the tiny preset on
+a CPU), made once and kept under ~/.cache/qwen-triton. Errors are one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen-triton"
+
+
+class CommandError(Exception):
+    """An error reported as one line, without a traceback."""
+
+
+def _progress(label: str):
+    def report(done: int, total: int) -> None:
+        end = "\n" if done == total else ""
+        print(f"\r{label}: {done}/{total}", end=end, file=sys.stderr, flush=True)
+    return report
+
+
+def default_model(device: str) -> Path:
+    """The random-weight checkpoint used when no --model is given: made once, then reused."""
+    from .checkpoint import make_preset_checkpoint
+
+    preset = "0.8b" if device == "cuda" else "tiny"
+    directory = DEFAULT_CACHE / "checkpoints" / f"{preset}-seed0"
+    print(f"no --model given: using a random-weight {preset} model; its text is meaningless", file=sys.stderr)
+    if not (directory / "config.json").exists():
+        partial = directory.with_name(directory.name + ".partial")
+        make_preset_checkpoint(preset, partial, seed=0, progress=_progress(f"making the {preset} checkpoint"))
+        partial.rename(directory)
+    return directory
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def command_make_checkpoint(args) -> None:
+    from .checkpoint import make_preset_checkpoint
+
+    out = make_preset_checkpoint(args.preset, args.out, seed=args.seed, progress=_progress("tensors"))
+    print(f"wrote a random {args.preset} checkpoint to {out}")
+
+
+def _load(args):
+    from . import LLM
+
+    device = args.device or _default_device()
+    model = Path(args.model) if args.model else default_model(device)
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    print(f"loading {model} ({args.backend} backend, {device}, {dtype})", file=sys.stderr)
+    return LLM(model, backend=args.backend, device=device, dtype=dtype, max_length=args.max_length, progress=True)
+
+
+def command_generate(args) -> None:
+    llm = _load(args)
+    prompt = args.prompt
+    if args.chat_template:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    for piece in llm.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop):
+        print(piece, end="", flush=True)
+    result = llm.last_generation
+    timings = result.timings
+    print(file=sys.stdout)
+    print(
+        f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}; time to first token "
+        f"{timings['time_to_first_token_s'] * 1e3:.1f} ms, {timings['decode_tokens_per_s']:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+
+
+def command_chat(args) -> None:
+    llm = _load(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("chat: type a message; an empty line or Ctrl-D ends the chat", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reply = []
+        for piece in llm.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def command_ops(args) -> None:
+    from .operators.table import format_table
+
+    print(format_table())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-triton", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    make = commands.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
+    make.add_argument("--preset", choices=["tiny", "0.8b"], required=True)
+    make.add_argument("--out", required=True, type=Path)
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(run=command_make_checkpoint)
+
+    def model_options(sub):
+        sub.add_argument("--model", help="checkpoint directory (default: a random-weight model)")
+        sub.add_argument("--backend", choices=["reference", "triton"], default="reference")
+        sub.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
+        sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+        sub.add_argument("--max-length", type=int, default=4096, help="tokens of context (prompt + reply)")
+        sub.add_argument("--max-new-tokens", type=int, default=64)
+        sub.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        sub.add_argument("--top-k", type=int, default=0, help="0 = off")
+        sub.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+        sub.add_argument("--seed", type=int, default=0)
+
+    generate = commands.add_parser("generate", help="generate text from a prompt, streaming")
+    generate.add_argument("prompt")
+    model_options(generate)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user turn")
+    generate.set_defaults(run=command_generate)
+
+    chat = commands.add_parser("chat", help="an interactive multi-turn chat")
+    model_options(chat)
+    chat.add_argument("--system", help="a system message")
+    chat.set_defaults(run=command_chat)
+
+    ops = commands.add_parser("ops", help="the table of operators and the kernel each phase uses")
+    ops.set_defaults(run=command_ops)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError, NotImplementedError, CommandError) as error:
+        print(f"qwen-triton: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Small model configs and the transformers oracle, shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from qwen_triton.checkpoint import PRESETS, make_checkpoint
+
+
+def small_config(**overrides) -> dict:
+    """A text config small enough for the CPU: sizes deliberately not powers of two."""
+    config = copy.deepcopy(PRESETS["tiny"])
+    config.update(
+        vocab_size=301, hidden_size=48, intermediate_size=88, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=20,
+        eos_token_id=300, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    )
+    config["rope_parameters"] = dict(config["rope_parameters"], partial_rotary_factor=0.25, mrope_section=[1, 1, 1])
+    config.update(overrides)
+    return config
+
+
+def write_checkpoint(directory, config: dict, layout: str = "conditional", **options):
+    options.setdefault("tokenizer", False)
+    options.setdefault("dtype", torch.float32)
+    return make_checkpoint(directory, config, layout=layout, **options)
+
+
+def transformers_model(directory):
+    from transformers import Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return model.eval()
+
+
+def transformers_logits(model, token_ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def transformers_score(model, token_ids, prefill: int) -> torch.Tensor:
+    """transformers' logits computed the way LLM.score computes them: the first `prefill` ids in one
+    forward pass, then one cached step at a time (so both sides use the same form of the delta rule)."""
+    rows = []
+    cache = None
+    with torch.no_grad():
+        if prefill:
+            out = model(torch.tensor([token_ids[:prefill]]), use_cache=True)
+            cache, rows = out.past_key_values, [out.logits[0]]
+        for token in token_ids[prefill:]:
+            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            rows.append(out.logits[0])
+    return torch.cat(rows).float()
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |ours - reference| / max |reference|."""
+    return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
