@@ -16,18 +16,13 @@ import os
 import sys
 from pathlib import Path
 
+from .progress import progress_printer
+
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen-triton"
 
 
 class CommandError(Exception):
     """An error reported as one line, without a traceback."""
-
-
-def _progress(label: str):
-    def report(done: int, total: int) -> None:
-        end = "\n" if done == total else ""
-        print(f"\r{label}: {done}/{total}", end=end, file=sys.stderr, flush=True)
-    return report
 
 
 def default_model(device: str) -> Path:
@@ -39,7 +34,7 @@ def default_model(device: str) -> Path:
     print(f"no --model given: using a random-weight {preset} model; its text is meaningless", file=sys.stderr)
     if not (directory / "config.json").exists():
         partial = directory.with_name(directory.name + ".partial")
-        make_preset_checkpoint(preset, partial, seed=0, progress=_progress(f"making the {preset} checkpoint"))
+        make_preset_checkpoint(preset, partial, seed=0, progress=progress_printer(f"making the {preset} checkpoint"))
         partial.rename(directory)
     return directory
 
@@ -53,7 +48,7 @@ def _default_device() -> str:
 def command_make_checkpoint(args) -> None:
     from .checkpoint import make_preset_checkpoint
 
-    out = make_preset_checkpoint(args.preset, args.out, seed=args.seed, progress=_progress("tensors"))
+    out = make_preset_checkpoint(args.preset, args.out, seed=args.seed, progress=progress_printer("tensors"))
     print(f"wrote a random {args.preset} checkpoint to {out}")
 
 

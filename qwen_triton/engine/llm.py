@@ -8,7 +8,6 @@ the triton backend composes the Triton kernels.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, load_config
+from ..progress import progress_printer
 from ..weights import load_weights
 from .sampling import SamplingParams, sample
 
@@ -58,15 +58,6 @@ class Generation:
     timings: dict = field(default_factory=dict)
 
 
-def _progress_printer(label: str) -> Callable[[int, int], None]:
-    """A one-line progress counter on stderr, for long loads."""
-    def report(done: int, total: int) -> None:
-        if sys.stderr.isatty() or done == total:
-            end = "\n" if done == total else ""
-            print(f"\r{label}: {done}/{total}", end=end, file=sys.stderr, flush=True)
-    return report
-
-
 class LLM:
     def __init__(
         self,
@@ -92,7 +83,7 @@ class LLM:
         self.backend_name = backend
         weights = load_weights(
             self.path, self.config, self.device, self.dtype,
-            progress=_progress_printer("loading weights") if progress else None,
+            progress=progress_printer("loading weights") if progress else None,
         )
         if backend == "reference":
             from ..reference import ReferenceModel
@@ -195,7 +186,7 @@ class LLM:
         )
         batch = [prompts] if single else list(prompts)
         if not batch:
-            raise ValueError("no prompts given")
+            raise ValueError("no prompts given: the prompt list is empty")
         results = [
             self._generate_one(p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), stop)
             for p in batch
@@ -250,7 +241,8 @@ class LLM:
                 finish = "stop"
                 break
             generated.append(token)
-            piece = decoder.feed(token)
+            # ids past the tokenizer's vocabulary (the embedding's padding rows) have no text
+            piece = decoder.feed(token) if token < self.tokenizer.vocab_size else ""
             hit = next((s for s in stops if s in text + piece), None)
             if hit is not None:
                 full = text + piece

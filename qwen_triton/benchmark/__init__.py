@@ -1,0 +1,1 @@
+"""Measuring the engine against its floor and against what people use today."""

@@ -1,0 +1,90 @@
+"""The public API: LLM(...).score and .generate on the reference backend, and its errors."""
+
+import pytest
+import torch
+
+from qwen_triton import LLM
+from tests.support import small_config, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    directory = write_checkpoint(tmp_path_factory.mktemp("model"), small_config(), seed=7)
+    return LLM(directory, backend="reference", device="cpu", dtype=torch.float32, max_length=48)
+
+
+def test_score_shape_and_dtype(llm):
+    logits = llm.score([1, 2, 3, 4, 5], prefill=2)
+    assert logits.shape == (5, llm.config.vocab_size) and logits.dtype == torch.float32
+
+
+def test_greedy_generate_follows_the_argmax_of_score(llm):
+    prompt = [5, 17, 42, 9]
+    result = llm.generate(prompt, max_new_tokens=6)
+    assert result.prompt_token_ids == prompt
+    assert 1 <= len(result.token_ids) <= 6
+    sequence = prompt + result.token_ids
+    logits = llm.score(sequence, prefill=len(prompt))
+    expected = logits[len(prompt) - 1:-1].argmax(-1).tolist() if result.finish_reason == "length" else None
+    if expected is not None:
+        assert result.token_ids == expected
+    else:  # stopped at an end-of-turn id: every kept token was still the argmax
+        assert result.token_ids == logits[len(prompt) - 1:len(sequence) - 1].argmax(-1).tolist()
+
+
+def test_list_of_prompts_gives_list_of_results_in_order(llm):
+    results = llm.generate([[1, 2, 3], [7, 8]], max_new_tokens=3)
+    assert [r.prompt_token_ids for r in results] == [[1, 2, 3], [7, 8]]
+    assert results[1].token_ids == llm.generate([7, 8], max_new_tokens=3).token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
+    runs = [llm.generate([3, 4], max_new_tokens=8, temperature=1.5, seed=s).token_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate([3, 4], max_new_tokens=5).token_ids
+    assert llm.generate([3, 4], max_new_tokens=5, temperature=0.8, top_k=1, seed=4).token_ids == greedy
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: m.generate([], max_new_tokens=2), "empty"),
+        (lambda m: m.generate("", max_new_tokens=2), "empty"),
+        (lambda m: m.generate([1, 99999], max_new_tokens=2), "99999.*outside the vocabulary"),
+        (lambda m: m.generate([-1], max_new_tokens=2), "outside the vocabulary"),
+        (lambda m: m.generate(list(range(49)), max_new_tokens=2), "49 tokens.*maximum length 48"),
+        (lambda m: m.generate([1], max_new_tokens=0), "max_new_tokens"),
+        (lambda m: m.generate([1], temperature=-1.0), "temperature"),
+        (lambda m: m.generate([1], top_p=0.0), "top_p"),
+        (lambda m: m.score([1, 2], prefill=3), "prefill"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_it(llm, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(llm)
+
+
+def test_bad_constructor_arguments(tmp_path):
+    directory = write_checkpoint(tmp_path, small_config())
+    with pytest.raises(ValueError, match="unknown backend 'jax'"):
+        LLM(directory, backend="jax")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        LLM(directory, dtype="int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+            LLM(directory, device="cuda")
+
+
+def test_nan_logits_are_reported_not_sampled(llm):
+    weights = llm.model.w
+    saved = weights["norm.weight"].clone()
+    weights["norm.weight"].fill_(float("nan"))
+    try:
+        with pytest.raises(RuntimeError, match="NaN"):
+            llm.generate([1, 2], max_new_tokens=2)
+    finally:
+        weights["norm.weight"].copy_(saved)
