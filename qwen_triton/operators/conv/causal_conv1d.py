@@ -1,0 +1,211 @@
+"""The Gated DeltaNet's causal depthwise conv1d of width W, then SiLU: prefill and the decode step.
+
+For every channel c and token t, with x[-W+1..-1] the W-1 inputs before the sequence (the conv state):
+    y[t, c] = silu(sum_{j<W} weight[c, j] x[t - (W-1) + j, c])           float32, rounded once
+and afterwards the conv state holds the last W-1 inputs (from the old state when T < W-1).
+
+Shapes: prefill x [T, C] (strided rows: the q | k | v columns of the fused projection), weight [C, W],
+conv_state [C, W-1] updated in place, y [T, C] in x's dtype. Decode x [B, C], conv_state [B, C, W-1]
+updated in place, y [B, C].
+
+Blocking. Prefill: a program computes a [BLOCK_T, BLOCK_C] tile from W shifted loads of x (the W-1
+halo rows are cache hits); its first rows read the old state. The new state is written by the programs
+of the first time block, the only readers of the old state, after a barrier: no program reads what
+another writes. Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
+weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
+
+Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads and writes T x 12 KiB (x in, y out) plus
+the 48 KiB weight: 50 MB for T = 4096, ~1.6 MB for T = 128; 2W + 4 FLOPs per element. Decode per
+sequence: 12 KiB of x and y, 36 KiB of state read and written, 48 KiB of weight: ~130 KB, one launch of
+latency. The decode step is CUDA-graph capturable (no host reads, `out=`, state in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import autotune_configs, check_same_device, check_tensor
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_WIDTH = 16  # the state reads of a prefill program stay inside the first time block (BLOCK_T >= 16)
+
+
+def _prefill_configs():
+    return autotune_configs([
+        triton.Config({"BLOCK_T": 16, "BLOCK_C": 128}, num_warps=4),
+        triton.Config({"BLOCK_T": 32, "BLOCK_C": 128}, num_warps=4),
+        triton.Config({"BLOCK_T": 64, "BLOCK_C": 128}, num_warps=8),
+        triton.Config({"BLOCK_T": 32, "BLOCK_C": 256}, num_warps=8),
+        triton.Config({"BLOCK_T": 16, "BLOCK_C": 256}, num_warps=4),
+        triton.Config({"BLOCK_T": 64, "BLOCK_C": 64}, num_warps=4),
+    ])
+
+
+@triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH"], restore_value=["state_ptr"])
+@triton.jit
+def _causal_conv1d_kernel(
+    x_ptr, weight_ptr, state_ptr, out_ptr,
+    length, channels, stride_xt, stride_wc, stride_sc, stride_ot,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    time_block = tl.program_id(0)
+    rows = time_block * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < length
+    col_mask = cols < channels
+
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        source = rows - (WIDTH - 1) + j  # the input this tap reads; negative: the old state
+        from_x = row_mask & (source >= 0)
+        from_state = row_mask & (source < 0)
+        x = tl.load(x_ptr + source[:, None] * stride_xt + cols[None, :],
+                    mask=from_x[:, None] & col_mask[None, :], other=0.0)
+        old = tl.load(state_ptr + cols[None, :] * stride_sc + (WIDTH - 1 + source)[:, None],
+                      mask=from_state[:, None] & col_mask[None, :], other=0.0)
+        tap = tl.load(weight_ptr + cols * stride_wc + j, mask=col_mask, other=0.0).to(tl.float32)
+        acc += (x.to(tl.float32) + old.to(tl.float32)) * tap[None, :]
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+    if time_block == 0:
+        # the last W-1 inputs: x's tail, or (T < W-1) the old state's tail then all of x
+        slot = tl.arange(0, BLOCK_W)
+        source = length - (WIDTH - 1) + slot
+        in_state = slot < WIDTH - 1
+        from_x = in_state & (source >= 0)
+        from_state = in_state & (source < 0)
+        x = tl.load(x_ptr + source[None, :] * stride_xt + cols[:, None],
+                    mask=from_x[None, :] & col_mask[:, None], other=0.0)
+        old = tl.load(state_ptr + cols[:, None] * stride_sc + (WIDTH - 1 + source)[None, :],
+                      mask=from_state[None, :] & col_mask[:, None], other=0.0)
+        new = tl.where(from_x[None, :], x.to(state_ptr.dtype.element_ty), old)
+        tl.debug_barrier()  # every read of the old state in this program happens before it is overwritten
+        tl.store(state_ptr + cols[:, None] * stride_sc + slot[None, :], new,
+                 mask=in_state[None, :] & col_mask[:, None])
+
+
+@triton.jit
+def conv_step_channels(x, weight_ptr, state_row, cols, col_mask, stride_wc, stride_sc,
+                       WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """silu(conv) in float32 of one sequence's channels `cols`, from their new input x and conv state."""
+    slot = tl.arange(0, BLOCK_W)
+    # window [C, W]: the W-1 stored inputs, then x
+    old = tl.load(state_row + cols[:, None] * stride_sc + slot[None, :],
+                  mask=col_mask[:, None] & (slot[None, :] < WIDTH - 1), other=0.0)
+    window = tl.where(slot[None, :] == WIDTH - 1, x.to(tl.float32)[:, None], old.to(tl.float32))
+    weight = tl.load(weight_ptr + cols[:, None] * stride_wc + slot[None, :],
+                     mask=col_mask[:, None] & (slot[None, :] < WIDTH), other=0.0)
+    acc = tl.sum(window * weight.to(tl.float32), axis=1)
+    return acc / (1.0 + tl.exp(-acc))
+
+
+@triton.jit
+def shift_conv_state(x, state_row, cols, col_mask, stride_sc, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Advance the conv state of channels `cols` by one input: slot j takes slot j + 1, the last takes x.
+
+    The caller's program must be the only one touching these channels' state: the barrier orders this
+    program's reads of the old state before the overwrite, not other programs'.
+    """
+    slot = tl.arange(0, BLOCK_W)
+    entry = state_row + cols[:, None] * stride_sc + slot[None, :]
+    shifted = tl.load(entry + 1, mask=col_mask[:, None] & (slot[None, :] < WIDTH - 2), other=0.0)
+    new = tl.where(slot[None, :] == WIDTH - 2, x.to(state_row.dtype.element_ty)[:, None], shifted)
+    tl.debug_barrier()
+    tl.store(entry, new, mask=col_mask[:, None] & (slot[None, :] < WIDTH - 1))
+
+
+def _step_configs():
+    return autotune_configs([
+        triton.Config({"BLOCK_C": 256}, num_warps=4),
+        triton.Config({"BLOCK_C": 128}, num_warps=2),
+        triton.Config({"BLOCK_C": 128}, num_warps=4),
+        triton.Config({"BLOCK_C": 512}, num_warps=4),
+        triton.Config({"BLOCK_C": 1024}, num_warps=8),
+    ])
+
+
+@triton.autotune(configs=_step_configs(), key=["batch", "channels", "WIDTH"], restore_value=["state_ptr"])
+@triton.jit
+def _causal_conv1d_step_kernel(
+    x_ptr, weight_ptr, state_ptr, out_ptr,
+    batch, channels, stride_xb, stride_wc, stride_sb, stride_sc, stride_ob,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    sequence = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < channels
+    state_row = state_ptr + sequence * stride_sb
+    x = tl.load(x_ptr + sequence * stride_xb + cols, mask=col_mask, other=0.0)
+    y = conv_step_channels(x, weight_ptr, state_row, cols, col_mask, stride_wc, stride_sc, WIDTH, BLOCK_W)
+    tl.store(out_ptr + sequence * stride_ob + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    shift_conv_state(x, state_row, cols, col_mask, stride_sc, WIDTH, BLOCK_W)
+
+
+def _check_weight(weight, channels: int):
+    check_tensor("weight", weight, shape=(channels, None), dtype=ACTIVATION_DTYPES)
+    width = weight.shape[1]
+    if not 2 <= width <= MAX_WIDTH:
+        raise ValueError(f"weight has width {width}, expected 2 to {MAX_WIDTH}")
+    return width
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Prefill of one sequence: y = silu(conv(x)) [T, C]; conv_state [C, W-1] updated in place."""
+    check_tensor("x", x, shape=(None, None), dtype=ACTIVATION_DTYPES)
+    length, channels = x.shape
+    width = _check_weight(weight, channels)
+    check_tensor("conv_state", conv_state, shape=(channels, width - 1), dtype=ACTIVATION_DTYPES)
+    if out is None:
+        out = torch.empty(length, channels, device=x.device, dtype=x.dtype)
+    check_tensor("out", out, shape=(length, channels), dtype=x.dtype)
+    check_same_device(x=x, weight=weight, conv_state=conv_state, out=out)
+    if length == 0 or channels == 0:
+        return out
+    grid = lambda meta: (triton.cdiv(length, meta["BLOCK_T"]), triton.cdiv(channels, meta["BLOCK_C"]))  # noqa: E731
+    _causal_conv1d_kernel[grid](
+        x, weight, conv_state, out,
+        length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0),
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
+    )
+    return out
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Decode step of B sequences: y = silu(conv) [B, C]; conv_state [B, C, W-1] updated in place."""
+    check_tensor("x", x, shape=(None, None), dtype=ACTIVATION_DTYPES)
+    batch, channels = x.shape
+    width = _check_weight(weight, channels)
+    check_tensor("conv_state", conv_state, shape=(batch, channels, width - 1), dtype=ACTIVATION_DTYPES)
+    if out is None:
+        out = torch.empty(batch, channels, device=x.device, dtype=x.dtype)
+    check_tensor("out", out, shape=(batch, channels), dtype=x.dtype)
+    check_same_device(x=x, weight=weight, conv_state=conv_state, out=out)
+    if batch == 0 or channels == 0:
+        return out
+    grid = lambda meta: (batch, triton.cdiv(channels, meta["BLOCK_C"]))  # noqa: E731
+    _causal_conv1d_step_kernel[grid](
+        x, weight, conv_state, out,
+        batch, channels, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
+    )
+    return out
+
+
+def causal_conv1d_cost(length, channels, width, element_size=2):
+    """(bytes, FLOPs) of the prefill floor: x in, y out, the weight and the state once; 2W + 4 FLOPs each."""
+    data = element_size * (2 * length * channels + channels * width + 2 * channels * (width - 1))
+    return data, length * channels * (2 * width + 4)
+
+
+def causal_conv1d_step_cost(batch, channels, width, element_size=2):
+    """(bytes, FLOPs) of the decode-step floor: x in, y out, the state in and out, the weight once."""
+    data = element_size * (2 * batch * channels + channels * width + 2 * batch * channels * (width - 1))
+    return data, batch * channels * (2 * width + 4)

@@ -1,0 +1,212 @@
+"""A whole Gated DeltaNet decode step, from the fused projection row to out_proj's input, in two kernels.
+
+It computes exactly what this chain of launchers computes, with the same roundings:
+    mixed = causal_conv1d_step(x, conv_weight, conv_state)          x: the q | k | v columns [B, C]
+    o = gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, state)   (q, k, v split from mixed)
+    y = gated_rms_norm(o, z, norm_weight, eps)
+but launches two kernels instead of three and never writes `mixed`.
+
+1. `_fused_step_kernel`, grid (B x Hv, Dv / BLOCK_V), the recurrent kernel's blocking: a program runs the
+   conv step of the channels it needs (its key head's q and k, recomputed by each of the head's programs
+   from cached bytes, and its BLOCK_V channels of v), rounds them to the activation dtype as the unfused
+   chain stores them, then gates, normalises and updates its [Dk, BLOCK_V] state slab (recurrent.py),
+   writing o. It shifts the conv state of its v channels, which no other program reads. The q and k
+   channels' conv state is read by every program of the key head, so it cannot be shifted here.
+2. `_fused_finish_kernel`, grid (B, Hv / BLOCK_H + 2 Hk Dk / BLOCK_C): the first programs apply the gated
+   RMSNorm to o; the others shift the q and k channels' conv state (the kernel boundary orders it after
+   every read of kernel 1).
+
+Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, C = 6144, W = 4, bf16), per sequence: the 1 MiB
+float32 state read and written (2 MiB), x, z and y (~16 KiB), the conv state read and written (72 KiB)
+and the conv weight (48 KiB): ~2.2 MB, ~2 MFLOP; about two launch latencies at B = 1.
+CUDA-graph capturable: no host reads, `out=` and `delta_out=` (o's buffer) accepted, states updated in
+place, no allocation once autotuned (autotuning restores the states it benchmarks on; run it before
+capture).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import autotune_configs, check_same_device, check_tensor
+from ..conv.causal_conv1d import MAX_WIDTH, conv_step_channels, shift_conv_state
+from .gated_rms_norm import gated_rms_norm_heads
+from .gating import ACTIVATION_DTYPES, check_gate_parameters
+from .recurrent import delta_rule_step
+
+
+def _step_configs():
+    return autotune_configs([
+        triton.Config({"BLOCK_V": 16}, num_warps=4),
+        triton.Config({"BLOCK_V": 8}, num_warps=2),
+        triton.Config({"BLOCK_V": 8}, num_warps=4),
+        triton.Config({"BLOCK_V": 16}, num_warps=2),
+        triton.Config({"BLOCK_V": 16}, num_warps=8),
+        triton.Config({"BLOCK_V": 32}, num_warps=4),
+        triton.Config({"BLOCK_V": 32}, num_warps=8),
+    ])
+
+
+@triton.autotune(configs=_step_configs(), key=["batch", "K_HEADS", "V_HEADS", "K_DIM", "V_DIM", "WIDTH"],
+                 restore_value=["conv_state_ptr", "state_ptr"])
+@triton.jit
+def _fused_step_kernel(
+    x_ptr, conv_weight_ptr, conv_state_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr,
+    batch, scale,
+    stride_xb, stride_wc, stride_cb, stride_cc, stride_ab, stride_bb, stride_ob, stride_oh,
+    K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    sequence_head = tl.program_id(0)
+    sequence = sequence_head // V_HEADS
+    head = sequence_head % V_HEADS
+    key_head = head // GROUP
+    keys = tl.arange(0, BLOCK_K)
+    values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    key_mask = keys < K_DIM
+    value_mask = values < V_DIM
+    dtype = o_ptr.dtype.element_ty
+    x_row = x_ptr + sequence * stride_xb
+    conv_row = conv_state_ptr + sequence * stride_cb
+
+    q_channels = key_head * K_DIM + keys
+    k_channels = K_HEADS * K_DIM + q_channels
+    v_channels = 2 * K_HEADS * K_DIM + head * V_DIM + values
+    x_q = tl.load(x_row + q_channels, mask=key_mask, other=0.0)
+    q = conv_step_channels(x_q, conv_weight_ptr, conv_row, q_channels, key_mask, stride_wc, stride_cc, WIDTH, BLOCK_W)
+    x_k = tl.load(x_row + k_channels, mask=key_mask, other=0.0)
+    k = conv_step_channels(x_k, conv_weight_ptr, conv_row, k_channels, key_mask, stride_wc, stride_cc, WIDTH, BLOCK_W)
+    x_v = tl.load(x_row + v_channels, mask=value_mask, other=0.0)
+    v = conv_step_channels(x_v, conv_weight_ptr, conv_row, v_channels, value_mask, stride_wc, stride_cc,
+                           WIDTH, BLOCK_W)
+    shift_conv_state(x_v, conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
+
+    a = tl.load(a_ptr + sequence * stride_ab + head)
+    b = tl.load(b_ptr + sequence * stride_bb + head)
+    out = delta_rule_step(
+        q.to(dtype).to(tl.float32), k.to(dtype).to(tl.float32), v.to(dtype).to(tl.float32), a, b,
+        a_log_ptr + head, dt_bias_ptr + head, state_ptr + sequence_head * (K_DIM * V_DIM), keys, values, scale,
+        K_DIM, V_DIM,
+    )
+    tl.store(o_ptr + sequence * stride_ob + head * stride_oh + values, out.to(dtype), mask=value_mask)
+
+
+def _finish_configs():
+    return autotune_configs([
+        triton.Config({"BLOCK_H": 4, "BLOCK_C": 256}, num_warps=4),
+        triton.Config({"BLOCK_H": 2, "BLOCK_C": 128}, num_warps=2),
+        triton.Config({"BLOCK_H": 8, "BLOCK_C": 512}, num_warps=4),
+        triton.Config({"BLOCK_H": 16, "BLOCK_C": 1024}, num_warps=8),
+    ])
+
+
+@triton.autotune(configs=_finish_configs(), key=["batch", "HEADS", "HEAD_DIM", "KEY_CHANNELS", "WIDTH"],
+                 restore_value=["conv_state_ptr"])
+@triton.jit
+def _fused_finish_kernel(
+    o_ptr, z_ptr, norm_weight_ptr, out_ptr, x_ptr, conv_state_ptr,
+    batch, eps, stride_ob, stride_oh, stride_zb, stride_yb, stride_xb, stride_cb, stride_cc,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_CHANNELS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    sequence = tl.program_id(0)
+    part = tl.program_id(1)
+    norm_programs: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
+    if part < norm_programs:
+        head = part * BLOCK_H + tl.arange(0, BLOCK_H)
+        gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
+                             norm_weight_ptr, out_ptr + sequence * stride_yb, head, eps,
+                             HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_D)
+    else:
+        cols = (part - norm_programs) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < KEY_CHANNELS
+        x = tl.load(x_ptr + sequence * stride_xb + cols, mask=col_mask, other=0.0)
+        shift_conv_state(x, conv_state_ptr + sequence * stride_cb, cols, col_mask, stride_cc, WIDTH, BLOCK_W)
+
+
+def gated_delta_rule_decode_fused(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    state: torch.Tensor,
+    out: torch.Tensor | None = None,
+    delta_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of a Gated DeltaNet layer for B sequences: y [B, Hv*Dv], out_proj's input.
+
+    x [B, C] the pre-conv q | k | v columns (C = 2 Hk Dk + Hv Dv); z [B, Hv*Dv]; a, b [B, Hv] (all strided
+    row views of the fused projection); conv_weight [C, W]; conv_state [B, C, W-1] and state
+    [B, Hv, Dk, Dv] float32, both updated in place; norm_weight [Dv]. delta_out [B, Hv, Dv]: o's buffer.
+    """
+    check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
+    batch, value_heads, key_dim, value_dim = state.shape
+    check_tensor("x", x, shape=(batch, None), dtype=ACTIVATION_DTYPES)
+    channels = x.shape[1]
+    key_channels = channels - value_heads * value_dim
+    if key_channels <= 0 or key_channels % (2 * key_dim):
+        raise ValueError(f"x has {channels} channels, not 2 Hk x {key_dim} + {value_heads} x {value_dim}")
+    key_heads = key_channels // (2 * key_dim)
+    if value_heads % key_heads:
+        raise ValueError(f"state has {value_heads} heads, not a multiple of the {key_heads} key heads in x")
+    check_tensor("z", z, shape=(batch, value_heads * value_dim), dtype=x.dtype)
+    check_gate_parameters(a, b, A_log, dt_bias, rows=batch, heads=value_heads)
+    check_tensor("conv_weight", conv_weight, shape=(channels, None), dtype=ACTIVATION_DTYPES)
+    width = conv_weight.shape[1]
+    if not 2 <= width <= MAX_WIDTH:
+        raise ValueError(f"conv_weight has width {width}, expected 2 to {MAX_WIDTH}")
+    check_tensor("conv_state", conv_state, shape=(batch, channels, width - 1), dtype=ACTIVATION_DTYPES)
+    check_tensor("norm_weight", norm_weight, shape=(value_dim,), dtype=ACTIVATION_DTYPES, contiguous=True)
+    if delta_out is None:
+        delta_out = torch.empty(batch, value_heads, value_dim, device=x.device, dtype=x.dtype)
+    check_tensor("delta_out", delta_out, shape=(batch, value_heads, value_dim), dtype=x.dtype)
+    if out is None:
+        out = torch.empty(batch, value_heads * value_dim, device=x.device, dtype=x.dtype)
+    check_tensor("out", out, shape=(batch, value_heads * value_dim), dtype=x.dtype)
+    check_same_device(x=x, z=z, a=a, b=b, conv_weight=conv_weight, conv_state=conv_state, A_log=A_log,
+                      dt_bias=dt_bias, norm_weight=norm_weight, state=state, delta_out=delta_out, out=out)
+    if batch == 0:
+        return out
+
+    block_w = triton.next_power_of_2(width)
+    grid = lambda meta: (batch * value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
+    _fused_step_kernel[grid](
+        x, conv_weight, conv_state, a, b, A_log, dt_bias, state, delta_out,
+        batch, key_dim**-0.5,
+        x.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0),
+        delta_out.stride(0), delta_out.stride(1),
+        K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
+        WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim),
+    )
+    grid = lambda meta: (  # noqa: E731
+        batch, triton.cdiv(value_heads, meta["BLOCK_H"]) + triton.cdiv(key_channels, meta["BLOCK_C"]))
+    _fused_finish_kernel[grid](
+        delta_out, z, norm_weight, out, x, conv_state,
+        batch, eps, delta_out.stride(0), delta_out.stride(1), z.stride(0), out.stride(0), x.stride(0),
+        conv_state.stride(0), conv_state.stride(1),
+        HEADS=value_heads, HEAD_DIM=value_dim,
+        ROUND_PRODUCT=norm_weight.dtype == x.dtype and x.dtype != torch.float32,
+        BLOCK_D=triton.next_power_of_2(value_dim), KEY_CHANNELS=key_channels, WIDTH=width, BLOCK_W=block_w,
+    )
+    return out
+
+
+def gated_delta_rule_decode_fused_cost(batch, key_heads, value_heads, key_dim, value_dim, width=4,
+                                       element_size=2):
+    """(bytes, FLOPs) of the floor: the state in and out, x, z, y, the conv state in and out, the weight."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    data = 2 * 4 * batch * value_heads * key_dim * value_dim
+    data += element_size * (batch * (channels + 2 * value_heads * value_dim + 2 * value_heads)
+                            + 2 * batch * channels * (width - 1) + channels * width)
+    flops = 7 * batch * value_heads * key_dim * value_dim + batch * channels * (2 * width + 4)
+    return data, flops + 10 * batch * value_heads * value_dim

@@ -1,0 +1,199 @@
+"""The causal conv1d + SiLU kernels (prefill and decode step) against the reference math.
+
+CPU (interpreter) tests use float32 / float16 with channel counts that are no multiple of any block
+(37, 300), widths 2, 3 and 4, lengths shorter than the state (T < W-1), inside one time block and across
+several, inputs as strided row views of a wider buffer, and zero and non-zero incoming state. GPU tests
+use bfloat16 at the real shapes (6144 channels, W = 4).
+
+GPU error bounds: the kernel computes in float32 and rounds once to bf16, so against a float64 reference
+from the same bf16 inputs each element is within one rounding: |err| <= 2^-9 |y| (+ float32 summation
+order, ~1e-7); we allow rtol 2^-8, atol 1e-5. The conv state is a copy: it must match exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen_triton.operators.conv import benchmark_cases, causal_conv1d, causal_conv1d_step
+from qwen_triton.reference import functional as fn
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=1e-3)}
+
+
+def strided_rows(rows, channels, dtype, device, seed):
+    """x [rows, channels] as a view of a wider buffer (the q | k | v columns of the fused projection)."""
+    generator = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, channels + 11, generator=generator).to(device=device, dtype=dtype)
+    return wide[:, 5:5 + channels]
+
+
+def make_weight(channels, width, dtype, device, seed=100):
+    generator = torch.Generator().manual_seed(seed)
+    # the checkpoint's conv1d.weight [C, 1, W] viewed as [C, W]
+    return (torch.randn(channels, 1, width, generator=generator) * 0.5).to(device=device, dtype=dtype)[:, 0, :]
+
+
+@pytest.mark.parametrize("length", [1, 2, 5, 16, 37, 70])
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("initial_state", [False, True])
+def test_prefill_matches_reference(device, length, width, initial_state):
+    channels, dtype = 37, torch.float32
+    x = strided_rows(length, channels, dtype, device, seed=length)
+    weight = make_weight(channels, width, dtype, device)
+    state = torch.zeros(channels, width - 1, device=device, dtype=dtype)
+    if initial_state:
+        state.copy_(torch.randn(channels, width - 1))
+    ref_out, ref_state = fn.causal_conv1d(x, weight, state.clone())
+    out = causal_conv1d(x, weight, state)
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    assert torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_wide_and_chained(device, dtype):
+    """300 channels over several channel blocks; two calls (the second shorter than W-1) equal one."""
+    channels, width, length = 300, 3, 41
+    x = strided_rows(length, channels, dtype, device, seed=7)
+    weight = make_weight(channels, width, dtype, device)
+    initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
+    ref_out, ref_state = fn.causal_conv1d(x, weight, initial.clone())
+    state = initial.clone()
+    out = torch.empty(length, channels, device=device, dtype=dtype)
+    causal_conv1d(x[:40], weight, state, out=out[:40])
+    causal_conv1d(x[40:], weight, state, out=out[40:])
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    assert torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_step_matches_reference(device, batch, width, dtype):
+    channels = 37
+    x = strided_rows(batch, channels, dtype, device, seed=batch)
+    weight = make_weight(channels, width, dtype, device)
+    state = torch.randn(batch, channels, width - 1).to(device=device, dtype=dtype)
+    ref_out, ref_state = fn.causal_conv1d_step(x, weight, state.clone())
+    out = torch.empty(batch, channels, device=device, dtype=dtype)
+    assert causal_conv1d_step(x, weight, state, out=out) is out
+    # the reference multiplies and sums in the activation dtype; the kernel in float32
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    assert torch.equal(state, ref_state)
+
+
+def test_steps_continue_prefill(device):
+    """Prefill of T tokens then steps == prefill of all of them (the state layouts agree)."""
+    channels, width, length, dtype = 37, 4, 10, torch.float32
+    x = strided_rows(length, channels, dtype, device, seed=3)
+    weight = make_weight(channels, width, dtype, device)
+    whole_state = torch.zeros(channels, width - 1, device=device)
+    whole = causal_conv1d(x, weight, whole_state)
+    state = torch.zeros(1, channels, width - 1, device=device)
+    prefix = causal_conv1d(x[:6], weight, state[0])
+    steps = [causal_conv1d_step(x[t:t + 1], weight, state) for t in range(6, length)]
+    torch.testing.assert_close(torch.cat([prefix, *steps]), whole, **TOLERANCE[dtype])
+    assert torch.equal(state[0], whole_state)
+
+
+def test_deterministic(device):
+    channels, width = 300, 4
+    x = strided_rows(50, channels, torch.float16, device, seed=4)
+    weight = make_weight(channels, width, torch.float16, device)
+    runs = []
+    for _ in range(2):
+        state = torch.ones(channels, width - 1, device=device, dtype=torch.float16)
+        step_state = torch.ones(2, channels, width - 1, device=device, dtype=torch.float16)
+        runs.append((causal_conv1d(x, weight, state), state, causal_conv1d_step(x[:2], weight, step_state),
+                     step_state))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_argument_errors(device):
+    x = torch.randn(5, 8, device=device)
+    weight = torch.randn(8, 4, device=device)
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d(x, weight, torch.zeros(8, 4, device=device))
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d(x, weight, torch.zeros(3, 8, device=device).t())
+    with pytest.raises(ValueError, match="weight"):
+        causal_conv1d(x, weight[:4], torch.zeros(8, 3, device=device))
+    with pytest.raises(ValueError, match="weight"):
+        causal_conv1d(x, torch.randn(8, 20, device=device), torch.zeros(8, 19, device=device))
+    with pytest.raises(ValueError, match="^x "):
+        causal_conv1d(x.t(), weight, torch.zeros(8, 3, device=device))
+    with pytest.raises(ValueError, match="out"):
+        causal_conv1d(x, weight, torch.zeros(8, 3, device=device), out=torch.empty(5, 8, device=device).half())
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d_step(x, weight, torch.zeros(4, 8, 3, device=device))
+    with pytest.raises(ValueError, match="^x "):
+        causal_conv1d_step(x.int(), weight, torch.zeros(5, 8, 3, device=device))
+
+
+# ---- GPU, bfloat16, the real shapes ---------------------------------------------------------------
+
+CHANNELS, WIDTH = 6144, 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [128, 4096])
+def test_gpu_prefill(length):
+    x = strided_rows(length, CHANNELS, torch.bfloat16, "cuda", seed=20)
+    weight = make_weight(CHANNELS, WIDTH, torch.bfloat16, "cuda")
+    initial = torch.randn(CHANNELS, WIDTH - 1, device="cuda").to(torch.bfloat16)
+    # float64: a float32 F.conv1d may run in TF32 on the GPU
+    ref_out, ref_state = fn.causal_conv1d(x.double(), weight.double(), initial.double())
+    state = initial.clone()
+    out = causal_conv1d(x, weight, state)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2**-8, atol=1e-5)
+    assert torch.equal(state.double(), ref_state)
+    again = initial.clone()
+    assert torch.equal(causal_conv1d(x, weight, again), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_step(batch):
+    x = strided_rows(batch, CHANNELS, torch.bfloat16, "cuda", seed=21)
+    weight = make_weight(CHANNELS, WIDTH, torch.bfloat16, "cuda")
+    initial = torch.randn(batch, CHANNELS, WIDTH - 1, device="cuda").to(torch.bfloat16)
+    ref_out, ref_state = fn.causal_conv1d_step(x.double(), weight.double(), initial.double())
+    state = initial.clone()
+    out = causal_conv1d_step(x, weight, state)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2**-8, atol=1e-5)
+    assert torch.equal(state.double(), ref_state)
+
+
+@pytest.mark.gpu
+def test_gpu_step_cuda_graph():
+    """The decode step captured once and replayed: the state advances in place, results match eager."""
+    x = strided_rows(2, CHANNELS, torch.bfloat16, "cuda", seed=22)
+    weight = make_weight(CHANNELS, WIDTH, torch.bfloat16, "cuda")
+    state = torch.randn(2, CHANNELS, WIDTH - 1, device="cuda").to(torch.bfloat16)
+    out = torch.empty(2, CHANNELS, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # autotunes
+            causal_conv1d_step(x, weight, state, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        causal_conv1d_step(x, weight, state, out=out)
+    for _ in range(3):
+        eager_state = state.clone()
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out = causal_conv1d_step(x, weight, eager_state)
+        assert torch.equal(out, eager_out)
+        assert torch.equal(state, eager_state)
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_cases_run():
+    for case in benchmark_cases():
+        case["fn"]()
+        assert case["bytes"] > 0 and case["flops"] > 0, case["name"]
+    torch.cuda.synchronize()

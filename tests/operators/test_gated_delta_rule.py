@@ -1,0 +1,499 @@
+"""The gated delta rule kernels (gates, chunked prefill, recurrent decode, output norm) against the
+reference math (qwen_triton.reference.functional).
+
+CPU (interpreter) tests use float32 / float16 at small, awkward shapes: Dk 24 / Dv 40 (Dk != Dv, neither
+a power of two), Dk 12 / Dv 20 (below the 16-wide dot minimum), Hv = 2 Hk, lengths 1, 17, 64, 65, 130
+(inside one chunk, one full chunk, crossing chunk boundaries), inputs as strided views of one fused
+projection row [q | k | v | z | b | a | pad]. GPU tests use bfloat16 at the real Qwen3.5-0.8B shapes
+(Hk = Hv = 16, Dk = Dv = 128).
+
+GPU error bounds. bf16 keeps 8 significant bits (unit roundoff u = 2^-9 ~ 2e-3); the reference runs in
+float32 from the same bf16 inputs. The recurrent kernel and the norms are float32 inside and round once
+at the output: relative error (Frobenius) ~u, bounded by 5e-3. The chunked kernel by default rounds the
+state and V' to bf16 as matmul operands (float32 accumulation, the state itself float32) and uses tf32
+for the chunk-local products: a float32 torch emulation of exactly those roundings at the real shapes
+(T = 4096, random bf16 inputs, transformers-like A_log / dt_bias) gives output error 3.2e-3 (Frobenius),
+4.8e-3 (max, relative to max |o|) and final-state error 2.5e-3 (Frobenius); the bounds below are ~4x
+that (1.5e-2, 2e-2, 1e-2). A masking, indexing or decay bug gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qwen_triton.operators.conv import causal_conv1d_step
+from qwen_triton.operators.gated_delta_rule import (
+    benchmark_cases,
+    gated_delta_rule_chunked,
+    gated_delta_rule_decode_fused,
+    gated_delta_rule_recurrent,
+    gated_rms_norm,
+    gating,
+)
+from qwen_triton.reference import functional as fn
+
+# the interpreter converts one-element arrays to scalars in runtime-bounded loops (numpy deprecation)
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def make_inputs(rows, key_heads, value_heads, key_dim, value_dim, dtype, device, seed=0):
+    """Views into one fused projection buffer [rows, q | k | v | z | b | a | pad], and the gate weights."""
+    generator = torch.Generator().manual_seed(seed)
+    key_width, value_width = key_heads * key_dim, value_heads * value_dim
+    widths = [key_width, key_width, value_width, value_width, value_heads, value_heads, 3]
+    fused = torch.randn(rows, sum(widths), generator=generator).to(device=device, dtype=dtype)
+    q, k, v, z, b, a, _ = fused.split(widths, dim=1)
+    # transformers' initialisation: A ~ U(1, 16), softplus(dt_bias) ~ logU(1e-3, 1e-1); a wider a spreads
+    # the decays from ~1 (long memory, so the carried state matters) to ~e^-16 per step
+    A_log = torch.empty(value_heads).uniform_(1, 16, generator=generator).log().to(device)
+    dt = torch.exp(torch.empty(value_heads).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+    dt_bias = (dt + torch.log(-torch.expm1(-dt))).to(device)
+    a = a.mul_(3.0)
+    return dict(
+        q=q.view(rows, key_heads, key_dim), k=k.view(rows, key_heads, key_dim),
+        v=v.view(rows, value_heads, value_dim), z=z, b=b, a=a, A_log=A_log, dt_bias=dt_bias,
+    )
+
+
+def random_state(shape, device, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * 0.5).to(device)
+
+
+def reference_chunked(inputs, state):
+    g, beta = fn.gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    return fn.gated_delta_rule_chunked(inputs["q"], inputs["k"], inputs["v"], g, beta, state)
+
+
+def reference_recurrent(inputs, state):
+    g, beta = fn.gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    return fn.gated_delta_rule_recurrent(inputs["q"], inputs["k"], inputs["v"], g, beta, state)
+
+
+def kernel_arguments(inputs):
+    return [inputs[name] for name in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+
+
+def frobenius_error(ours, reference):
+    return float((ours.float() - reference.float()).norm() / reference.float().norm())
+
+
+def max_error(ours, reference):
+    return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=2e-3)}
+
+
+# ---- gating --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gating(device, dtype):
+    inputs = make_inputs(37, 2, 5, 8, 8, dtype, device)
+    inputs["a"][0, :3] = torch.tensor([30.0, -30.0, 0.0], dtype=dtype)  # softplus's threshold and tail
+    g, beta = gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    ref_g, ref_beta = fn.gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    assert g.dtype == beta.dtype == torch.float32
+    torch.testing.assert_close(g, ref_g, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(beta, ref_beta.float(), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-3)
+    out = (torch.empty_like(g), torch.empty_like(beta))
+    assert gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"], out=out)[0] is out[0]
+    assert torch.equal(out[0], g) and torch.equal(out[1], beta)
+
+
+# ---- chunked prefill -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [1, 17, 64, 65, 130])
+@pytest.mark.parametrize("initial_state", [False, True])
+def test_chunked_matches_reference(device, length, initial_state):
+    key_heads, value_heads, key_dim, value_dim = 1, 2, 24, 40
+    inputs = make_inputs(length, key_heads, value_heads, key_dim, value_dim, torch.float32, device, seed=length)
+    shape = (value_heads, key_dim, value_dim)
+    state = random_state(shape, device) if initial_state else torch.zeros(shape, device=device)
+    ref_out, ref_state = reference_chunked(inputs, state.clone())
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(state, ref_state, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 12, 20), (3, 3, 32, 16)])
+def test_chunked_small_heads(device, shape):
+    key_heads, value_heads, key_dim, value_dim = shape
+    inputs = make_inputs(80, key_heads, value_heads, key_dim, value_dim, torch.float32, device, seed=3)
+    state = random_state((value_heads, key_dim, value_dim), device)
+    ref_out, ref_state = reference_chunked(inputs, state.clone())
+    out = torch.full((80, value_heads, value_dim), float("nan"), device=device)
+    assert gated_delta_rule_chunked(*kernel_arguments(inputs), state, out=out) is out
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(state, ref_state, **TOLERANCE[torch.float32])
+
+
+def test_chunked_float16(device):
+    """16-bit activations: the recurrence's products take float16 operands (the default precision mix)."""
+    inputs = make_inputs(100, 2, 4, 24, 40, torch.float16, device, seed=4)
+    state = random_state((4, 24, 40), device)
+    ref_out, ref_state = reference_chunked(inputs, state.clone())
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    assert out.dtype == torch.float16
+    assert frobenius_error(out, ref_out) < 5e-3
+    assert frobenius_error(state, ref_state) < 5e-3
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOLERANCE[torch.float16])
+
+
+def test_chunked_state_equals_recurrent_steps(device):
+    """The chunked form over T tokens == the recurrent kernel run T times (outputs and final state)."""
+    length = 66
+    inputs = make_inputs(length, 1, 2, 16, 24, torch.float32, device, seed=5)
+    initial = random_state((2, 16, 24), device)
+    chunked_state = initial.clone()
+    chunked_out = gated_delta_rule_chunked(*kernel_arguments(inputs), chunked_state)
+    step_state = initial.clone()[None]
+    for t in range(length):
+        step = [x[t:t + 1] for x in kernel_arguments(inputs)[:5]] + [inputs["A_log"], inputs["dt_bias"]]
+        step_out = gated_delta_rule_recurrent(*step, step_state)
+        torch.testing.assert_close(chunked_out[t], step_out[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunked_state, step_state[0], rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_in_two_calls_equals_one(device):
+    """A prefill split at a chunk-crossing point carries the state exactly as one call does."""
+    inputs = make_inputs(90, 1, 2, 24, 40, torch.float32, device, seed=6)
+    whole_state = torch.zeros(2, 24, 40, device=device)
+    whole = gated_delta_rule_chunked(*kernel_arguments(inputs), whole_state)
+    split_state = torch.zeros_like(whole_state)
+    first = gated_delta_rule_chunked(*[x[:33] for x in kernel_arguments(inputs)[:5]], inputs["A_log"],
+                                     inputs["dt_bias"], split_state)
+    second = gated_delta_rule_chunked(*[x[33:] for x in kernel_arguments(inputs)[:5]], inputs["A_log"],
+                                      inputs["dt_bias"], split_state)
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(split_state, whole_state, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_chunked_precision_options(device, precision):
+    inputs = make_inputs(20, 1, 2, 16, 16, torch.float16, device, seed=7)
+    state = torch.zeros(2, 16, 16, device=device)
+    ref_out, ref_state = reference_chunked(inputs, state.clone())
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOLERANCE[torch.float16])
+    torch.testing.assert_close(state, ref_state, rtol=1e-3, atol=1e-4)
+
+
+# ---- recurrent decode ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_recurrent_matches_reference(device, batch, dtype):
+    key_heads, value_heads, key_dim, value_dim = 2, 4, 24, 40
+    inputs = make_inputs(batch, key_heads, value_heads, key_dim, value_dim, dtype, device, seed=batch)
+    state = random_state((batch, value_heads, key_dim, value_dim), device)
+    ref_out, ref_state = reference_recurrent(inputs, state.clone())
+    out = torch.empty(batch, value_heads, value_dim, device=device, dtype=dtype)
+    assert gated_delta_rule_recurrent(*kernel_arguments(inputs), state, out=out) is out
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+# ---- gated norm ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [
+    (torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32),
+])
+def test_gated_rms_norm(device, dtype, weight_dtype):
+    rows, heads, head_dim, eps = 5, 3, 40, 1e-6
+    inputs = make_inputs(rows, 1, heads, 8, head_dim, dtype, device, seed=8)
+    x = inputs["v"]  # a strided [M, Hv, Dv] view
+    weight = (1 + 0.3 * torch.randn(head_dim)).to(device=device, dtype=weight_dtype)
+    out = gated_rms_norm(x, inputs["z"], weight, eps)
+    ref = fn.gated_rms_norm(x, inputs["z"].reshape(rows, heads, head_dim), weight, eps).reshape(rows, -1)
+    assert out.shape == (rows, heads * head_dim) and out.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, ref, **tolerance)
+
+
+# ---- the fused decode step ---------------------------------------------------------------------
+
+
+def make_decode_layer(batch, key_heads, value_heads, key_dim, value_dim, width, dtype, device, seed=0):
+    """A decode step's inputs: the pre-conv row x [B, C] (views as the engine passes them), z, a, b, the
+    conv and norm weights, non-zero conv and recurrent states."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(batch, key_heads, value_heads, key_dim, value_dim, dtype, device, seed=seed)
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    x = inputs["q"].view(batch, -1).as_strided((batch, channels), inputs["q"].stride()[:1] + (1,))
+    conv_weight = (torch.randn(channels, 1, width, generator=generator) * 0.5).to(device=device, dtype=dtype)
+    conv_state = torch.randn(batch, channels, width - 1, generator=generator).to(device=device, dtype=dtype)
+    norm_weight = (1 + 0.3 * torch.randn(value_dim, generator=generator)).to(device=device, dtype=dtype)
+    state = random_state((batch, value_heads, key_dim, value_dim), device, seed=seed + 1) * 0.2
+    return dict(x=x, z=inputs["z"], a=inputs["a"], b=inputs["b"], conv_weight=conv_weight[:, 0, :],
+                conv_state=conv_state, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], norm_weight=norm_weight,
+                state=state, heads=(key_heads, value_heads, key_dim, value_dim))
+
+
+def unfused_decode(layer, eps=1e-6):
+    """The chain the fused step replaces: conv step, recurrent step, gated norm (states updated in place)."""
+    key_heads, value_heads, key_dim, value_dim = layer["heads"]
+    mixed = causal_conv1d_step(layer["x"], layer["conv_weight"], layer["conv_state"])
+    batch = mixed.shape[0]
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=1)
+    o = gated_delta_rule_recurrent(
+        q.view(batch, key_heads, key_dim), k.view(batch, key_heads, key_dim), v.view(batch, value_heads, value_dim),
+        layer["a"], layer["b"], layer["A_log"], layer["dt_bias"], layer["state"])
+    return gated_rms_norm(o, layer["z"], layer["norm_weight"], eps)
+
+
+def reference_decode(layer, eps=1e-6):
+    key_heads, value_heads, key_dim, value_dim = layer["heads"]
+    mixed, conv_state = fn.causal_conv1d_step(layer["x"], layer["conv_weight"], layer["conv_state"])
+    batch = mixed.shape[0]
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=1)
+    g, beta = fn.gating(layer["a"], layer["b"], layer["A_log"], layer["dt_bias"])
+    o, state = fn.gated_delta_rule_recurrent(
+        q.reshape(batch, key_heads, key_dim), k.reshape(batch, key_heads, key_dim),
+        v.reshape(batch, value_heads, value_dim), g, beta, layer["state"])
+    z = layer["z"].reshape(batch, value_heads, value_dim)
+    return fn.gated_rms_norm(o, z, layer["norm_weight"], eps).reshape(batch, -1), conv_state, state
+
+
+def fused_decode(layer, **options):
+    names = ("x", "z", "a", "b", "conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight")
+    return gated_delta_rule_decode_fused(*[layer[n] for n in names], 1e-6, layer["state"], **options)
+
+
+def clone_states(layer):
+    return dict(layer, conv_state=layer["conv_state"].clone(), state=layer["state"].clone())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_decode_matches_unfused_and_reference(device, batch, dtype):
+    layer = make_decode_layer(batch, 2, 4, 24, 40, 4, dtype, device, seed=batch)
+    ref_out, ref_conv_state, ref_state = reference_decode(clone_states(layer))
+    unfused = clone_states(layer)
+    unfused_out = unfused_decode(unfused)
+    out = torch.empty_like(unfused_out)
+    delta_out = torch.empty(batch, 4, 40, device=device, dtype=dtype)
+    assert fused_decode(layer, out=out, delta_out=delta_out) is out
+    # the same float32 operations in the same order as the unfused chain
+    assert torch.equal(out, unfused_out)
+    assert torch.equal(layer["conv_state"], unfused["conv_state"])
+    assert torch.equal(layer["state"], unfused["state"])
+    assert torch.equal(layer["conv_state"], ref_conv_state)
+    # in float16 the reference's conv step multiplies and sums in float16, the kernels in float32
+    state_tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=3e-3)
+    torch.testing.assert_close(layer["state"], ref_state, **state_tolerance)
+    tolerance = TOLERANCE[dtype] if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tolerance)
+
+
+def test_fused_decode_width_two_and_argument_errors(device):
+    layer = make_decode_layer(2, 1, 2, 16, 24, 2, torch.float32, device, seed=5)
+    unfused = clone_states(layer)
+    assert torch.equal(fused_decode(layer), unfused_decode(unfused))
+    assert torch.equal(layer["state"], unfused["state"])
+    assert torch.equal(layer["conv_state"], unfused["conv_state"])
+    with pytest.raises(ValueError, match="^x "):
+        fused_decode(dict(layer, x=layer["x"][:, :-3]))
+    with pytest.raises(ValueError, match="conv_state"):
+        fused_decode(dict(layer, conv_state=layer["conv_state"][:1]))
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_decode(dict(layer, norm_weight=layer["norm_weight"][:5]))
+
+
+# ---- determinism and argument checks -------------------------------------------------------------
+
+
+def test_deterministic(device):
+    inputs = make_inputs(70, 1, 2, 24, 40, torch.float16, device, seed=9)
+    results = []
+    for _ in range(2):
+        state = random_state((2, 24, 40), device)
+        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+        step_state = random_state((3, 2, 24, 40), device)
+        step = gated_delta_rule_recurrent(*[x[:3] for x in kernel_arguments(inputs)[:5]], inputs["A_log"],
+                                          inputs["dt_bias"], step_state)
+        results.append((out, state, step, step_state))
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
+
+
+def test_argument_errors(device):
+    inputs = make_inputs(10, 2, 4, 16, 16, torch.float32, device)
+    args = kernel_arguments(inputs)
+    state = torch.zeros(4, 16, 16, device=device)
+    with pytest.raises(ValueError, match="state"):
+        gated_delta_rule_chunked(*args, state.double())
+    with pytest.raises(ValueError, match="state"):
+        gated_delta_rule_chunked(*args, state[:, :, :8])
+    with pytest.raises(ValueError, match="chunk_size"):
+        gated_delta_rule_chunked(*args, state, chunk_size=32)
+    with pytest.raises(ValueError, match="^k "):
+        gated_delta_rule_chunked(args[0], args[1][:5], *args[2:], state)
+    with pytest.raises(ValueError, match="^v "):
+        gated_delta_rule_chunked(*args[:2], args[2].transpose(1, 2), *args[3:], state)
+    with pytest.raises(ValueError, match="^a "):
+        gated_delta_rule_chunked(*args[:3], args[3][:, :2], *args[4:], state)
+    with pytest.raises(ValueError, match="A_log"):
+        gated_delta_rule_chunked(*args[:5], args[5].half(), args[6], state)
+    with pytest.raises(ValueError, match="out"):
+        gated_delta_rule_chunked(*args, state, out=torch.empty(10, 4, 8, device=device))
+    with pytest.raises(ValueError, match="state"):
+        gated_delta_rule_recurrent(*[x[:2] for x in args[:5]], *args[5:], torch.zeros(2, 4, 16, 8, device=device))
+    with pytest.raises(ValueError, match="^b "):
+        gated_delta_rule_recurrent(*[x[:2] for x in args[:4]], args[4][:1], *args[5:],
+                                   torch.zeros(2, 4, 16, 16, device=device))
+    with pytest.raises(ValueError, match="^z "):
+        gated_rms_norm(inputs["v"], inputs["z"][:, :10], torch.ones(16, device=device), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        gated_rms_norm(inputs["v"], inputs["z"], torch.ones(15, device=device), 1e-6)
+    with pytest.raises(ValueError, match="^b "):
+        gating(inputs["a"], inputs["b"][:3], inputs["A_log"], inputs["dt_bias"])
+
+
+# ---- GPU, bfloat16, the real shapes ---------------------------------------------------------------
+
+HEADS, DIM = 16, 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [128, 4096])
+def test_gpu_chunked(length):
+    inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=20)
+    initial = random_state((HEADS, DIM, DIM), "cuda") * 0.2
+    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
+    ref_out, ref_state = reference_chunked(float_inputs, initial.clone())
+    state = initial.clone()
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    assert frobenius_error(out, ref_out) < 1.5e-2
+    assert max_error(out, ref_out) < 2e-2
+    assert frobenius_error(state, ref_state) < 1e-2
+    again = initial.clone()
+    assert torch.equal(gated_delta_rule_chunked(*kernel_arguments(inputs), again), out)
+    assert torch.equal(again, state)
+    for precision in ("tf32", "ieee"):  # the float32-operand options are at least as accurate
+        state = initial.clone()
+        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
+        assert frobenius_error(out, ref_out) < 1e-2
+        assert frobenius_error(state, ref_state) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_grouped_heads():
+    """Hv = 2 Hk at Dk = Dv = 128 (the grouping other Qwen3.5 sizes use), crossing chunk boundaries."""
+    inputs = make_inputs(300, 8, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=21)
+    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
+    ref_out, ref_state = reference_chunked(float_inputs, torch.zeros(HEADS, DIM, DIM, device="cuda"))
+    state = torch.zeros(HEADS, DIM, DIM, device="cuda")
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    assert frobenius_error(out, ref_out) < 1.5e-2
+    assert frobenius_error(state, ref_state) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_recurrent(batch):
+    inputs = make_inputs(batch, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=22)
+    initial = random_state((batch, HEADS, DIM, DIM), "cuda") * 0.2
+    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
+    ref_out, ref_state = reference_recurrent(float_inputs, initial.clone())
+    state = initial.clone()
+    out = gated_delta_rule_recurrent(*kernel_arguments(inputs), state)
+    assert frobenius_error(out, ref_out) < 5e-3
+    assert max_error(out, ref_out) < 1e-2
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_recurrent_cuda_graph():
+    """The decode step captured once and replayed: same results as eager, no host reads or allocation."""
+    batch = 2
+    inputs = make_inputs(batch, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=23)
+    state = random_state((batch, HEADS, DIM, DIM), "cuda") * 0.2
+    out = torch.empty(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # autotunes
+            gated_delta_rule_recurrent(*kernel_arguments(inputs), state, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gated_delta_rule_recurrent(*kernel_arguments(inputs), state, out=out)
+    eager_state = state.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_out = gated_delta_rule_recurrent(*kernel_arguments(inputs), eager_state)
+    assert torch.equal(out, eager_out)
+    assert torch.equal(state, eager_state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_fused_decode(batch):
+    layer = make_decode_layer(batch, HEADS, HEADS, DIM, DIM, 4, torch.bfloat16, "cuda", seed=25)
+    unfused = clone_states(layer)
+    unfused_out = unfused_decode(unfused)
+    out = fused_decode(layer)
+    # the same math, but the conv's 4-term float32 sums may associate differently in the two kernels'
+    # layouts, and a last-bit difference can flip a bf16 rounding of q, k or v (~1 in 10^4 elements)
+    assert frobenius_error(out, unfused_out) < 2e-3
+    assert torch.equal(layer["conv_state"], unfused["conv_state"])
+    assert frobenius_error(layer["state"], unfused["state"]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_fused_decode_cuda_graph():
+    layer = make_decode_layer(2, HEADS, HEADS, DIM, DIM, 4, torch.bfloat16, "cuda", seed=26)
+    out = torch.empty(2, HEADS * DIM, device="cuda", dtype=torch.bfloat16)
+    delta_out = torch.empty(2, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # autotunes
+            fused_decode(layer, out=out, delta_out=delta_out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_decode(layer, out=out, delta_out=delta_out)
+    for _ in range(3):
+        eager = clone_states(layer)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out = fused_decode(eager)
+        assert torch.equal(out, eager_out)
+        assert torch.equal(layer["state"], eager["state"])
+        assert torch.equal(layer["conv_state"], eager["conv_state"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_gpu_gated_rms_norm_and_gating(rows):
+    inputs = make_inputs(rows, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=24)
+    weight = (1 + 0.3 * torch.randn(DIM, device="cuda")).to(torch.bfloat16)
+    out = gated_rms_norm(inputs["v"], inputs["z"], weight, 1e-6)
+    ref = fn.gated_rms_norm(inputs["v"], inputs["z"].reshape(rows, HEADS, DIM), weight, 1e-6).reshape(rows, -1)
+    # the same roundings as the reference: at most a one-ulp flip where fp32 sums differ in order
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=1e-5)
+    assert frobenius_error(out, ref) < 2e-3
+    g, beta = gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    ref_g, ref_beta = fn.gating(inputs["a"], inputs["b"], inputs["A_log"], inputs["dt_bias"])
+    torch.testing.assert_close(g, ref_g, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(beta, ref_beta.float(), rtol=0, atol=2**-8)
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_cases_run():
+    for case in benchmark_cases():
+        case["fn"]()
+        assert case["bytes"] > 0 and case["flops"] > 0, case["name"]
+    torch.cuda.synchronize()
