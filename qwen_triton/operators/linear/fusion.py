@@ -1,0 +1,130 @@
+"""The pieces a projection kernel fuses around its dot products, shared by the GEMV, the GEMM and the LM head.
+
+Prologues (applied to each x tile as it is loaded, so the transformed x never goes to memory):
+- norm: x <- rms_norm(x) * (1 + w), Qwen3.5's zero-centred RMSNorm over the whole row of K, in float32,
+  rounded to x's dtype exactly where the reference rounds it. The row's 1/rms comes from `row_rstd`, a
+  first pass over the row (K = 1024 elements: 2 KB from L2 per row, next to the 2*N*K bytes of weights).
+- gate: x <- x * sigmoid(gate), float32, rounded to x's dtype (the attention output gate before o_proj).
+
+Epilogues (applied to the float32 accumulators before the one store):
+- swiglu: out = silu(acc_gate) * acc_up, the gate and up rows of one [2I, K] weight accumulated side by side;
+- residual: out = acc + residual (residual may be the output itself: an in-place add, safe because each
+  output element is read and then written by the same program).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NO_ACTIVATION = tl.constexpr(0)
+SWIGLU = tl.constexpr(1)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """acc + a @ b, float32 inputs in full precision (Triton would otherwise round them to tf32)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of rows offs_m of x [M, K], in float32: [BLOCK_M]."""
+    rows = offs_m.to(tl.int64) * stride_xm
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
+@triton.jit
+def prologue(x, offs_m, offs_k, mask, K, gate_ptr, stride_gm, norm_ptr, rstd,
+             HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The x tile [BLOCK_M, BLOCK_K] as the projection sees it: normalised and/or gated, in x's dtype."""
+    if HAS_NORM:
+        weight = tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd[:, None] * (1.0 + weight)[None, :]).to(x.dtype)
+    if HAS_GATE:
+        gate_rows = offs_m.to(tl.int64) * stride_gm
+        gate = tl.load(gate_ptr + gate_rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * tl.sigmoid(gate)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def accumulate(
+    x_ptr, stride_xm, w_ptr, stride_wn, up_offset, gate_ptr, stride_gm, norm_ptr, rstd,
+    offs_m, offs_n, M, N, K, k_start, k_end,
+    PAIR: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32: [BLOCK_M, BLOCK_N].
+
+    PAIR: also accumulate the rows offs_n + up_offset / stride_wn (the up half of a gate_up weight)
+    from the same x tiles; returns (acc, acc_up), acc_up = acc when not PAIR.
+    BLOCK_M == 1 (one token) multiplies and adds on the CUDA cores into a [BLOCK_N, BLOCK_K] accumulator
+    reduced once at the end: a padded tensor-core dot would waste 15/16 of its work and registers.
+    BLOCK_M >= 16 uses tl.dot (tensor cores).
+    """
+    x_rows = offs_m.to(tl.int64) * stride_xm
+    w_rows = offs_n.to(tl.int64) * stride_wn
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    if BLOCK_M == 1:
+        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_end
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
+            x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+            x = x.to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
+            wide += w.to(tl.float32) * x
+            if PAIR:
+                w_up = tl.load(w_ptr + up_offset + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
+                wide_up += w_up.to(tl.float32) * x
+        acc = tl.sum(wide, axis=1)[None, :]
+        acc_up = tl.sum(wide_up, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_end
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
+            x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+            # the weight tile is loaded K-major ([BLOCK_K, BLOCK_N] view of row-major [N, K])
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
+            acc = dot(x, w, acc)
+            if PAIR:
+                w_up = tl.load(w_ptr + up_offset + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
+                acc_up = dot(x, w_up, acc_up)
+    if not PAIR:
+        acc_up = acc
+    return acc, acc_up
+
+
+@triton.jit
+def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                 ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Activation, residual add, rounding to out's dtype and the masked store of one [BLOCK_M, BLOCK_N] tile."""
+    if ACTIVATION == SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if HAS_RESIDUAL:
+        residual_rows = offs_m.to(tl.int64) * stride_rm
+        residual = tl.load(residual_ptr + residual_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
+        acc = acc + residual.to(tl.float32)
+    out_rows = offs_m.to(tl.int64) * stride_om
+    tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,186 @@
+"""Split-K GEMV: the projections of a decode step, out[M, N] = x[M, K] @ W[N, K].T for M <= 16 tokens.
+
+A decode step is memory-bound: every weight byte is read once and used M times, so the floor is the
+weight bytes over HBM bandwidth (about 4.8 TB/s on an H200). Qwen3.5-0.8B's projections (bf16, M = 1):
+
+    projection                        N x K                 weight bytes   FLOPs (2*M*N*K)   floor
+    Gated DeltaNet in-proj (+z,b,a)   10304 x 1024          21.1 MB        21.1 M            4.4 us
+    attention in-proj (q+gate,k,v)     5120 x 1024          10.5 MB        10.5 M            2.2 us
+    MLP gate+up (swiglu)               7168 x 1024          14.7 MB        14.7 M            3.1 us
+    MLP down (+residual)               1024 x 3584           7.3 MB         7.3 M            1.5 us
+    attention / DeltaNet out-proj      1024 x 2048           4.2 MB         4.2 M            0.9 us
+
+(x, the output and the residual add M*(K + 2N)*2 bytes: a few KB.) N = 1024 gives only 128 programs of
+8 rows, too few bytes in flight to reach the HBM bandwidth on 132 SMs, hence split-K: SPLIT_K programs
+share each block of rows, each over its own slice of K.
+
+Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)). BLOCK_M = 1 for one token (CUDA-core multiply-add,
+see fusion.accumulate), 16 for 2..16 tokens (one tensor-core tile, the rows past M masked).
+
+Deterministic split-K ("the last program reduces"): each split stores its float32 partial tile to a
+workspace [SPLIT_K, 2, M, N], then increments a per-tile int32 counter (integer atomics are exact).
+The program that sees SPLIT_K - 1 arrivals sums the SPLIT_K partials in split order 0, 1, ... (a fixed
+order, whichever program arrives last), applies the epilogue, stores the output and resets the counter
+to zero, so the workspace is ready for the next call without a memset (and the kernel is one launch,
+capturable in a CUDA graph). No float atomics touch the output: run-to-run bit-identical.
+The workspace is cached per (device, M, N): calls on one stream may share it, calls on
+concurrent streams must not.
+
+Autotuning: BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (M, N, K, fusions, dtypes), once, at
+warm-up; `cache_results=True` writes the winner to Triton's cache directory ($TRITON_CACHE_DIR, default
+~/.triton/cache) so a new process reads it instead of tuning again (see linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import autotune_configs
+from .fusion import SWIGLU, accumulate, row_rstd, store_output
+
+MAX_ROWS = 16  # the GEMV serves M <= 16 (one tensor-core tile of tokens)
+
+
+def _configs(split: bool) -> list[triton.Config]:
+    # first: the interpreter's (small blocks, and a real split of K so the CPU tests exercise the reduction)
+    configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2 if split else 1}, num_warps=4, num_stages=2)]
+    # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages): 8-32 rows of 256-512 elements (0.5-1 KB
+    # contiguous per row) per step; splits of K to put 256-1024 programs on the SMs when N is small
+    candidates = [
+        (1, 8, 512, 4, 3), (1, 16, 256, 4, 3), (1, 16, 512, 8, 3), (1, 32, 256, 8, 2),
+        (2, 8, 512, 4, 3), (2, 16, 256, 4, 3),
+        (4, 8, 256, 4, 3), (4, 16, 256, 4, 3), (4, 8, 512, 4, 2),
+        (8, 8, 256, 4, 3), (8, 16, 128, 4, 3),
+    ]
+    for split_k, block_n, block_k, warps, stages in candidates:
+        if split or split_k == 1:
+            configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k},
+                                         num_warps=warps, num_stages=stages))
+    return autotune_configs(configs)
+
+
+SPLIT_CONFIGS = _configs(split=True)
+NO_SPLIT_CONFIGS = _configs(split=False)
+MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS)
+MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in SPLIT_CONFIGS + NO_SPLIT_CONFIGS)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs that cannot run (a dot needs BLOCK_N >= 16) or split K into slices under one block."""
+    K = named_args["K"]
+    kept = [
+        c for c in configs
+        if (kwargs["BLOCK_M"] == 1 or c.kwargs["BLOCK_N"] >= 16)
+        and (c.kwargs["SPLIT_K"] == 1 or K // c.kwargs["SPLIT_K"] >= c.kwargs["BLOCK_K"])
+    ]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, residual_ptr, gate_ptr, norm_ptr, partial_ptr, counter_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om, stride_rm, stride_gm,
+    eps,
+    ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_NORM:
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, BLOCK_K)
+    else:
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # this split's slice of K, whole blocks except at the end of K
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    acc, acc_up = accumulate(
+        x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, gate_ptr, stride_gm, norm_ptr, rstd,
+        offs_m, offs_n, M, N, K, k_start, k_end,
+        ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
+    if SPLIT_K == 1:
+        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                     ACTIVATION, HAS_RESIDUAL)
+    else:
+        # partial_ptr: [MAX_SPLIT_K, 2, M, N] float32 (gate and up accumulators with swiglu, else the first)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tile_offsets = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + (2 * pid_k) * M * N + tile_offsets, acc, mask=mask)
+        if ACTIVATION == SWIGLU:
+            tl.store(partial_ptr + (2 * pid_k + 1) * M * N + tile_offsets, acc_up, mask=mask)
+        # every thread's partial stores precede the release of the arrival count
+        tl.debug_barrier()
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: read the other programs' partials from L2, never a stale L1 line
+                total += tl.load(partial_ptr + (2 * split) * M * N + tile_offsets, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+                if ACTIVATION == SWIGLU:
+                    total_up += tl.load(partial_ptr + (2 * split + 1) * M * N + tile_offsets, mask=mask,
+                                        other=0.0, cache_modifier=".cg")
+            store_output(total, total_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                         ACTIVATION, HAS_RESIDUAL)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+_KEY = ["M", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "BLOCK_M"]
+# restore_value: autotuning runs the kernel many times; an in-place residual add (out is residual) would
+# otherwise be added once per run. Only the benchmark runs copy and restore: a tuned call does not.
+_gemv_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                              restore_value=["out_ptr"], cache_results=True)(_gemv_kernel)
+_gemv_no_split = triton.autotune(configs=NO_SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                                 restore_value=["out_ptr"], cache_results=True)(_gemv_kernel)
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, M: int, N: int, block_m: int):
+    """Float32 partials [MAX_SPLIT_K, 2, M, N] and zeroed int32 arrival counters, one per output tile."""
+    key = (device, M, N)
+    if key not in _workspaces:
+        partial = torch.empty(MAX_SPLIT_K * 2 * M * N, dtype=torch.float32, device=device)
+        counters = torch.zeros(triton.cdiv(M, block_m) * triton.cdiv(N, MIN_BLOCK_N), dtype=torch.int32, device=device)
+        _workspaces[key] = (partial, counters)
+    return _workspaces[key]
+
+
+def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True):
+    """Launch the GEMV on checked arguments (see linear.linear, which checks them)."""
+    M, K = x.shape
+    N = out.shape[1]
+    block_m = 1 if M == 1 else 16
+    if split_k:
+        kernel = _gemv_split
+        partial, counters = _workspace(x.device, M, N, block_m)
+    else:
+        kernel, partial, counters = _gemv_no_split, out, out
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, block_m))
+
+    kernel[grid](
+        x, weight, out,
+        out if residual is None else residual,
+        x if gate is None else gate,
+        x if norm_weight is None else norm_weight,
+        partial, counters,
+        M, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        0 if residual is None else residual.stride(0),
+        0 if gate is None else gate.stride(0),
+        eps,
+        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
+        HAS_NORM=norm_weight is not None, BLOCK_M=block_m,
+    )
+    return out

@@ -1,0 +1,111 @@
+"""`linear`: every projection of the model, one launch each, with its neighbours fused in.
+
+    out[M, N] = epilogue( prologue(x)[M, K] @ weight[N, K].T )
+
+    prologue:  norm_weight -> rms_norm(x) * (1 + norm_weight)   (the pre-projection zero-centred RMSNorm)
+               gate        -> x * sigmoid(gate)                  (the attention output gate before o_proj)
+    epilogue:  activation="swiglu" -> silu(x @ Wg.T) * (x @ Wu.T), weight = [Wg; Wu] of [2I, K], out [M, I]
+               residual    -> + residual                         (out may be residual itself: in place)
+
+Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py).
+Accumulation is float32; the output is rounded once to x's dtype (or float32 with out_dtype, for logits).
+
+Autotuning and its disk cache. Both kernels are `triton.autotune`d with `cache_results=True`: the first
+call with a new tuning key (the key arguments' values plus the dtype of every tensor argument) benchmarks
+each config (after `early_config_prune`) and keeps the fastest; with cache_results Triton also writes the
+timings as `<kernel>.autotune.json` in its cache directory ($TRITON_CACHE_DIR, default ~/.triton/cache),
+under a hash of Triton's version, the GPU target, the kernel's source (with the functions it calls), the
+cache-invalidating environment, the tuning key and the config list. A later process finds that file and
+takes its best config without benchmarking (triton/runtime/autotuner.py, Autotuner.check_disk_cache);
+the compiled binaries sit in the same directory. Setting TRITON_CACHE_AUTOTUNING=1 is not needed.
+Tuning runs the kernel many times, so it must happen at warm-up, never inside CUDA-graph capture; the
+in-place residual is protected during tuning by `restore_value` (the output is copied and restored around
+each benchmark run; tuned calls do not copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import check_same_device, check_tensor
+from .gemm import gemm
+from .gemv import MAX_ROWS, gemv
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATIONS = {None: 0, "swiglu": 1}
+
+
+def _memory_range(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors intersect (conservative for interleaved views)."""
+    (a0, a1), (b0, b1) = _memory_range(a), _memory_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    gate: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
+    split_k: bool = True,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
+
+    x [M, K] (rows may be strided, unit last stride); weight [N, K] (or [2I, K] for swiglu), x's dtype;
+    residual [M, N] in the output dtype; gate [M, K] in x's dtype; norm_weight [K] (any float dtype);
+    out [M, N] (rows may be strided); out_dtype: x's dtype (default) or torch.float32.
+    split_k: let the GEMV split K across programs (autotuned); False keeps one program per output tile.
+    """
+    check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
+    M, K = x.shape
+    check_tensor("weight", weight, shape=(None, K), dtype=x.dtype)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'swiglu', got {activation!r}")
+    rows = weight.shape[0]
+    if activation == "swiglu":
+        if rows % 2:
+            raise ValueError(f"weight has {rows} rows: swiglu needs the gate rows then the up rows (an even count)")
+        N = rows // 2
+    else:
+        N = rows
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
+    if residual is not None:
+        check_tensor("residual", residual, shape=(M, N), dtype=out_dtype)
+    if gate is not None:
+        check_tensor("gate", gate, shape=(M, K), dtype=x.dtype)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, shape=(K,), dtype=FLOAT_DTYPES)
+    if gate is not None and norm_weight is not None:
+        raise ValueError("gate and norm_weight are two different prologues: pass one of them")
+    if out is None:
+        out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    else:
+        check_tensor("out", out, shape=(M, N), dtype=out_dtype)
+    check_same_device(x=x, weight=weight, residual=residual, gate=gate, norm_weight=norm_weight, out=out)
+    for name, other in (("x", x), ("weight", weight), ("gate", gate)):
+        if other is not None and overlaps(out, other):
+            raise ValueError(f"out overlaps {name}: the kernel reads {name} while other programs write out")
+    if residual is not None and overlaps(out, residual) and (
+        out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()
+    ):
+        raise ValueError("residual overlaps out without being out itself: pass the same tensor for an in-place add")
+    if M == 0 or N == 0:
+        return out
+    options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
+    if M <= MAX_ROWS:
+        return gemv(x, weight, out, split_k=split_k, **options)
+    return gemm(x, weight, out, **options)

@@ -1,0 +1,86 @@
+"""Operator -> kernel, per phase: the one table the Triton engine is composed from (`qwen-triton ops`).
+
+Each entry names `module:kernel` under `qwen_triton.operators`; `tests/operators/test_table.py` imports
+every named kernel, so the table cannot name a kernel that does not exist. Where an operator is fused
+into another kernel, the entry says which kernel carries it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Operator:
+    rows: str
+    name: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    note: str = ""
+
+
+LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
+LINEAR_DECODE = "linear.gemv:_gemv_kernel"
+
+OPERATORS: tuple[Operator, ...] = (
+    Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
+             ("embedding.embedding:_embedding_kernel",)),
+    Operator("2", "fused input projections (attention gate|q|k|v; DeltaNet qkv|z|b|a)",
+             (LINEAR_PREFILL,), (LINEAR_DECODE,), "weights concatenated at load; input RMSNorm in the prologue"),
+    Operator("3-4", "per-head q/k RMSNorm + partial RoPE, k and v written to the KV cache",
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",)),
+    Operator("5-7, 20-21", "attention: scores, scale, causal mask, softmax, PV",
+             ("attention.prefill:_prefill_kernel",),
+             ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
+             "prefill: flash (online softmax); decode: split-KV then merge"),
+    Operator("8-9", "sigmoid output gate, attention output projection, residual add",
+             (LINEAR_PREFILL,), (LINEAR_DECODE,), "gate in the prologue, residual in the epilogue"),
+    Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
+             (LINEAR_PREFILL,), (LINEAR_DECODE,), "norm in the prologue, SwiGLU in the epilogue"),
+    Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (LINEAR_DECODE,),
+             "residual in the epilogue"),
+    Operator("14-15", "RMSNorm with (1 + w) weights, fused with the residual add",
+             (LINEAR_PREFILL,), (LINEAR_DECODE,),
+             "the add is the previous projection's epilogue, the norm the next projection's prologue"),
+    Operator("16-17", "LM head (tied embedding) and argmax",
+             ("lm_head.logits:lm_head_logits",),
+             ("lm_head.argmax:_lm_head_argmax_kernel", "lm_head.argmax:_argmax_reduce_kernel"),
+             "prefill: logits through the GEMM; greedy decode: partial argmax per vocabulary block, then a "
+             "reduction, no logits written"),
+    Operator("18-19", "KV cache write and read",
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.prefill:_prefill_kernel"),
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.decode:_decode_split_kernel"),
+             "cache [slot, kv head, position, dim]: a head's keys are contiguous"),
+    Operator("22", "causal depthwise conv1d (width 4) + SiLU",
+             ("conv.causal_conv1d:_causal_conv1d_kernel",),
+             ("gated_delta_rule.fused_decode:_fused_step_kernel",),
+             "decode: the one-step conv update inside the fused DeltaNet step"),
+    Operator("23", "gating prep: L2 norm of q, k; beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)",
+             ("gated_delta_rule.chunk:_chunk_prepare_kernel",),
+             ("gated_delta_rule.fused_decode:_fused_step_kernel",),
+             "fused into the delta rule kernels (standalone: gated_delta_rule.gating:_gating_kernel)"),
+    Operator("24", "gated delta rule",
+             ("gated_delta_rule.chunk:_chunk_prepare_kernel", "gated_delta_rule.chunk:_chunk_recurrence_kernel"),
+             ("gated_delta_rule.fused_decode:_fused_step_kernel",),
+             "prefill: chunk 64, UT form, fp32 state; decode: one recurrent step on the fp32 state in place"),
+    Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",
+             ("gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",),
+             ("gated_delta_rule.fused_decode:_fused_finish_kernel",)),
+    Operator("26", "final RMSNorm", ("norm.rms_norm:_rms_norm_kernel",), ("norm.rms_norm:_rms_norm_kernel",)),
+    Operator("27", "sampling: temperature, top-k, top-p, seeded",
+             ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
+             ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
+             "on the device, inside the decode CUDA graph"),
+)
+
+
+def kernels() -> set[str]:
+    return {entry for op in OPERATORS for entry in op.prefill + op.decode}
+
+
+def format_table() -> str:
+    lines = ["| # | operator | prefill kernel | decode kernel | notes |", "|---|---|---|---|---|"]
+    for op in OPERATORS:
+        lines.append(f"| {op.rows} | {op.name} | {', '.join(op.prefill)} | {', '.join(op.decode)} | {op.note} |")
+    return "\n".join(lines)

@@ -1,0 +1,338 @@
+"""`linear` (split-K GEMV for M <= 16, tiled GEMM beyond) with its fusions, against the reference math.
+
+CPU (interpreter): float16 and float32 (tl.dot on bfloat16 is wrong under the interpreter; the one-token
+path does not use tl.dot, so bfloat16 is also tested there, with a tolerance of one truncation: the
+interpreter rounds float32 -> bfloat16 toward zero), sizes that are no multiple of any block
+(K 40 / 100, N 33 / 70), M = 1 (CUDA-core path), 3 (tensor-core GEMV tile), 17 (GEMM), with every
+fusion on both sides of M = 16 and K split across programs (the interpreter's GEMV config splits K in 2).
+
+The reference is computed from the same inputs in float64, with the prologue rounded to x's dtype where
+the kernel (and the model) rounds it. Tolerances: float32 outputs agree to summation order (1e-5
+relative); float16/bfloat16 outputs are one rounding of a float32 result (2^-11 / 2^-8 relative), plus
+the prologue's own rounding when 1/rms differs by an ulp from torch's.
+
+GPU (bfloat16, real Qwen3.5-0.8B shapes): ||out - ref|| / ||ref|| against a float64 reference from the
+same bf16 inputs. The kernel accumulates in float32 and rounds once to bf16, so each element is within
+half an ulp: |err_i| <= 2^-8 |ref_i| (+ float32 summation error, ~1e-6 relative): the relative norm
+error is below 2^-8 = 3.9e-3; we allow 5e-3 (margin for the prologue's 1-ulp rounding flips).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qwen_triton.operators.linear import benchmark_cases, linear
+from qwen_triton.reference import functional as fn
+
+EPS = 1e-6
+
+
+def make(shape, dtype, device, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+def reference(x, weight, *, residual=None, activation=None, gate=None, norm_weight=None):
+    """The math in float64, rounding the prologue to x's dtype as the model does."""
+    if norm_weight is not None:
+        x = fn.rms_norm(x, norm_weight, EPS)
+    if gate is not None:
+        x = (x.double() * torch.sigmoid(gate.double())).to(x.dtype)
+    y = x.double() @ weight.double().T
+    if activation == "swiglu":
+        gate_part, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate_part) * up
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+def assert_close(out, ref, dtype):
+    rtol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    scale = ref.abs().max().item()
+    err = (out.double() - ref).abs()
+    assert (err <= rtol * ref.abs() + rtol * 0.05 * scale).all(), f"max error {err.max().item()} (scale {scale})"
+
+
+def inputs(M, K, N, dtype, device, options, seed=0):
+    """x as a strided row view (a wider buffer), weight, and the tensors of the requested fusions."""
+    rows = 2 * N if "swiglu" in options else N
+    wide = make((M, K + 7), dtype, device, seed)
+    x = wide[:, 3:3 + K]
+    weight = make((rows, K), dtype, device, seed + 1, scale=K ** -0.5)
+    kwargs = {}
+    if "swiglu" in options:
+        kwargs["activation"] = "swiglu"
+    if "residual" in options or "inplace" in options:
+        kwargs["residual"] = make((M, N), dtype, device, seed + 2)
+    if "gate" in options:
+        kwargs["gate"] = make((M, K), dtype, device, seed + 3, scale=2.0)
+    if "norm" in options:
+        kwargs["norm_weight"] = make((K,), dtype, device, seed + 4, scale=0.3)
+    return x, weight, kwargs
+
+
+CASES = (
+    # every M on both sides of 16, both shapes, plain, split K
+    [(M, K, N, (), True) for M in (1, 3, 17) for K, N in ((40, 33), (100, 70))]
+    # each fusion at each M
+    + [(M, 100, 70, (option,), True)
+       for M in (1, 3, 17) for option in ("residual", "inplace", "swiglu", "gate", "norm")]
+    # no split
+    + [(M, 100, 70, options, False) for M in (1, 3) for options in ((), ("swiglu", "residual"))]
+    # fusions together: an MLP (norm -> gate_up -> swiglu, + residual) and an attention output
+    + [(M, 40, 33, ("norm", "swiglu", "residual"), True) for M in (1, 17)]
+    + [(M, 40, 33, ("gate", "inplace"), True) for M in (1, 17)]
+)
+
+
+@pytest.mark.parametrize("M, K, N, options, split_k", CASES)
+def test_linear_matches_reference(device, M, K, N, options, split_k):
+    dtype = torch.float16
+    x, weight, kwargs = inputs(M, K, N, dtype, device, options)
+    ref = reference(x, weight, **kwargs)
+    if "inplace" in options:
+        out = kwargs["residual"]
+        result = linear(x, weight, out=out, split_k=split_k, **kwargs)
+        assert result is out
+    else:
+        result = linear(x, weight, split_k=split_k, **kwargs)
+    assert result.shape == ref.shape and result.dtype == dtype
+    assert_close(result, ref, dtype)
+
+
+@pytest.mark.parametrize("M", [3, 17])
+def test_linear_float32(device, M):
+    x, weight, kwargs = inputs(M, 100, 70, torch.float32, device, ("norm", "swiglu", "residual"), seed=5)
+    assert_close(linear(x, weight, **kwargs), reference(x, weight, **kwargs), torch.float32)
+
+
+@pytest.mark.parametrize("options", [(), ("swiglu",), ("residual",)])
+def test_linear_bfloat16_one_token(device, options):
+    """bfloat16 without the prologues: the interpreter rounds float32 -> bfloat16 toward zero (the GPU to
+    nearest), which biases a rounded prologue beyond one rounding; the GPU tests cover those."""
+    x, weight, kwargs = inputs(1, 100, 70, torch.bfloat16, device, options, seed=6)
+    assert_close(linear(x, weight, **kwargs), reference(x, weight, **kwargs), torch.bfloat16)
+
+
+def test_linear_float32_output_and_strided_out(device):
+    x, weight, _ = inputs(3, 40, 33, torch.float16, device, ())
+    logits = linear(x, weight, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    assert_close(logits, reference(x, weight), torch.float32)
+    wide = torch.zeros(17, 50, dtype=torch.float16, device=device)
+    x17, weight17, _ = inputs(17, 40, 33, torch.float16, device, ())
+    out = wide[:, 5:38]
+    linear(x17, weight17, out=out)
+    assert_close(out, reference(x17, weight17), torch.float16)
+    assert (wide[:, :5] == 0).all() and (wide[:, 38:] == 0).all()
+
+
+@pytest.mark.parametrize("M", [1, 17])
+def test_linear_deterministic(device, M):
+    x, weight, kwargs = inputs(M, 100, 70, torch.float16, device, ("swiglu", "residual"))
+    first = linear(x, weight, **kwargs)
+    second = linear(x, weight, **kwargs)
+    assert torch.equal(first, second)
+
+
+def test_linear_empty_batch(device):
+    x = torch.empty(0, 40, dtype=torch.float16, device=device)
+    weight = make((33, 40), torch.float16, device, 0)
+    assert linear(x, weight).shape == (0, 33)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: linear(x.float(), w), "weight has dtype"),
+    (lambda x, w: linear(x, w[:, :30]), "weight has shape"),
+    (lambda x, w: linear(x.T, w), "x must have unit stride"),
+    (lambda x, w: linear(x[:, ::2], w[:, :20]), "x must have unit stride"),
+    (lambda x, w: linear(x, w.T.contiguous().T), "weight must have unit stride"),
+    (lambda x, w: linear(x, w, residual=torch.zeros(3, 32, dtype=x.dtype)), "residual has shape"),
+    (lambda x, w: linear(x, w, residual=torch.zeros(3, 66)), "residual has dtype"),
+    (lambda x, w: linear(x, w, gate=torch.zeros(3, 41, dtype=x.dtype)), "gate has shape"),
+    (lambda x, w: linear(x, w, norm_weight=torch.zeros(39)), "norm_weight has shape"),
+    (lambda x, w: linear(x, w, out=torch.zeros(3, 66)), "out has dtype"),
+    (lambda x, w: linear(x, w, out=torch.zeros(2, 33, dtype=x.dtype)), "out has shape"),
+    (lambda x, w: linear(x, w[:33], activation="swiglu"), "weight has 33 rows"),
+    (lambda x, w: linear(x, w, activation="gelu"), "activation must be"),
+    (lambda x, w: linear(x, w, out_dtype=torch.float64), "out_dtype must be"),
+    (lambda x, w: linear(x, w, gate=x, norm_weight=torch.zeros(40)), "gate and norm_weight"),
+    (lambda x, w: linear(x.int(), w), "x has dtype"),
+    (lambda x, w: linear(x, "weight"), "weight must be a torch.Tensor"),
+])
+def test_linear_rejects_bad_arguments(call, message):
+    x = torch.zeros(3, 40, dtype=torch.float16)
+    weight = torch.zeros(66, 40, dtype=torch.float16)
+    with pytest.raises(ValueError, match=message):
+        call(x, weight)
+
+
+def test_linear_rejects_overlapping_out():
+    buffer = torch.zeros(3, 80, dtype=torch.float16)
+    x = buffer[:, :40]
+    weight = torch.zeros(33, 40, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        linear(x, weight, out=buffer[:, 40:73])
+    residual = torch.zeros(3, 34, dtype=torch.float16)
+    with pytest.raises(ValueError, match="residual overlaps out"):
+        linear(x, weight, residual=residual[:, 1:], out=residual[:, :33])
+
+
+# ---- GPU: the real shapes of Qwen3.5-0.8B, bfloat16 ----------------------------------------------------
+
+HIDDEN = 1024
+# (name, N rows of the weight, K, fusions) of every projection of a layer
+PROJECTIONS = [
+    ("deltanet_in_proj", 10304, HIDDEN, ("norm",)),
+    ("attention_in_proj", 5120, HIDDEN, ("norm",)),
+    ("mlp_gate_up", 7168, HIDDEN, ("norm", "swiglu")),
+    ("mlp_down", HIDDEN, 3584, ("residual",)),
+    ("attention_out_proj", HIDDEN, 2048, ("gate", "residual")),
+    ("deltanet_out_proj", HIDDEN, 2048, ("residual",)),
+]
+GPU_BOUND = 5e-3
+
+
+def gpu_inputs(M, rows, K, options, seed=0):
+    torch.manual_seed(seed)
+    device, dtype = "cuda", torch.bfloat16
+    N = rows // 2 if "swiglu" in options else rows
+    x = torch.randn(M, K, device=device, dtype=dtype)
+    weight = (torch.randn(rows, K, device=device) * K ** -0.5).to(dtype)
+    kwargs = {}
+    if "swiglu" in options:
+        kwargs["activation"] = "swiglu"
+    if "residual" in options:
+        kwargs["residual"] = torch.randn(M, N, device=device, dtype=dtype)
+    if "gate" in options:
+        kwargs["gate"] = torch.randn(M, K, device=device, dtype=dtype) * 2
+    if "norm" in options:
+        kwargs["norm_weight"] = (torch.randn(K, device=device) * 0.3).to(dtype)
+    return x, weight, kwargs
+
+
+def relative_norm_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+def test_gpu_decode_projections(name, rows, K, options):
+    x, weight, kwargs = gpu_inputs(1, rows, K, options)
+    ref = reference(x, weight, **kwargs)
+    out = linear(x, weight, **kwargs)
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    for _ in range(3):  # split-K reduced in a fixed order: bit-identical
+        assert torch.equal(linear(x, weight, **kwargs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, split_k, projection", [
+    (4, True, PROJECTIONS[2]), (4, True, PROJECTIONS[4]), (16, True, PROJECTIONS[3]),
+    (1, False, PROJECTIONS[2]), (1, False, PROJECTIONS[3]),
+])
+def test_gpu_decode_batch_and_no_split(M, split_k, projection):
+    """2..16 tokens (the tensor-core GEMV tile) and split_k=False."""
+    name, rows, K, options = projection
+    x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
+    ref = reference(x, weight, **kwargs)
+    out = linear(x, weight, split_k=split_k, **kwargs)
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    assert torch.equal(linear(x, weight, split_k=split_k, **kwargs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options, M", [
+    ("mlp_gate_up", 7168, HIDDEN, ("norm", "swiglu"), 4096),
+    ("mlp_down", HIDDEN, 3584, ("residual",), 4096),
+    ("attention_out_proj", HIDDEN, 2048, ("gate", "residual"), 128),
+    ("plain_odd", 1000, 1000, (), 77),
+])
+def test_gpu_prefill_projections(name, rows, K, options, M):
+    x, weight, kwargs = gpu_inputs(M, rows, K, options)
+    ref = reference(x, weight, **kwargs)
+    out = linear(x, weight, **kwargs)
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    assert torch.equal(linear(x, weight, **kwargs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4096])
+def test_gpu_inplace_residual(M):
+    x, weight, kwargs = gpu_inputs(M, HIDDEN, 3584, ("residual",), seed=3)
+    ref = reference(x, weight, **kwargs)
+    hidden = kwargs["residual"].clone()
+    linear(x, weight, residual=hidden, out=hidden)
+    assert relative_norm_error(hidden, ref) < GPU_BOUND
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph():
+    """A split-K GEMV chain captured once and replayed on new inputs: the counters reset themselves."""
+    x, weight, kwargs = gpu_inputs(1, 7168, HIDDEN, ("norm", "swiglu"), seed=4)
+    down = (torch.randn(HIDDEN, 3584, device="cuda") * 3584 ** -0.5).to(torch.bfloat16)
+    hidden = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        mlp = linear(hidden, weight, activation="swiglu", norm_weight=kwargs["norm_weight"], out=buffer)
+        linear(mlp, down, residual=hidden, out=hidden)
+
+    buffer = torch.empty(1, 3584, device="cuda", dtype=torch.bfloat16)
+    start = hidden.clone()
+    step()  # warm-up: autotuning and workspaces
+    expected = [hidden.clone()]
+    for _ in range(2):
+        step()
+        expected.append(hidden.clone())
+    hidden.copy_(start)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    hidden.copy_(start)
+    with torch.cuda.graph(graph):
+        step()
+    hidden.copy_(start)
+    for want in expected:
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(hidden, want)
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_cached_on_disk(tmp_path):
+    """A second process reads the tuned config from TRITON_CACHE_DIR instead of benchmarking again."""
+    script = textwrap.dedent("""
+        import torch
+        from qwen_triton.operators.linear import linear
+        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(96, 256, device="cuda", dtype=torch.bfloat16)
+        linear(x, w)
+        torch.cuda.synchronize()
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), TRITON_PRINT_AUTOTUNING="1", PYTHONPATH=path)
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert "Triton autotuning for function _gemv_kernel" in runs[0].stdout
+    assert "Triton autotuning" not in runs[1].stdout
+    assert list(tmp_path.rglob("_gemv_kernel.autotune.json"))
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_cases_run():
+    cases = benchmark_cases(tokens=(1,))  # the prefill cases tune many more kernels: left to the benchmark
+    assert {"name", "fn", "bytes", "flops"} <= set(cases[0])
+    for case in cases:
+        case["fn"]()
+    torch.cuda.synchronize()

@@ -1,0 +1,243 @@
+"""Device sampling (temperature, top-k, top-p, seeded Gumbel-max) against the engine's PyTorch sampler.
+
+The oracle of the kept set is qwen_triton/engine/sampling.py's `filtered_probabilities`; the oracle of
+the noise is `gumbel_noise_reference` (Philox-4x32-10 in PyTorch). A draw is argmax over kept tokens of
+logits / T + G, so each draw of the kernel is checked token for token against that argmax computed in
+PyTorch (allowing only for a near-tie within float32 rounding of the log), and statistically: the noise
+is Gumbel(0, 1) and argmax(s + G) follows softmax(s) (chi-square bounds at a 1e-6 false-alarm level
+for the fixed seeds used). CPU runs use a vocabulary split in several chunks (V = 40, 3 chunks of 16),
+so the cross-chunk reductions and the multi-pass threshold search run under the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from qwen_triton.engine.sampling import SamplingParams, filtered_probabilities
+from qwen_triton.operators.sampling import benchmark_cases, gumbel_noise, gumbel_noise_reference, sample
+
+NEAR_TIE = 1e-4
+
+
+def expected_draws(logits, temperature, top_k, top_p, seed, step):
+    """Per row: the kept set by the engine's sampler, then argmax of logits / T + G (G from the reference)."""
+    M, V = logits.shape
+    rows = torch.arange(M)
+    stream = torch.zeros(M, dtype=torch.int64) if (seed.numel() == M and M > 1) else rows
+    seeds = seed.cpu().expand(M) if seed.numel() == 1 else seed.cpu()
+    noise = gumbel_noise_reference(seeds[:, None], step.cpu()[:, None], stream[:, None], torch.arange(V)[None, :])
+    scores = []
+    for row in range(M):
+        t, k, p = float(temperature[row]), int(top_k[row]), float(top_p[row])
+        values = logits[row].float().cpu()
+        if t == 0.0:
+            scores.append(values.double())
+            continue
+        kept = filtered_probabilities(values, SamplingParams(temperature=t, top_k=k, top_p=p)) > 0
+        score = (values / t + noise[row]).double()
+        scores.append(score.masked_fill(~kept, float("-inf")))
+    return torch.stack(scores)
+
+
+def assert_draws(ids, scores):
+    """Each id is the argmax of its row's scores, or within a float32 near-tie of it."""
+    ids = ids.cpu()
+    best = scores.max(dim=1).values
+    chosen = scores.gather(1, ids[:, None])[:, 0]
+    assert (chosen >= best - NEAR_TIE).all(), f"ids {ids.tolist()} expected {scores.argmax(1).tolist()}"
+    clear = (scores >= best[:, None] - NEAR_TIE).sum(1) == 1
+    assert torch.equal(ids[clear], scores.argmax(1)[clear])
+
+
+def tensors(device, temperature, top_k, top_p, seed, step):
+    return (
+        torch.tensor(temperature, dtype=torch.float32, device=device),
+        torch.tensor(top_k, dtype=torch.int32, device=device),
+        torch.tensor(top_p, dtype=torch.float32, device=device),
+        torch.tensor(seed, dtype=torch.int64, device=device),
+        torch.tensor(step, dtype=torch.int64, device=device),
+    )
+
+
+# (temperature, top_k, top_p) per row: greedy, plain, top-k, top-p, both, top_k = 1, top_k >= V, tiny top_p
+SETTINGS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 10, 0.5), (0.5, 1, 1.0),
+            (2.0, 40, 0.95), (1.0, 0, 0.05)]
+
+
+@pytest.mark.parametrize("per_row_seed", [False, True])
+def test_sample_matches_gumbel_max_over_kept_tokens(device, per_row_seed):
+    M, V = len(SETTINGS), 40
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(M, V + 3, generator=generator) * 2).to(device)[:, 1:V + 1]  # strided rows
+    temperature, top_k, top_p = zip(*SETTINGS)
+    seed = [7 + 3 * row for row in range(M)] if per_row_seed else [12345]
+    args = tensors(device, temperature, top_k, top_p, seed, [100 + row for row in range(M)])
+    ids = sample(logits, *args)
+    assert ids.dtype == torch.int64 and ids.shape == (M,)
+    assert_draws(ids, expected_draws(logits, *args))
+
+
+def test_sample_greedy_and_top_k_one_are_argmax(device):
+    generator = torch.Generator().manual_seed(2)
+    logits = (torch.randn(4, 40, generator=generator) * 3).to(device)
+    args = tensors(device, [0.0, 1.0, 5.0, 0.0], [0, 1, 1, 7], [1.0, 1.0, 0.3, 0.5], [3], [0, 1, 2, 3])
+    assert torch.equal(sample(logits, *args).cpu(), logits.argmax(1).cpu())
+
+
+def test_sample_greedy_ties_take_the_lowest_id(device):
+    logits = torch.zeros(2, 40, device=device)
+    logits[:, [9, 17, 33]] = 5.0
+    args = tensors(device, [0.0, 0.0], [0, 0], [1.0, 1.0], [3], [0, 1])
+    assert sample(logits, *args, filtering=False).tolist() == [9, 9]
+
+
+def test_sample_filters_never_pick_excluded_tokens(device):
+    """Many draws of one distribution with top-k 3 (rows 0..) and top-p 0.6 (rows 16..)."""
+    M, V = 32, 12
+    probabilities = torch.tensor([0.3, 0.02, 0.2, 0.05, 0.1, 0.15, 0.01, 0.04, 0.06, 0.03, 0.02, 0.02])
+    logits = probabilities.log()[None, :].expand(M, V).contiguous().to(device)
+    top_k = [3] * 16 + [0] * 16
+    top_p = [1.0] * 16 + [0.6] * 16
+    args = tensors(device, [1.0] * M, top_k, top_p, [99], list(range(M)))
+    ids = sample(logits, *args).cpu()
+    top3 = {0, 2, 5}  # 0.3, 0.2, 0.15
+    nucleus = {0, 2, 5}  # 0.3 + 0.2 = 0.5 < 0.6 <= 0.65
+    assert set(ids[:16].tolist()) <= top3 and set(ids[16:].tolist()) <= nucleus
+    assert len(set(ids.tolist())) > 1
+    assert_draws(ids, expected_draws(logits, *args))
+
+
+def test_sample_distribution_chi_square(device):
+    """160 draws (one per row, steps 0..159) from 5 tokens follow softmax(logits / T)."""
+    M = 160
+    probabilities = torch.tensor([0.4, 0.25, 0.15, 0.12, 0.08])
+    temperature = 0.5
+    logits = (probabilities.log() * temperature)[None, :].expand(M, 5).contiguous().to(device)
+    args = tensors(device, [temperature] * M, [0] * M, [1.0] * M, [2024], list(range(M)))
+    ids = sample(logits, *args, filtering=False).cpu()
+    counts = torch.bincount(ids, minlength=5).double()
+    expected = probabilities.double() * M
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 33.4  # chi-square, 4 degrees of freedom, P(X > 33.4) = 1e-6
+
+
+@triton.jit
+def _noise_argmax_kernel(logits_ptr, noise_ptr, ids_ptr, V, seed, DRAWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Draw d: argmax over tokens of logits + gumbel_noise(seed, step=d, stream=0, token)."""
+    draws = tl.arange(0, DRAWS)
+    tokens = tl.arange(0, BLOCK_V)
+    noise = gumbel_noise(seed, draws[:, None], draws[:, None] * 0, tokens[None, :])
+    mask = (tokens < V)[None, :] & (draws >= 0)[:, None]
+    tl.store(noise_ptr + draws[:, None] * BLOCK_V + tokens[None, :], noise, mask=mask)
+    logits = tl.load(logits_ptr + tokens, mask=tokens < V, other=float("-inf"))
+    score = tl.where(mask, logits[None, :] + noise, float("-inf"))
+    tl.store(ids_ptr + draws, tl.argmax(score, axis=1))
+
+
+def test_gumbel_noise_is_gumbel_and_argmax_follows_softmax(device):
+    """4096 draws of 8 tokens in one program: the noise's moments, the reference, and the Gumbel-max law."""
+    draws, V = 4096, 8
+    probabilities = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    logits = probabilities.log().to(device)
+    noise = torch.empty(draws, V, device=device)
+    ids = torch.zeros(draws, dtype=torch.int32, device=device)
+    _noise_argmax_kernel[(1,)](logits, noise, ids, V, 31337, DRAWS=draws, BLOCK_V=V)
+    reference = gumbel_noise_reference(31337, torch.arange(draws)[:, None], 0, torch.arange(V)[None, :])
+    torch.testing.assert_close(noise.cpu(), reference, rtol=1e-5, atol=1e-5)
+    samples = noise.double().flatten()
+    assert abs(samples.mean().item() - 0.5772157) < 0.03  # Euler's gamma, 4 sigma of 32768 draws
+    assert abs(samples.var().item() - torch.pi ** 2 / 6) < 0.08
+    counts = torch.bincount(ids.long().cpu(), minlength=V).double()
+    expected = probabilities.double() * draws
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 40.5  # chi-square, 7 degrees of freedom, P(X > 40.5) = 1e-6
+
+
+def test_sample_reproducible_and_steps_differ(device):
+    M = 8
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(M, 40, generator=generator).to(device) * 0.3  # flat: draws vary with the step
+    args = tensors(device, [1.0] * M, [0] * M, [1.0] * M, [5], [10] * M)
+    first = sample(logits, *args, filtering=False)
+    assert torch.equal(first, sample(logits, *args, filtering=False))
+    assert torch.equal(first, sample(logits, *args))  # the search passes leave unfiltered rows alone
+    later = tensors(device, [1.0] * M, [0] * M, [1.0] * M, [5], [11] * M)
+    assert not torch.equal(first, sample(logits, *later, filtering=False))
+    out = torch.empty(M, dtype=torch.int64, device=device)
+    assert sample(logits, *args, out=out, filtering=False) is out and torch.equal(out, first)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(logits=torch.zeros(3, 40, dtype=torch.float16)), "logits has dtype"),
+    (dict(temperature=torch.ones(2)), "temperature has shape"),
+    (dict(top_k=torch.zeros(3, dtype=torch.int64)), "top_k has dtype"),
+    (dict(top_p=torch.ones(3, dtype=torch.float64)), "top_p has dtype"),
+    (dict(seed=torch.zeros(2, dtype=torch.int64)), "seed has shape"),
+    (dict(seed=torch.zeros(1, dtype=torch.int32)), "seed has dtype"),
+    (dict(step=torch.zeros(3, dtype=torch.int32)), "step has dtype"),
+    (dict(out=torch.zeros(3, dtype=torch.int32)), "out has dtype"),
+    (dict(logits=torch.zeros(3, 0)), "logits has 0 columns"),
+])
+def test_sample_rejects_bad_arguments(change, message):
+    args = dict(logits=torch.zeros(3, 40), temperature=torch.ones(3), top_k=torch.zeros(3, dtype=torch.int32),
+                top_p=torch.ones(3), seed=torch.zeros(1, dtype=torch.int64), step=torch.zeros(3, dtype=torch.int64))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        sample(**args)
+
+
+# ---- GPU: the real vocabulary (248320) --------------------------------------------------------------------
+
+VOCAB = 248320
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_row_seed", [False, True])
+def test_gpu_sample_matches_gumbel_max(per_row_seed):
+    torch.manual_seed(5)
+    M = len(SETTINGS) + 2
+    settings = SETTINGS + [(0.8, 50, 0.9), (1.0, 1000, 0.99)]
+    logits = torch.randn(M, VOCAB, device="cuda") * 4
+    temperature, top_k, top_p = zip(*settings)
+    seed = [11 * row for row in range(M)] if per_row_seed else [777]
+    args = tensors("cuda", temperature, top_k, top_p, seed, [3 + row for row in range(M)])
+    ids = sample(logits, *args)
+    assert_draws(ids, expected_draws(logits, *args))
+    assert torch.equal(ids, sample(logits, *args))
+
+
+@pytest.mark.gpu
+def test_gpu_sample_cuda_graph():
+    """Captured once; each replay draws at the step the device holds, which the graph advances."""
+    torch.manual_seed(6)
+    logits = torch.randn(1, VOCAB, device="cuda") * 4
+    temperature, top_k, top_p, seed, step = tensors("cuda", [0.9], [40], [0.9], [1], [0])
+    out = torch.empty(1, dtype=torch.int64, device="cuda")
+    sample(logits, temperature, top_k, top_p, seed, step, out)  # warm-up: workspace
+    expected = [int(sample(logits, temperature, top_k, top_p, seed, torch.tensor([s], device="cuda")))
+                for s in range(4)]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sample(logits, temperature, top_k, top_p, seed, step, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        sample(logits, temperature, top_k, top_p, seed, step, out)
+        step.add_(1)
+    step.zero_()
+    drawn = []
+    for _ in range(4):
+        graph.replay()
+        drawn.append(int(out))
+    assert drawn == expected
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_cases_run():
+    for case in benchmark_cases():
+        case["fn"]()
+    torch.cuda.synchronize()
