@@ -125,11 +125,13 @@ def official_config(text_config: dict, layout: str = "conditional") -> dict:
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     """One random tensor, scaled for its role (see the module docstring)."""
+    device = generator.device
+
     def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=generator) * std
+        return torch.randn(shape, generator=generator, device=device) * std
 
     if name.endswith("A_log"):  # decay rates exp(A_log) in [1, 16), as the model's own init draws them
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log()
+        return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=generator).log()
     if name.endswith("dt_bias"):
         return 1.0 + normal(0.1)
     if name.endswith("linear_attn.norm.weight"):  # gated norm: plain weight, neutral at 1

@@ -68,6 +68,7 @@ class LLM:
         max_length: int = 4096,
         max_batch: int = 8,
         progress: bool = False,
+        weights: dict[str, torch.Tensor] | None = None,
         **backend_options,
     ):
         if backend not in BACKENDS:
@@ -81,10 +82,11 @@ class LLM:
         self.max_length = min(max_length, self.config.max_position_embeddings)
         self.max_batch = max_batch
         self.backend_name = backend
-        weights = load_weights(
-            self.path, self.config, self.device, self.dtype,
-            progress=progress_printer("loading weights") if progress else None,
-        )
+        if weights is None:  # `weights` given: already on the device (random-weight benchmarks)
+            weights = load_weights(
+                self.path, self.config, self.device, self.dtype,
+                progress=progress_printer("loading weights") if progress else None,
+            )
         if backend == "reference":
             from ..reference import ReferenceModel
 
@@ -179,7 +181,9 @@ class LLM:
         """Generate for one prompt (a string or a list of token ids) or a list of prompts.
 
         Each prompt stops at an end-of-turn id, at a stop string (the text is cut before it), or after
-        max_new_tokens. Returns a Generation, or a list of them for a list of prompts.
+        max_new_tokens. Prompts of a list run together as one batch (up to max_batch at a time), each
+        with its own stop; the results equal generating them one at a time. Returns a Generation, or a
+        list of them for a list of prompts.
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
@@ -187,90 +191,149 @@ class LLM:
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise ValueError("no prompts given: the prompt list is empty")
-        results = [
-            self._generate_one(p, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), stop)
-            for p in batch
-        ]
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        encoded = [self._encode_prompt(p) for p in batch]
+        results: list[Generation] = []
+        for first in range(0, len(encoded), self.max_batch):
+            group = encoded[first:first + self.max_batch]
+            for _ in self._generate_rows(group, max_new_tokens, params, stop, results):
+                pass
         return results[0] if single else results
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop=None) -> Iterator[str]:
-        """Yield the text of one prompt's generation as it is produced (whole UTF-8 characters)."""
-        holder: list[Generation] = []
-        yield from self._generate_iter(
-            prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), stop, holder
-        )
-        self.last_generation = holder[0]
+        """Yield the text of one prompt's generation as it is produced (whole UTF-8 characters); the
+        finished Generation is left in `self.last_generation`."""
+        results: list[Generation] = []
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        for _, piece in self._generate_rows([self._encode_prompt(prompt)], max_new_tokens, params, stop, results):
+            yield piece
+        self.last_generation = results[0]
 
-    def _generate_one(self, prompt, max_new_tokens, params, stop) -> Generation:
-        holder: list[Generation] = []
-        for _ in self._generate_iter(prompt, max_new_tokens, params, stop, holder):
-            pass
-        return holder[0]
-
-    def _generate_iter(self, prompt, max_new_tokens, params, stop, holder) -> Iterator[str]:
+    def _generate_rows(self, prompts: list[list[int]], max_new_tokens, params, stop, results) -> Iterator:
+        """Generate for up to max_batch prompts at once, slot i holding prompt i. Yields (row, text piece)
+        as text is produced and appends one Generation per prompt to `results` at the end."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompt_ids = self._encode_prompt(prompt)
-        if len(prompt_ids) + max_new_tokens > self.max_length:
-            max_new_tokens = self.max_length - len(prompt_ids)
-            if max_new_tokens < 1:
+        rows = len(prompts)
+        budgets = []
+        for ids in prompts:
+            room = self.max_length - len(ids)
+            if room < 1:
                 raise ValueError(
-                    f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate within the "
+                    f"the prompt has {len(ids)} tokens, which leaves no room to generate within the "
                     f"maximum length {self.max_length}"
                 )
+            budgets.append(min(max_new_tokens, room))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         eos = self.eos_token_ids
-        decoder = self.tokenizer.stream(skip_special_tokens=True)
-        generator = torch.Generator().manual_seed(params.seed)
+        tokenizer = self.tokenizer
+        decoders = [tokenizer.stream(skip_special_tokens=True) for _ in range(rows)]
+        chooser = self._chooser(rows, params)
 
         start = time.perf_counter()
-        self.model.reset(0)
-        logits = self.model.prefill(torch.tensor(prompt_ids, device=self.device), slot=0)[-1:]
-        first_token_time = None
-        generated: list[int] = []
-        text = ""
-        finish = "length"
-        position = len(prompt_ids)
-        while True:
+        tokens = []
+        for slot, ids in enumerate(prompts):
+            self.model.reset(slot)
+            logits = self.model.prefill(torch.tensor(ids, device=self.device), slot=slot, all_logits=False)
             self._check_finite(logits)
-            token = int(sample(logits, params, generator)[0])
-            if first_token_time is None:
-                first_token_time = time.perf_counter() - start
-            if token in eos:
-                finish = "stop"
-                break
-            generated.append(token)
-            # ids past the tokenizer's vocabulary (the embedding's padding rows) have no text
-            piece = decoder.feed(token) if token < self.tokenizer.vocab_size else ""
-            hit = next((s for s in stops if s in text + piece), None)
-            if hit is not None:
-                full = text + piece
-                piece = full[: full.index(hit)][len(text):]
-                text += piece
+            tokens.append(chooser.first(logits, slot))
+        first_token_time = time.perf_counter() - start
+        generated: list[list[int]] = [[] for _ in range(rows)]
+        texts = [""] * rows
+        finish = [None] * rows
+        positions = [len(ids) for ids in prompts]
+        while True:
+            for row in range(rows):
+                if finish[row] is not None:
+                    continue
+                token = tokens[row]
+                if token in eos:
+                    finish[row] = "stop"
+                    continue
+                generated[row].append(token)
+                # ids past the tokenizer's vocabulary (the embedding's padding rows) have no text
+                piece = decoders[row].feed(token) if token < tokenizer.vocab_size else ""
+                full = texts[row] + piece
+                hit = next((s for s in stops if s in full), None)
+                if hit is not None:
+                    piece = full[: full.index(hit)][len(texts[row]):]
+                    finish[row] = "stop"
+                texts[row] += piece
                 if piece:
-                    yield piece
-                finish = "stop"
+                    yield row, piece
+                if finish[row] is None and len(generated[row]) >= budgets[row]:
+                    finish[row] = "length"
+                    rest = decoders[row].flush()
+                    texts[row] += rest
+                    if rest:
+                        yield row, rest
+            if all(f is not None for f in finish):
                 break
-            text += piece
-            if piece:
-                yield piece
-            if len(generated) >= max_new_tokens:
-                break
-            logits = self.model.decode(
-                torch.tensor([token], device=self.device), torch.tensor([position], device=self.device)
-            )
-            position += 1
-        if finish == "length":
-            rest = decoder.flush()
-            text += rest
-            if rest:
-                yield rest
+            # one step for every slot; finished rows repeat their last position, their output unused
+            steps = [len(g) for g in generated]
+            inputs = [generated[r][-1] if generated[r] else tokens[r] for r in range(rows)]
+            step_positions = [positions[r] + len(generated[r]) - 1 if finish[r] is None else positions[r]
+                              for r in range(rows)]
+            tokens = chooser.step(inputs, step_positions, steps)
         elapsed = time.perf_counter() - start
-        decode_tokens = max(len(generated) - 1, 0)
-        timings = {
-            "time_to_first_token_s": first_token_time,
-            "total_s": elapsed,
-            "decode_tokens_per_s": decode_tokens / (elapsed - first_token_time) if decode_tokens else 0.0,
-        }
-        holder.append(Generation(text, generated, prompt_ids, finish, timings))
+        for row in range(rows):
+            decode_tokens = max(len(generated[row]) - 1, 0)
+            timings = {
+                "time_to_first_token_s": first_token_time,
+                "total_s": elapsed,
+                "decode_tokens_per_s": decode_tokens / (elapsed - first_token_time) if decode_tokens else 0.0,
+            }
+            results.append(Generation(texts[row], generated[row], prompts[row], finish[row], timings))
+
+    def _chooser(self, rows: int, params: SamplingParams):
+        if self.backend_name == "triton":
+            return DeviceChooser(self, rows, params)
+        return HostChooser(self, rows, params)
+
+
+class HostChooser:
+    """Next ids from materialised logits with the PyTorch sampler; a generator per row, so a row's draws
+    do not depend on the batch it runs in."""
+
+    def __init__(self, llm: LLM, rows: int, params: SamplingParams):
+        self.llm, self.params = llm, params
+        self.generators = [torch.Generator().manual_seed(params.seed) for _ in range(rows)]
+
+    def first(self, logits: torch.Tensor, row: int) -> int:
+        return int(sample(logits[-1:], self.params, self.generators[row])[0])
+
+    def step(self, inputs: list[int], positions: list[int], steps: list[int]) -> list[int]:
+        device = self.llm.device
+        logits = self.llm.model.decode(torch.tensor(inputs, device=device), torch.tensor(positions, device=device))
+        self.llm._check_finite(logits)
+        return [int(sample(logits[r:r + 1], self.params, self.generators[r])[0]) for r in range(len(inputs))]
+
+
+class DeviceChooser:
+    """Next ids chosen on the device inside the decode step (CUDA graph); one host read per step for the
+    stop checks. Rows draw from (seed, row's step) streams, independent of the batch."""
+
+    def __init__(self, llm: LLM, rows: int, params: SamplingParams):
+        from .triton_model import DeviceSampling
+
+        self.llm = llm
+        self.sampling = DeviceSampling.build([params] * rows, llm.device)
+
+    def first(self, logits: torch.Tensor, row: int) -> int:
+        return int(self.llm.model.choose_first(logits[-1:], self.sampling, row)[0])
+
+    def step(self, inputs: list[int], positions: list[int], steps: list[int]) -> list[int]:
+        device = self.llm.device
+        chosen = self.llm.model.decode_tokens(
+            torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.sampling,
+            torch.tensor(steps, device=device),
+        )
+        ids = chosen.tolist()
+        vocab = self.llm.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RuntimeError(
+                "the model produced NaN or infinite logits; no valid token could be chosen "
+                f"(dtype {self.llm.dtype})"
+            )
+        return ids

@@ -1,6 +1,442 @@
-"""The Triton backend: the model composed from the kernels in `qwen_triton.operators`."""
+"""The Triton backend: Qwen3.5 composed from the kernels in `qwen_triton.operators`.
+
+Same interface as the reference model (`prefill`, `decode`, `reset`), plus `decode_tokens`, the step
+generation uses: it samples on the device, inside the CUDA graph. Which kernel runs each operator in each
+phase is the table in `qwen_triton.operators.table` (`qwen-triton ops`).
+
+At load, weights that are read by one projection are concatenated so each layer reads its input once:
+attention [gate | q | k | v] (the q_proj rows of transformers' per-head [q, gate] layout regrouped so the
+gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [qkv | z | b | a], MLP
+[gate | up]. The pre-projection RMSNorms are fused into the projections' prologues, the residual adds into
+their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue.
+
+Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
+with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
+replayed: inputs are copied into static buffers, nothing is allocated and nothing waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FULL_ATTENTION, ModelConfig
+from ..operators.attention import attention_decode, attention_prefill, qk_norm_rotary, rotary_table
+from ..operators.conv import causal_conv1d, causal_conv1d_step
+from ..operators.embedding import embedding
+from ..operators.gated_delta_rule import (
+    gated_delta_rule_chunked,
+    gated_delta_rule_decode_fused,
+    gated_delta_rule_recurrent,
+    gated_rms_norm,
+)
+from ..operators.lm_head import lm_head_argmax, lm_head_logits
+from ..operators.linear import linear
+from ..operators.sampling import sample
+
+
+@dataclass
+class AttentionWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [gate (Hq*D, when gated) | q (Hq*D) | k | v] x hidden
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class DeltaNetWeights:
+    input_norm: torch.Tensor
+    projection: torch.Tensor  # [qkv (conv_dim) | z (Hv*Dv) | b (Hv) | a (Hv)] x hidden
+    conv: torch.Tensor  # [conv_dim, W]
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class MLPWeights:
+    input_norm: torch.Tensor
+    gate_up: torch.Tensor  # [gate | up] x hidden
+    down: torch.Tensor
+
+
+def bucket(batch: int) -> int:
+    """The CUDA-graph batch bucket of a batch: the next power of two."""
+    size = 1
+    while size < batch:
+        size *= 2
+    return size
 
 
 class TritonModel:
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError("backend='triton' is not built yet: use backend='reference'")
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_batch: int = 1,
+        max_length: int = 4096,
+        device="cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        split_k: bool = True,
+        cuda_graph: bool = True,
+        fused_delta_decode: bool = True,
+    ):
+        self.config = c = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.max_length = max_length
+        self.split_k = split_k
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        self.fused_delta_decode = fused_delta_decode
+        self.embed = weights["embed_tokens.weight"]
+        self.lm_head = self.embed if c.tie_word_embeddings else weights["lm_head.weight"]
+        self.final_norm = weights["norm.weight"]
+        self.layers: list = []
+        self.mlps: list[MLPWeights] = []
+        for i, layer_type in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            if layer_type == FULL_ATTENTION:
+                a = p + "self_attn."
+                q_rows = weights[a + "q_proj.weight"]
+                if c.attn_output_gate:
+                    per_head = q_rows.view(c.num_attention_heads, 2, c.head_dim, c.hidden_size)
+                    q_rows = torch.cat([per_head[:, 1].reshape(-1, c.hidden_size),
+                                        per_head[:, 0].reshape(-1, c.hidden_size)])
+                self.layers.append(AttentionWeights(
+                    input_norm=weights[p + "input_layernorm.weight"],
+                    qkv=torch.cat([q_rows, weights[a + "k_proj.weight"], weights[a + "v_proj.weight"]]).contiguous(),
+                    q_norm=weights[a + "q_norm.weight"],
+                    k_norm=weights[a + "k_norm.weight"],
+                    out=weights[a + "o_proj.weight"],
+                ))
+            else:
+                a = p + "linear_attn."
+                self.layers.append(DeltaNetWeights(
+                    input_norm=weights[p + "input_layernorm.weight"],
+                    projection=torch.cat([weights[a + "in_proj_qkv.weight"], weights[a + "in_proj_z.weight"],
+                                          weights[a + "in_proj_b.weight"], weights[a + "in_proj_a.weight"]]
+                                         ).contiguous(),
+                    conv=weights[a + "conv1d.weight"][:, 0, :].contiguous(),
+                    A_log=weights[a + "A_log"].float().contiguous(),
+                    dt_bias=weights[a + "dt_bias"].float().contiguous(),
+                    norm=weights[a + "norm.weight"],
+                    out=weights[a + "out_proj.weight"],
+                ))
+            self.mlps.append(MLPWeights(
+                input_norm=weights[p + "post_attention_layernorm.weight"],
+                gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]).contiguous(),
+                down=weights[p + "mlp.down_proj.weight"],
+            ))
+        self.rotary = rotary_table(max_length, c.rotary_dim, c.rope_theta, self.device)
+        self._allocate_state()
+        self._buffers: dict[int, DecodeBuffers] = {}
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _allocate_state(self) -> None:
+        c, device = self.config, self.device
+        self.key_cache: dict[int, torch.Tensor] = {}
+        self.value_cache: dict[int, torch.Tensor] = {}
+        self.conv_state: dict[int, torch.Tensor] = {}
+        self.recurrent_state: dict[int, torch.Tensor] = {}
+        for i, layer_type in enumerate(c.layer_types):
+            if layer_type == FULL_ATTENTION:
+                shape = (self.max_batch, c.num_key_value_heads, self.max_length, c.head_dim)
+                self.key_cache[i] = torch.zeros(shape, device=device, dtype=self.dtype)
+                self.value_cache[i] = torch.zeros(shape, device=device, dtype=self.dtype)
+            else:
+                self.conv_state[i] = torch.zeros(
+                    self.max_batch, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype
+                )
+                self.recurrent_state[i] = torch.zeros(
+                    self.max_batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                    device=device, dtype=torch.float32,
+                )
+
+    def reset(self, slot: int | None = None) -> None:
+        """Forget the sequence in `slot` (all slots when None). The KV cache needs no clearing: attention
+        reads only the positions below each sequence's length."""
+        for states in (self.conv_state, self.recurrent_state):
+            for tensor in states.values():
+                if slot is None:
+                    tensor.zero_()
+                else:
+                    tensor[slot].zero_()
+
+    # ---- the layers, shared by prefill and decode ------------------------------------------------
+    def _attention(self, i, w: AttentionWeights, x, positions, slots, attend, scratch=None):
+        c = self.config
+        qkv = linear(x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps, split_k=self.split_k,
+                     out=None if scratch is None else scratch["attention_qkv"])
+        gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
+        q = qk_norm_rotary(
+            qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
+            self.key_cache[i], self.value_cache[i],
+            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"],
+        )
+        attended = attend(q, self.key_cache[i], self.value_cache[i])
+        gate = qkv[:, :gate_width] if c.attn_output_gate else None
+        return linear(attended.view(attended.shape[0], -1), w.out, gate=gate, residual=x, out=x,
+                      split_k=self.split_k)
+
+    def _split_projection(self, projection):
+        c = self.config
+        conv_dim, value_dim, heads = c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads
+        mixed = projection[:, :conv_dim]
+        z = projection[:, conv_dim:conv_dim + value_dim]
+        b = projection[:, conv_dim + value_dim:conv_dim + value_dim + heads]
+        a = projection[:, conv_dim + value_dim + heads:]
+        return mixed, z, b, a
+
+    def _heads(self, mixed):
+        c = self.config
+        rows = mixed.shape[0]
+        q = mixed[:, :c.linear_key_dim].view(rows, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = mixed[:, c.linear_key_dim:2 * c.linear_key_dim].view(rows, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = mixed[:, 2 * c.linear_key_dim:].view(rows, c.linear_num_value_heads, c.linear_value_head_dim)
+        return q, k, v
+
+    def _mlp(self, w: MLPWeights, x, scratch=None):
+        c = self.config
+        hidden = linear(x, w.gate_up, norm_weight=w.input_norm, eps=c.rms_norm_eps, activation="swiglu",
+                        split_k=self.split_k, out=None if scratch is None else scratch["mlp_hidden"])
+        return linear(hidden, w.down, residual=x, out=x, split_k=self.split_k)
+
+    # ---- prefill: one sequence ------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0, all_logits: bool = True):
+        """Tokens [T] of the sequence in `slot` after `start` cached ones: float32 logits [T or 1, vocab]."""
+        c = self.config
+        tokens = token_ids.shape[0]
+        positions = torch.arange(start, start + tokens, device=self.device, dtype=torch.int32)
+        slots = torch.full((tokens,), slot, device=self.device, dtype=torch.int32)
+        x = embedding(token_ids.to(self.device), self.embed)
+
+        def attend(q, key_cache, value_cache):
+            return attention_prefill(q, key_cache, value_cache, slot=slot, start=start)
+
+        for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
+            if isinstance(w, AttentionWeights):
+                x = self._attention(i, w, x, positions, slots, attend)
+            else:
+                projection = linear(x, w.projection, norm_weight=w.input_norm, eps=c.rms_norm_eps,
+                                    split_k=self.split_k)
+                mixed, z, b, a = self._split_projection(projection)
+                mixed = causal_conv1d(mixed, w.conv, self.conv_state[i][slot])
+                q, k, v = self._heads(mixed)
+                out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.recurrent_state[i][slot])
+                out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
+                x = linear(out, w.out, residual=x, out=x, split_k=self.split_k)
+            x = self._mlp(mlp, x)
+        rows = x if all_logits else x[-1:]
+        return lm_head_logits(rows, self.lm_head, norm_weight=self.final_norm, eps=c.rms_norm_eps)
+
+    # ---- decode: one token for each of slots 0..B-1 ---------------------------------------------
+    def _buffers_for(self, batch: int) -> DecodeBuffers:
+        size = bucket(batch)
+        if size > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds max_batch {self.max_batch}")
+        if size not in self._buffers:
+            self._buffers[size] = DecodeBuffers(self, size)
+        return self._buffers[size]
+
+    def _decode_body(self, buffers: DecodeBuffers, mode: str) -> None:
+        """One decode step on static buffers; allocation-free once every kernel has been warmed up."""
+        c = self.config
+        x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
+
+        def attend(q, key_cache, value_cache):
+            return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out)
+
+        for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
+            if isinstance(w, AttentionWeights):
+                x = self._attention(i, w, x, buffers.positions, buffers.slots, attend, buffers.scratch)
+            else:
+                projection = linear(x, w.projection, norm_weight=w.input_norm, eps=c.rms_norm_eps,
+                                    split_k=self.split_k, out=buffers.scratch["delta_projection"])
+                mixed, z, b, a = self._split_projection(projection)
+                size = buffers.size
+                conv_state, state = self.conv_state[i][:size], self.recurrent_state[i][:size]
+                if self.fused_delta_decode:
+                    out = gated_delta_rule_decode_fused(
+                        mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
+                        out=buffers.scratch["delta_normed"], delta_out=buffers.scratch["delta_out"],
+                    )
+                else:
+                    mixed = causal_conv1d_step(mixed, w.conv, conv_state, out=buffers.scratch["conv_out"])
+                    q, k, v = self._heads(mixed)
+                    out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state,
+                                                     out=buffers.scratch["delta_out"])
+                    out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=buffers.scratch["delta_normed"])
+                x = linear(out, w.out, residual=x, out=x, split_k=self.split_k)
+            x = self._mlp(mlp, x, buffers.scratch)
+        final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps)
+        if mode == "greedy":
+            lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
+        elif mode == "temperature":  # Gumbel-max inside the LM head: no logits written
+            lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, temperature=buffers.temperature,
+                           seed=buffers.seed, step=buffers.step, **final)
+        else:
+            lm_head_logits(x, self.lm_head, out=buffers.logits, **final)
+            if mode == "sample":
+                sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
+                       buffers.step, out=buffers.next_tokens)
+
+    def _run(self, buffers: DecodeBuffers, mode: str) -> None:
+        if not self.cuda_graph:
+            self._decode_body(buffers, mode)
+            return
+        key = (buffers.size, mode)
+        graph = self._graphs.get(key)
+        if graph is None:
+            # warm-up outside the graph: compiles, autotunes and allocates every workspace. It runs the
+            # step once for real, so the states it advances are restored before capture and replay.
+            saved = self._save_state(buffers.size)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._decode_body(buffers, mode)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode_body(buffers, mode)
+            self._restore_state(buffers.size, saved)
+            self._graphs[key] = graph
+        graph.replay()
+
+    def _save_state(self, size: int):
+        return ({i: t[:size].clone() for i, t in self.conv_state.items()},
+                {i: t[:size].clone() for i, t in self.recurrent_state.items()})
+
+    def _restore_state(self, size: int, saved) -> None:
+        conv, recurrent = saved
+        for i, t in conv.items():
+            self.conv_state[i][:size].copy_(t)
+        for i, t in recurrent.items():
+            self.recurrent_state[i][:size].copy_(t)
+
+    def _load_inputs(self, buffers: DecodeBuffers, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        batch = token_ids.shape[0]
+        buffers.token_ids[:batch].copy_(token_ids)
+        buffers.positions[:batch].copy_(positions)
+        buffers.lengths[:batch].copy_(positions + 1)
+        if batch < buffers.size:
+            # padding rows of the bucket: run on their own slots at position 0, their results unused
+            buffers.token_ids[batch:].zero_()
+            buffers.positions[batch:].zero_()
+            buffers.lengths[batch:].fill_(1)
+
+    @torch.no_grad()
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step for slots 0..B-1: float32 logits [B, vocab]."""
+        buffers = self._buffers_for(token_ids.shape[0])
+        self._load_inputs(buffers, token_ids, positions)
+        self._run(buffers, "logits")
+        return buffers.logits[: token_ids.shape[0]].clone()
+
+    @torch.no_grad()
+    def decode_tokens(self, token_ids, positions, sampling: "DeviceSampling", step) -> torch.Tensor:
+        """One step for slots 0..B-1, choosing the next ids on the device: int64 [B], a view of a static
+        buffer. sampling holds the rows' parameters (device tensors) and the mode the host chose from
+        them; step [B] is each row's draw counter (its number of generated tokens)."""
+        batch = token_ids.shape[0]
+        buffers = self._buffers_for(batch)
+        self._load_inputs(buffers, token_ids, positions)
+        if sampling.mode != "greedy":
+            buffers.temperature[:batch].copy_(sampling.temperature)
+            buffers.top_k[:batch].copy_(sampling.top_k)
+            buffers.top_p[:batch].copy_(sampling.top_p)
+            buffers.seed[:batch].copy_(sampling.seed)
+            buffers.step[:batch].copy_(step)
+        self._run(buffers, sampling.mode)
+        return buffers.next_tokens[:batch]
+
+    @torch.no_grad()
+    def choose_first(self, logits: torch.Tensor, sampling: "DeviceSampling", row: int) -> torch.Tensor:
+        """The first generated id of row `row` from its prefill logits [1, V], drawn as decode draws
+        (same noise stream at step 0)."""
+        if sampling.mode == "greedy":
+            return lm_argmax_rows(logits)
+        pick = slice(row, row + 1)
+        step = torch.zeros(1, device=self.device, dtype=torch.int64)
+        return sample(logits, sampling.temperature[pick], sampling.top_k[pick], sampling.top_p[pick],
+                      sampling.seed[pick], step, filtering=sampling.mode == "sample")
+
+
+def lm_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy choice from materialised logits: the sampler at temperature 0 (argmax, lowest id on ties)."""
+    rows = logits.shape[0]
+    zeros = torch.zeros(rows, device=logits.device)
+    return sample(logits, zeros, torch.zeros(rows, device=logits.device, dtype=torch.int32),
+                  torch.ones(rows, device=logits.device), torch.zeros(1, device=logits.device, dtype=torch.int64),
+                  torch.zeros(rows, device=logits.device, dtype=torch.int64), filtering=False)
+
+
+@dataclass
+class DeviceSampling:
+    """The sampling parameters of a batch's rows as device tensors, and the decode mode they need."""
+
+    mode: str  # "greedy" | "temperature" (Gumbel-max in the LM head) | "sample" (top-k / top-p filtering)
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def build(cls, rows, device) -> "DeviceSampling":
+        """rows: one SamplingParams per batch row."""
+        if all(p.temperature == 0 for p in rows):
+            mode = "greedy"
+        elif all(p.top_k == 0 and p.top_p >= 1.0 for p in rows):
+            mode = "temperature"
+        else:
+            mode = "sample"
+        return cls(
+            mode=mode,
+            temperature=torch.tensor([p.temperature for p in rows], device=device, dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in rows], device=device, dtype=torch.int32),
+            top_p=torch.tensor([p.top_p for p in rows], device=device, dtype=torch.float32),
+            seed=torch.tensor([p.seed for p in rows], device=device, dtype=torch.int64),
+        )
+
+
+class DecodeBuffers:
+    """Every tensor a decode step of `size` rows reads or writes, allocated once."""
+
+    def __init__(self, model: TritonModel, size: int):
+        c, device, dtype = model.config, model.device, model.dtype
+        self.size = size
+        self.token_ids = torch.zeros(size, device=device, dtype=torch.int64)
+        self.positions = torch.zeros(size, device=device, dtype=torch.int32)
+        self.lengths = torch.ones(size, device=device, dtype=torch.int32)
+        self.slots = torch.arange(size, device=device, dtype=torch.int32)
+        self.hidden = torch.zeros(size, c.hidden_size, device=device, dtype=dtype)
+        self.attention_out = torch.zeros(size, c.num_attention_heads, c.head_dim, device=device, dtype=dtype)
+        gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
+        qkv_width = gate_width + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        projection_width = c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads
+
+        def zeros(*shape):
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
+        self.scratch = {
+            "attention_qkv": zeros(size, qkv_width),
+            "attention_q": zeros(size, c.num_attention_heads, c.head_dim),
+            "delta_projection": zeros(size, projection_width),
+            "conv_out": zeros(size, c.linear_conv_dim),
+            "delta_out": zeros(size, c.linear_num_value_heads, c.linear_value_head_dim),
+            "delta_normed": zeros(size, c.linear_value_dim),
+            "mlp_hidden": zeros(size, c.intermediate_size),
+        }
+        self.logits = torch.zeros(size, c.vocab_size, device=device, dtype=torch.float32)
+        self.next_tokens = torch.zeros(size, device=device, dtype=torch.int64)
+        self.temperature = torch.zeros(size, device=device, dtype=torch.float32)
+        self.top_k = torch.zeros(size, device=device, dtype=torch.int32)
+        self.top_p = torch.ones(size, device=device, dtype=torch.float32)
+        self.seed = torch.zeros(size, device=device, dtype=torch.int64)
+        self.step = torch.zeros(size, device=device, dtype=torch.int64)

@@ -44,10 +44,10 @@ OPERATORS: tuple[Operator, ...] = (
              (LINEAR_PREFILL,), (LINEAR_DECODE,),
              "the add is the previous projection's epilogue, the norm the next projection's prologue"),
     Operator("16-17", "LM head (tied embedding) and argmax",
-             ("lm_head.logits:lm_head_logits",),
+             (LINEAR_PREFILL, LINEAR_DECODE),
              ("lm_head.argmax:_lm_head_argmax_kernel", "lm_head.argmax:_argmax_reduce_kernel"),
-             "prefill: logits through the GEMM; greedy decode: partial argmax per vocabulary block, then a "
-             "reduction, no logits written"),
+             "prefill: logits of the rows needed through the projection kernels; decode: partial argmax (or "
+             "Gumbel-max for temperature sampling) per vocabulary block, then a reduction, no logits written"),
     Operator("18-19", "KV cache write and read",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.prefill:_prefill_kernel"),
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.decode:_decode_split_kernel"),
@@ -67,7 +67,8 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",
              ("gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",),
              ("gated_delta_rule.fused_decode:_fused_finish_kernel",)),
-    Operator("26", "final RMSNorm", ("norm.rms_norm:_rms_norm_kernel",), ("norm.rms_norm:_rms_norm_kernel",)),
+    Operator("26", "final RMSNorm", (LINEAR_PREFILL, LINEAR_DECODE), ("lm_head.argmax:_lm_head_argmax_kernel",),
+             "the LM head's prologue (standalone: norm.rms_norm:_rms_norm_kernel)"),
     Operator("27", "sampling: temperature, top-k, top-p, seeded",
              ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
              ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),

@@ -126,10 +126,10 @@ class ReferenceModel:
 
     # ---- prefill: one sequence --------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0) -> torch.Tensor:
+    def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0, all_logits: bool = True) -> torch.Tensor:
         """Run tokens [T] of the sequence in `slot`, whose first `start` tokens are already cached.
 
-        Returns the logits of every position, float32 [T, vocab].
+        Returns float32 logits [T, vocab] of every position, or [1, vocab] of the last when not all_logits.
         """
         c = self.config
         tokens = token_ids.shape[0]
@@ -161,7 +161,7 @@ class ReferenceModel:
             x = x + h
             h = fn.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             x = x + self._mlp(h, p)
-        x = fn.rms_norm(x, self.w["norm.weight"], c.rms_norm_eps)
+        x = fn.rms_norm(x if all_logits else x[-1:], self.w["norm.weight"], c.rms_norm_eps)
         return (x @ self.lm_head.t()).float()
 
     # ---- decode: one token for each of B sequences -----------------------------------------------

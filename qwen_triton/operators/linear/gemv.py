@@ -45,7 +45,7 @@ MAX_ROWS = 16  # the GEMV serves M <= 16 (one tensor-core tile of tokens)
 
 def _configs(split: bool) -> list[triton.Config]:
     # first: the interpreter's (small blocks, and a real split of K so the CPU tests exercise the reduction)
-    configs = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 2 if split else 1}, num_warps=4, num_stages=2)]
+    configs = [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2 if split else 1}, num_warps=4, num_stages=2)]
     # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages): 8-32 rows of 256-512 elements (0.5-1 KB
     # contiguous per row) per step; splits of K to put 256-1024 programs on the SMs when N is small
     candidates = [
