@@ -144,6 +144,11 @@ def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator)
         return normal(shape[1] ** -0.25)
     if name == "lm_head.weight":
         return normal(shape[1] ** -0.5)
+    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+        # projections that write the residual stream: scaled down (as GPT-2's init does by depth) so that
+        # the sum of many layers stays of the order of one layer, like a trained model's, rather than a
+        # chaotic map whose bf16 rounding errors grow tenfold through the stack
+        return normal(0.2 * shape[1] ** -0.5)
     if len(shape) == 2:  # projections [out, in]
         return normal(shape[1] ** -0.5)
     raise ValueError(f"no initialisation rule for tensor '{name}'")

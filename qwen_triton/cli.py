@@ -4,6 +4,7 @@
     qwen-triton generate [--model DIR] "prompt"
     qwen-triton chat [--model DIR]
     qwen-triton ops
+    qwen-triton bench [--variants ...] [--quick] [--ops]
 
 Without --model, generate and chat run a random-weight model (the 0.8b shape on a GPU, the tiny preset on
 a CPU), made once and kept under ~/.cache/qwen-triton. Errors are one line on stderr and exit status 1.
@@ -111,6 +112,32 @@ def command_ops(args) -> None:
     print(format_table())
 
 
+def command_bench(args) -> None:
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CommandError("the benchmark needs a CUDA GPU")
+    if args.ops:
+        from .benchmark.operators import format_operator_table, run_operator_benchmark
+
+        report = run_operator_benchmark(steps=20 if args.quick else 100)
+        out = Path(args.out) / "operators-latest.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(format_operator_table(report))
+        return
+    from .benchmark.harness import VARIANTS, format_table, run_benchmark
+
+    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise CommandError(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    report = run_benchmark(variants, steps=20 if args.quick else 200, out_dir=args.out)
+    print(format_table(report))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-triton", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(chat)
     chat.add_argument("--system", help="a system message")
     chat.set_defaults(run=command_chat)
+
+    bench = commands.add_parser("bench", help="latency of each variant against the measured floor (GPU)")
+    bench.add_argument("--variants", help="comma-separated subset of the variants (default: all)")
+    bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200")
+    bench.add_argument("--ops", action="store_true", help="time each operator instead of the whole model")
+    bench.add_argument("--out", default="benchmarks/results", help="where the JSON and the plot go")
+    bench.set_defaults(run=command_bench)
 
     ops = commands.add_parser("ops", help="the table of operators and the kernel each phase uses")
     ops.set_defaults(run=command_ops)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
-from ..operators.attention import attention_decode, attention_prefill, qk_norm_rotary, rotary_table
+from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
@@ -132,6 +132,9 @@ class TritonModel:
                 down=weights[p + "mlp.down_proj.weight"],
             ))
         self.rotary = rotary_table(max_length, c.rotary_dim, c.rope_theta, self.device)
+        # the split-KV count of batch 1 for every batch: a sequence's attention is then summed in the same
+        # order whatever batch it decodes in (batched generation equals one at a time)
+        self.decode_splits = decode_splits(1, c.num_key_value_heads, max_length, self.device)
         self._allocate_state()
         self._buffers: dict[int, DecodeBuffers] = {}
         self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
@@ -251,7 +254,8 @@ class TritonModel:
         x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
         def attend(q, key_cache, value_cache):
-            return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out)
+            return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
+                                    num_splits=self.decode_splits)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):

@@ -2,7 +2,8 @@
 
 The kernels run on an NVIDIA GPU, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`),
 which is how CI tests them. Under the interpreter, autotuning is reduced to the first config
-(each config would otherwise be interpreted in turn).
+(each config would otherwise be interpreted in turn); `QWEN_TRITON_AUTOTUNE=first` does the same on a
+GPU, for correctness runs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ def interpreting() -> bool:
 
 
 def autotune_configs(configs: list) -> list:
-    """The autotune search space: all configs on a GPU, the first alone under the interpreter."""
-    return configs[:1] if interpreting() else configs
+    """The autotune search space: all configs on a GPU, the first alone under the interpreter or when
+    QWEN_TRITON_AUTOTUNE=first (correctness runs on a GPU, which need no tuning)."""
+    if interpreting() or os.environ.get("QWEN_TRITON_AUTOTUNE", "") == "first":
+        return configs[:1]
+    return configs
 
 
 def check_tensor(

@@ -80,23 +80,33 @@ def _real_model(backend, dtype, **options):
     return random_llm("0.8b", backend=backend, dtype=dtype, max_length=512, **options)
 
 
+def _step_errors(scored, reference):
+    """Per-step relative error (max over the vocabulary / max |logit|) and top-1 agreement."""
+    errors = (scored - reference).abs().amax(-1) / reference.abs().amax(-1)
+    return errors, (scored.argmax(-1) == reference.argmax(-1)).float().mean().item()
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_logits_against_float32_reference_over_256_decode_steps():
-    """128-token prefill then 256 teacher-forced decode steps. bf16 rounds every activation (unit
-    roundoff 2^-9) through 24 layers: the per-step relative logits error is about 1e-2, not a bug; the
-    bound is 5e-2 per step (max over the vocabulary / max |logit|) and top-1 agreement >= 90%."""
-    triton_llm = _real_model("triton", torch.bfloat16)
+    """128-token prefill then 256 teacher-forced decode steps at the real shape. bf16 rounds every
+    activation (unit roundoff 2^-9) through 24 layers; how far that moves the logits depends on the
+    weights, so the bound is set by the reference model itself run in bf16 on the same weights: the
+    Triton engine's error against the float32 reference may exceed the bf16 reference's by at most half
+    again (median and max), and its top-1 agreement may trail it by at most 5 points."""
     token_ids = torch.randint(0, 248_000, (384,), generator=torch.Generator().manual_seed(0)).tolist()
-    ours = triton_llm.score(token_ids, prefill=128)
-    del triton_llm
-    torch.cuda.empty_cache()
-    reference = _real_model("reference", torch.float32).score(token_ids, prefill=128)
-    errors = ((ours - reference).abs().amax(-1) / reference.abs().amax(-1))
-    agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(f"\nbf16 vs fp32: median step error {errors.median():.3e}, max {errors.max():.3e}, "
-          f"top-1 agreement {agreement:.3f}")
-    assert errors.max().item() <= 5e-2
-    assert agreement >= 0.9
+    scores = {}
+    for name, backend, dtype in (("triton", "triton", torch.bfloat16), ("reference-bf16", "reference", torch.bfloat16),
+                                 ("reference-fp32", "reference", torch.float32)):
+        scores[name] = _real_model(backend, dtype).score(token_ids, prefill=128)
+        torch.cuda.empty_cache()
+    ours, ours_agreement = _step_errors(scores["triton"], scores["reference-fp32"])
+    bf16, bf16_agreement = _step_errors(scores["reference-bf16"], scores["reference-fp32"])
+    print(f"\nbf16 vs fp32 reference over {len(ours)} steps: triton median {ours.median():.3e} max {ours.max():.3e} "
+          f"top-1 {ours_agreement:.3f}; reference-bf16 median {bf16.median():.3e} max {bf16.max():.3e} "
+          f"top-1 {bf16_agreement:.3f}")
+    assert ours.median() <= 1.5 * bf16.median()
+    assert ours.max() <= 1.5 * bf16.max()
+    assert ours_agreement >= bf16_agreement - 0.05
 
 
 @pytest.mark.gpu

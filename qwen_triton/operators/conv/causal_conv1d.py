@@ -74,15 +74,15 @@ def _causal_conv1d_kernel(
     if time_block == 0:
         # the last W-1 inputs: x's tail, or (T < W-1) the old state's tail then all of x
         slot = tl.arange(0, BLOCK_W)
-        source = length - (WIDTH - 1) + slot
+        tail = length - (WIDTH - 1) + slot  # (names differ from the loop's: a branch may not reshape them)
         in_state = slot < WIDTH - 1
-        from_x = in_state & (source >= 0)
-        from_state = in_state & (source < 0)
-        x = tl.load(x_ptr + source[None, :] * stride_xt + cols[:, None],
-                    mask=from_x[None, :] & col_mask[:, None], other=0.0)
-        old = tl.load(state_ptr + cols[:, None] * stride_sc + (WIDTH - 1 + source)[None, :],
-                      mask=from_state[None, :] & col_mask[:, None], other=0.0)
-        new = tl.where(from_x[None, :], x.to(state_ptr.dtype.element_ty), old)
+        tail_from_x = in_state & (tail >= 0)
+        tail_from_state = in_state & (tail < 0)
+        tail_x = tl.load(x_ptr + tail[None, :] * stride_xt + cols[:, None],
+                         mask=tail_from_x[None, :] & col_mask[:, None], other=0.0)
+        tail_old = tl.load(state_ptr + cols[:, None] * stride_sc + (WIDTH - 1 + tail)[None, :],
+                           mask=tail_from_state[None, :] & col_mask[:, None], other=0.0)
+        new = tl.where(tail_from_x[None, :], tail_x.to(state_ptr.dtype.element_ty), tail_old)
         tl.debug_barrier()  # every read of the old state in this program happens before it is overwritten
         tl.store(state_ptr + cols[:, None] * stride_sc + slot[None, :], new,
                  mask=in_state[None, :] & col_mask[:, None])

@@ -134,7 +134,9 @@ def _gemv_kernel(
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-_KEY = ["M", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "BLOCK_M"]
+# M is not in the key: a row's result must not depend on how many rows share the call (batch invariance:
+# a batched generation equals one at a time), so every M uses the config tuned first for its shape.
+_KEY = ["N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "BLOCK_M"]
 # restore_value: autotuning runs the kernel many times; an in-place residual add (out is residual) would
 # otherwise be added once per run. Only the benchmark runs copy and restore: a tuned call does not.
 _gemv_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
@@ -159,7 +161,9 @@ def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     """Launch the GEMV on checked arguments (see linear.linear, which checks them)."""
     M, K = x.shape
     N = out.shape[1]
-    block_m = 1 if M == 1 else 16
+    # one row per program for every M: each row is reduced exactly as it would be alone (batch
+    # invariance); rows 2..16 re-read the weight tile from L2 rather than sharing a tensor-core tile
+    block_m = 1
     if split_k:
         kernel = _gemv_split
         partial, counters = _workspace(x.device, M, N, block_m)

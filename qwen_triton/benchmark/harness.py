@@ -1,0 +1,284 @@
+"""`qwen-triton bench`: prefill and decode latency of each variant against the measured floor.
+
+Variants (the names of the JSON rows):
+  transformers               transformers' Qwen3_5ForCausalLM, bf16, what users run today
+  reference                  this package's PyTorch model, eager
+  reference+torch.compile    its decode step under torch.compile(mode="max-autotune") (CUDA graphs)
+  triton                     the Triton kernels, no split-K, no CUDA graph
+  triton+split_k             with split-K GEMVs
+  triton+split_k+cuda_graph  with the decode step captured in a CUDA graph
+
+Every model has random weights at the preset's shape (speed does not depend on the values). Decode at
+context L runs steps at position L, so each step reads L keys of every attention layer's cache.
+Timing: CUDA events around each call, after warm-up; the median of `steps` calls. The ceilings are
+measured in the same run: HBM bandwidth by a device-to-device copy (bytes read + written over time), the
+bf16 matmul rate by an 8192^3 product.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import PRESETS, official_config
+from ..config import parse_config
+from .floor import decode_bytes, prefill_flops
+
+VARIANTS = ("transformers", "reference", "reference+torch.compile", "triton", "triton+split_k",
+            "triton+split_k+cuda_graph")
+PREFILL_LENGTHS = (128, 4096)
+DECODE_CONTEXTS = (128, 4096, 32768)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def time_calls(function, steps: int, warmup: int) -> float:
+    """Median milliseconds of `steps` calls, each timed by its own pair of CUDA events."""
+    for _ in range(warmup):
+        function()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_hbm_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB: bytes read plus written per second, in TB/s."""
+    source = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    target = torch.empty_like(source)
+    ms = time_calls(lambda: target.copy_(source), steps=20, warmup=3)
+    return 2 * source.numel() * source.element_size() / (ms * 1e-3) / 1e12
+
+
+def measure_matmul_rate() -> float:
+    """bf16 8192^3 matrix product on random data, in TFLOP/s."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = time_calls(lambda: a @ b, steps=10, warmup=3)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+class EngineRunner:
+    """One of this package's backends, timed through its model's prefill and decode calls."""
+
+    def __init__(self, variant: str, preset: str, max_length: int):
+        from .models import random_llm
+
+        if variant.startswith("triton"):
+            options = dict(split_k="split_k" in variant, cuda_graph="cuda_graph" in variant)
+            self.llm = random_llm(preset, "triton", dtype=torch.bfloat16, max_length=max_length, **options)
+        else:
+            self.llm = random_llm(preset, "reference", dtype=torch.bfloat16, max_length=max_length)
+        self.model = self.llm.model
+        self.variant = variant
+        self.step_function = None
+
+    def prefill(self, token_ids: torch.Tensor) -> None:
+        self.model.reset(0)
+        self.model.prefill(token_ids, slot=0, all_logits=False)
+
+    def decode_step(self, context: int):
+        token = torch.ones(1, device="cuda", dtype=torch.int64)
+        position = torch.full((1,), context, device="cuda", dtype=torch.int64)
+        if self.variant.startswith("triton"):
+            from ..engine.sampling import SamplingParams
+            from ..engine.triton_model import DeviceSampling
+
+            sampling = DeviceSampling.build([SamplingParams()], "cuda")
+            step = torch.zeros(1, device="cuda", dtype=torch.int64)
+            return lambda: self.model.decode_tokens(token, position, sampling, step)
+        decode = self.model.decode
+        if self.variant == "reference+torch.compile":
+            if self.step_function is None:
+                self.step_function = torch.compile(decode, mode="max-autotune", fullgraph=True)
+            decode = self.step_function
+        return lambda: decode(token, position)
+
+    def close(self) -> None:
+        del self.llm, self.model
+        torch.cuda.empty_cache()
+
+
+class TransformersRunner:
+    """transformers' Qwen3_5ForCausalLM in bf16 with random weights; decode through its DynamicCache."""
+
+    def __init__(self, preset: str, max_length: int):
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        text = dict(PRESETS[preset])
+        text.pop("dtype", None)
+        with torch.device("cuda"):
+            self.model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).to(torch.bfloat16).eval()
+        try:
+            import fla  # noqa: F401
+
+            self.note = "flash-linear-attention installed"
+        except ImportError:
+            self.note = "flash-linear-attention not installed (torch fallback kernels)"
+
+    @torch.no_grad()
+    def prefill(self, token_ids: torch.Tensor) -> None:
+        self.model(token_ids[None], logits_to_keep=1, use_cache=True)
+
+    @torch.no_grad()
+    def decode_step(self, context: int):
+        token_ids = torch.randint(0, 1000, (1, context), device="cuda")
+        cache = self.model(token_ids, logits_to_keep=1, use_cache=True).past_key_values
+        token = torch.ones(1, 1, device="cuda", dtype=torch.int64)
+
+        def step():  # the cache grows by one token a step: context L..L+steps
+            with torch.no_grad():
+                self.model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return step
+
+    def close(self) -> None:
+        del self.model
+        torch.cuda.empty_cache()
+
+
+def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFILL_LENGTHS,
+                  decode_contexts=DECODE_CONTEXTS, steps: int = 200, warmup: int = 10,
+                  out_dir: str | Path = "benchmarks/results") -> dict:
+    config = parse_config(official_config(PRESETS[preset]))
+    hbm = measure_hbm_bandwidth()
+    matmul = measure_matmul_rate()
+    log(f"ceilings: HBM copy {hbm:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s")
+    max_length = max(list(decode_contexts) + list(prefill_lengths)) + 1
+    results = []
+    notes = {}
+    generator = torch.Generator().manual_seed(0)
+    for variant in variants:
+        log(f"{variant}: building")
+        runner = TransformersRunner(preset, max_length) if variant == "transformers" \
+            else EngineRunner(variant, preset, max_length)
+        notes[variant] = getattr(runner, "note", "")
+        for length in prefill_lengths:
+            token_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).cuda()
+            prefill_steps = max(3, steps // 20) if length > 1024 else max(5, steps // 10)
+            ms = time_calls(lambda: runner.prefill(token_ids), steps=prefill_steps, warmup=2)
+            flops = prefill_flops(config, length)
+            results.append(dict(variant=variant, phase="prefill", context=length, batch=1, ms=ms, bytes=None,
+                                flops=flops, pct_of_floor=100 * flops / (ms * 1e-3) / (matmul * 1e12)))
+            log(f"{variant}: prefill {length}: {ms:.3f} ms")
+        for context in decode_contexts:
+            if variant == "transformers" and context > 4096:
+                notes[variant] += f"; decode at {context} not run (its prefill to that context alone takes minutes)"
+                continue
+            step = runner.decode_step(context)
+            ms = time_calls(step, steps=steps, warmup=warmup)
+            counted = decode_bytes(config, context).total
+            results.append(dict(variant=variant, phase="decode", context=context, batch=1, ms=ms, bytes=counted,
+                                flops=None, pct_of_floor=100 * counted / (ms * 1e-3) / (hbm * 1e12)))
+            log(f"{variant}: decode at {context}: {ms * 1e3:.1f} us ({results[-1]['pct_of_floor']:.1f}% of HBM)")
+        runner.close()
+    report = dict(
+        gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
+        torch=torch.__version__, triton=_triton_version(), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul,
+        steps=steps, notes=notes, results=results, python=platform.python_version(),
+    )
+    write_report(report, out_dir)
+    return report
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("QWEN_TRITON_COMMIT", "unknown")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def format_table(report: dict) -> str:
+    rows = report["results"]
+
+    def find(variant, phase, context):
+        return next((r for r in rows if (r["variant"], r["phase"], r["context"]) == (variant, phase, context)), None)
+
+    lines = [f"{report['gpu']}, {report['date']}, torch {report['torch']}, triton {report['triton']}; "
+             f"HBM copy {report['hbm_copy_TBps']:.2f} TB/s, bf16 matmul {report['matmul_TFLOPs']:.0f} TFLOP/s", ""]
+    contexts = sorted({(r["phase"], r["context"]) for r in rows}, key=lambda k: (k[0] != "prefill", k[1]))
+    header = "| variant | " + " | ".join(
+        f"prefill {c} (ms)" if p == "prefill" else f"decode @{c} (us)" for p, c in contexts) + " |"
+    lines += [header, "|---" * (len(contexts) + 1) + "|"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for variant in variants:
+        cells = []
+        for phase, context in contexts:
+            r = find(variant, phase, context)
+            if r is None:
+                cells.append("-")
+                continue
+            value = r["ms"] if phase == "prefill" else r["ms"] * 1e3
+            speedups = []
+            for base in ("transformers", "reference+torch.compile"):
+                b = find(base, phase, context)
+                if b is not None and base != variant:
+                    speedups.append(f"{b['ms'] / r['ms']:.1f}x vs {'hf' if base == 'transformers' else 'compile'}")
+            extra = f"; {', '.join(speedups)}" if speedups else ""
+            cells.append(f"{value:.3f} ({r['pct_of_floor']:.0f}%{extra})" if phase == "prefill"
+                         else f"{value:.1f} ({r['pct_of_floor']:.0f}%{extra})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Percentages: decode = bytes that must move / time, of the measured HBM copy bandwidth; "
+                 "prefill = FLOPs / time, of the measured bf16 matmul rate.")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out_dir: str | Path) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = report["gpu"].replace(" ", "-")
+    text = json.dumps(report, indent=2)
+    (out_dir / f"{report['date']}-{gpu}.json").write_text(text)
+    (out_dir / "latest.json").write_text(text)
+    try:
+        plot(report, out_dir / "latest.png")
+    except ImportError:
+        log("matplotlib is not installed: no plot written")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for variant in variants:
+        decode = sorted((r["context"], r["ms"] * 1e3) for r in rows if r["variant"] == variant and r["phase"] == "decode")
+        if decode:
+            right.plot(*zip(*decode), marker="o", label=variant)
+    right.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode latency per token (us)",
+              title="decode, batch 1")
+    right.legend(fontsize=7)
+    prefill = [(r["variant"], r["ms"]) for r in rows if r["phase"] == "prefill" and r["context"] == 128]
+    if prefill:
+        left.barh([v for v, _ in prefill], [ms for _, ms in prefill])
+        left.set(xscale="log", xlabel="prefill of 128 tokens (ms)", title="prefill latency")
+    figure.suptitle(f"Qwen3.5-0.8B shape, bf16, {report['gpu']}, {report['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
