@@ -52,7 +52,7 @@ def _split_configs():
     ])
 
 
-@triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"])
+@triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"], cache_results=True)
 @triton.jit
 def _decode_split_kernel(
     q, key, value, lengths, partial_acc, partial_max, partial_sum,
@@ -129,7 +129,7 @@ def _merge_configs():
     ])
 
 
-@triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"])
+@triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"], cache_results=True)
 @triton.jit
 def _decode_merge_kernel(
     partial_acc, partial_max, partial_sum, lengths, out,

@@ -72,7 +72,7 @@ def _configs():
     ])
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket", "context_bucket"])
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket", "context_bucket"], cache_results=True)
 @triton.jit
 def _prefill_kernel(
     q, key, value, out,

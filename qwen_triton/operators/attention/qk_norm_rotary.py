@@ -81,7 +81,7 @@ def _configs():
     return autotune_configs([triton.Config({}, num_warps=w) for w in (2, 1, 4)])
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"])
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"], cache_results=True)
 @triton.jit
 def _qk_norm_rotary_kernel(
     qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out,

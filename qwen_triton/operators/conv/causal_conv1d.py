@@ -43,7 +43,7 @@ def _prefill_configs():
     ])
 
 
-@triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH"], restore_value=["state_ptr"])
+@triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH"], restore_value=["state_ptr"], cache_results=True)
 @triton.jit
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, state_ptr, out_ptr,
@@ -128,7 +128,7 @@ def _step_configs():
     ])
 
 
-@triton.autotune(configs=_step_configs(), key=["batch", "channels", "WIDTH"], restore_value=["state_ptr"])
+@triton.autotune(configs=_step_configs(), key=["batch", "channels", "WIDTH"], restore_value=["state_ptr"], cache_results=True)
 @triton.jit
 def _causal_conv1d_step_kernel(
     x_ptr, weight_ptr, state_ptr, out_ptr,

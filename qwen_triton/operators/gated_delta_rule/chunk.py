@@ -139,7 +139,7 @@ def _prepare_configs():
     ])
 
 
-@triton.autotune(configs=_prepare_configs(), key=["K_DIM", "V_DIM", "PRECISION"])
+@triton.autotune(configs=_prepare_configs(), key=["K_DIM", "V_DIM", "PRECISION"], cache_results=True)
 @triton.jit
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
@@ -279,7 +279,7 @@ def _recurrence_configs():
 @triton.autotune(
     configs=_recurrence_configs(),
     key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "DOT_DTYPE", "PRECISION"],
-    restore_value=["state_ptr"],
+    restore_value=["state_ptr"], cache_results=True,
 )
 @triton.jit
 def _chunk_recurrence_kernel(

@@ -50,7 +50,7 @@ def _step_configs():
 
 
 @triton.autotune(configs=_step_configs(), key=["batch", "K_HEADS", "V_HEADS", "K_DIM", "V_DIM", "WIDTH"],
-                 restore_value=["conv_state_ptr", "state_ptr"])
+                 restore_value=["conv_state_ptr", "state_ptr"], cache_results=True)
 @triton.jit
 def _fused_step_kernel(
     x_ptr, conv_weight_ptr, conv_state_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr,
@@ -104,7 +104,7 @@ def _finish_configs():
 
 
 @triton.autotune(configs=_finish_configs(), key=["batch", "HEADS", "HEAD_DIM", "KEY_CHANNELS", "WIDTH"],
-                 restore_value=["conv_state_ptr"])
+                 restore_value=["conv_state_ptr"], cache_results=True)
 @triton.jit
 def _fused_finish_kernel(
     o_ptr, z_ptr, norm_weight_ptr, out_ptr, x_ptr, conv_state_ptr,

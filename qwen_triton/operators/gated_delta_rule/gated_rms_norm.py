@@ -58,7 +58,7 @@ def _configs():
     ])
 
 
-@triton.autotune(configs=_configs(), key=["HEADS", "HEAD_DIM"])
+@triton.autotune(configs=_configs(), key=["HEADS", "HEAD_DIM"], cache_results=True)
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, weight_ptr, out_ptr,

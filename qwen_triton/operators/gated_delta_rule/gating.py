@@ -57,7 +57,7 @@ def _configs():
     ])
 
 
-@triton.autotune(configs=_configs(), key=["HEADS"])
+@triton.autotune(configs=_configs(), key=["HEADS"], cache_results=True)
 @triton.jit
 def _gating_kernel(
     a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,

@@ -69,7 +69,7 @@ def _configs():
     ])
 
 
-@triton.autotune(configs=_configs(), key=["batch", "V_HEADS", "K_DIM", "V_DIM"], restore_value=["state_ptr"])
+@triton.autotune(configs=_configs(), key=["batch", "V_HEADS", "K_DIM", "V_DIM"], restore_value=["state_ptr"], cache_results=True)
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr,
