@@ -54,9 +54,14 @@ def command_make_checkpoint(args) -> None:
 
 
 def _load(args):
+    device = args.device or _default_device()
+    backend = args.backend or ("triton" if device == "cuda" else "reference")
+    if backend == "triton" and device == "cpu":
+        # the kernels run on the CPU only under Triton's interpreter, chosen before they are imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args.backend = backend
     from . import LLM
 
-    device = args.device or _default_device()
     model = Path(args.model) if args.model else default_model(device)
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
     print(f"loading {model} ({args.backend} backend, {device}, {dtype})", file=sys.stderr)
@@ -150,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_options(sub):
         sub.add_argument("--model", help="checkpoint directory (default: a random-weight model)")
-        sub.add_argument("--backend", choices=["reference", "triton"], default="reference")
+        sub.add_argument("--backend", choices=["reference", "triton"],
+                         help="default: triton on cuda, reference on cpu (triton runs there interpreted, slowly)")
         sub.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
         sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
         sub.add_argument("--max-length", type=int, default=4096, help="tokens of context (prompt + reply)")
