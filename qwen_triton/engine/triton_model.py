@@ -34,6 +34,7 @@ from ..operators.gated_delta_rule import (
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear
 from ..operators.sampling import sample
+from ..state import ModelState
 
 
 @dataclass
@@ -135,40 +136,14 @@ class TritonModel:
         # the split-KV count of batch 1 for every batch: a sequence's attention is then summed in the same
         # order whatever batch it decodes in (batched generation equals one at a time)
         self.decode_splits = decode_splits(1, c.num_key_value_heads, max_length, self.device)
-        self._allocate_state()
+        self.state = ModelState(config, max_batch, max_length, self.device, dtype)
         self._buffers: dict[int, DecodeBuffers] = {}
         self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
 
-    # ---- state ----------------------------------------------------------------------------------
-    def _allocate_state(self) -> None:
-        c, device = self.config, self.device
-        self.key_cache: dict[int, torch.Tensor] = {}
-        self.value_cache: dict[int, torch.Tensor] = {}
-        self.conv_state: dict[int, torch.Tensor] = {}
-        self.recurrent_state: dict[int, torch.Tensor] = {}
-        for i, layer_type in enumerate(c.layer_types):
-            if layer_type == FULL_ATTENTION:
-                shape = (self.max_batch, c.num_key_value_heads, self.max_length, c.head_dim)
-                self.key_cache[i] = torch.zeros(shape, device=device, dtype=self.dtype)
-                self.value_cache[i] = torch.zeros(shape, device=device, dtype=self.dtype)
-            else:
-                self.conv_state[i] = torch.zeros(
-                    self.max_batch, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=self.dtype
-                )
-                self.recurrent_state[i] = torch.zeros(
-                    self.max_batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                    device=device, dtype=torch.float32,
-                )
-
     def reset(self, slot: int | None = None) -> None:
-        """Forget the sequence in `slot` (all slots when None). The KV cache needs no clearing: attention
-        reads only the positions below each sequence's length."""
-        for states in (self.conv_state, self.recurrent_state):
-            for tensor in states.values():
-                if slot is None:
-                    tensor.zero_()
-                else:
-                    tensor[slot].zero_()
+        """Forget the sequence in `slot` (all slots when None)."""
+        for s in range(self.max_batch) if slot is None else [slot]:
+            self.state.reset(s)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _attention(self, i, w: AttentionWeights, x, positions, slots, attend, scratch=None):
@@ -178,11 +153,11 @@ class TritonModel:
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
         q = qk_norm_rotary(
             qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
-            self.key_cache[i], self.value_cache[i],
+            self.state.key[i], self.state.value[i],
             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"],
         )
-        attended = attend(q, self.key_cache[i], self.value_cache[i])
+        attended = attend(q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
         return linear(attended.view(attended.shape[0], -1), w.out, gate=gate, residual=x, out=x,
                       split_k=self.split_k)
@@ -230,9 +205,9 @@ class TritonModel:
                 projection = linear(x, w.projection, norm_weight=w.input_norm, eps=c.rms_norm_eps,
                                     split_k=self.split_k)
                 mixed, z, b, a = self._split_projection(projection)
-                mixed = causal_conv1d(mixed, w.conv, self.conv_state[i][slot])
+                mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot])
                 q, k, v = self._heads(mixed)
-                out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.recurrent_state[i][slot])
+                out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot])
                 out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
                 x = linear(out, w.out, residual=x, out=x, split_k=self.split_k)
             x = self._mlp(mlp, x)
@@ -265,7 +240,7 @@ class TritonModel:
                                     split_k=self.split_k, out=buffers.scratch["delta_projection"])
                 mixed, z, b, a = self._split_projection(projection)
                 size = buffers.size
-                conv_state, state = self.conv_state[i][:size], self.recurrent_state[i][:size]
+                conv_state, state = self.state.conv[i][:size], self.state.recurrent[i][:size]
                 if self.fused_delta_decode:
                     out = gated_delta_rule_decode_fused(
                         mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
@@ -314,15 +289,15 @@ class TritonModel:
         graph.replay()
 
     def _save_state(self, size: int):
-        return ({i: t[:size].clone() for i, t in self.conv_state.items()},
-                {i: t[:size].clone() for i, t in self.recurrent_state.items()})
+        return ({i: t[:size].clone() for i, t in self.state.conv.items()},
+                {i: t[:size].clone() for i, t in self.state.recurrent.items()})
 
     def _restore_state(self, size: int, saved) -> None:
         conv, recurrent = saved
         for i, t in conv.items():
-            self.conv_state[i][:size].copy_(t)
+            self.state.conv[i][:size].copy_(t)
         for i, t in recurrent.items():
-            self.recurrent_state[i][:size].copy_(t)
+            self.state.recurrent[i][:size].copy_(t)
 
     def _load_inputs(self, buffers: DecodeBuffers, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         batch = token_ids.shape[0]

@@ -1,1 +1,3 @@
 from .model import ReferenceModel
+
+__all__ = ["ReferenceModel"]

@@ -13,36 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
+from ..state import ModelState
 from . import functional as fn
-
-
-class ReferenceCache:
-    """Per-layer state: KV cache [B, Hkv, S, D] for attention, conv [B, C, W-1] and fp32 state for DeltaNet."""
-
-    def __init__(self, config: ModelConfig, max_batch: int, max_length: int, device, dtype):
-        c = config
-        self.key: dict[int, torch.Tensor] = {}
-        self.value: dict[int, torch.Tensor] = {}
-        self.conv: dict[int, torch.Tensor] = {}
-        self.recurrent: dict[int, torch.Tensor] = {}
-        for i, layer_type in enumerate(c.layer_types):
-            if layer_type == FULL_ATTENTION:
-                shape = (max_batch, c.num_key_value_heads, max_length, c.head_dim)
-                self.key[i] = torch.zeros(shape, device=device, dtype=dtype)
-                self.value[i] = torch.zeros(shape, device=device, dtype=dtype)
-            else:
-                self.conv[i] = torch.zeros(
-                    max_batch, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=dtype
-                )
-                self.recurrent[i] = torch.zeros(
-                    max_batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                    device=device, dtype=torch.float32,
-                )
-
-    def reset(self, slot: int) -> None:
-        for tensors in (self.key, self.value, self.conv, self.recurrent):
-            for t in tensors.values():
-                t[slot].zero_()
 
 
 class ReferenceModel:
@@ -61,7 +33,7 @@ class ReferenceModel:
         self.dtype = dtype
         self.max_batch = max_batch
         self.max_length = max_length
-        self.cache = ReferenceCache(config, max_batch, max_length, self.device, dtype)
+        self.cache = ModelState(config, max_batch, max_length, self.device, dtype)
         self.lm_head = weights["embed_tokens.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
         # fp32 rotary tables for every position, sliced by position at run time
         self.cos, self.sin = fn.rotary_cos_sin(

@@ -1,0 +1,41 @@
+"""The per-sequence state of a generation, shared by both backends: everything preallocated for
+`max_batch` sequences (slots) of up to `max_length` tokens.
+
+- full-attention layers: the KV cache, key and value [slot, kv head, position, head dim], so one head's
+  keys are contiguous for decode reads;
+- Gated DeltaNet layers: the conv state [slot, channel, width - 1] (the last inputs of the causal conv) in
+  the activation dtype, and the recurrent state [slot, value head, key dim, value dim] in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import FULL_ATTENTION, ModelConfig
+
+
+class ModelState:
+    def __init__(self, config: ModelConfig, max_batch: int, max_length: int, device, dtype):
+        c = config
+        self.key: dict[int, torch.Tensor] = {}
+        self.value: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        for i, layer_type in enumerate(c.layer_types):
+            if layer_type == FULL_ATTENTION:
+                shape = (max_batch, c.num_key_value_heads, max_length, c.head_dim)
+                self.key[i] = torch.zeros(shape, device=device, dtype=dtype)
+                self.value[i] = torch.zeros(shape, device=device, dtype=dtype)
+            else:
+                self.conv[i] = torch.zeros(
+                    max_batch, c.linear_conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=dtype
+                )
+                self.recurrent[i] = torch.zeros(
+                    max_batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                    device=device, dtype=torch.float32,
+                )
+
+    def reset(self, slot: int) -> None:
+        for tensors in (self.key, self.value, self.conv, self.recurrent):
+            for t in tensors.values():
+                t[slot].zero_()
