@@ -122,24 +122,35 @@ def command_bench(args) -> None:
 
     import torch
 
-    if not torch.cuda.is_available():
-        raise CommandError("the benchmark needs a CUDA GPU")
+    device = args.device or _default_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("device 'cuda' was asked for, but no CUDA GPU is available on this machine")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print("benchmarking on the CPU (Triton interpreted): the harness runs, its numbers mean nothing",
+              file=sys.stderr)
+    steps = args.steps or (20 if args.quick else 200)
     if args.ops:
+        if device != "cuda":
+            raise CommandError("the operator benchmark needs a CUDA GPU")
         from .benchmark.operators import format_operator_table, run_operator_benchmark
 
-        report = run_operator_benchmark(steps=20 if args.quick else 100)
+        report = run_operator_benchmark(steps=min(steps, 100))
         out = Path(args.out) / "operators-latest.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
         print(format_operator_table(report))
         return
-    from .benchmark.harness import VARIANTS, format_table, run_benchmark
+    from .benchmark.harness import DECODE_CONTEXTS, PREFILL_LENGTHS, VARIANTS, format_table, run_benchmark
 
     variants = args.variants.split(",") if args.variants else list(VARIANTS)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise CommandError(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
-    report = run_benchmark(variants, steps=20 if args.quick else 200, out_dir=args.out)
+    prefill = [int(n) for n in args.prefill.split(",")] if args.prefill else list(PREFILL_LENGTHS)
+    contexts = [int(n) for n in args.contexts.split(",")] if args.contexts else list(DECODE_CONTEXTS)
+    report = run_benchmark(variants, preset=args.preset, prefill_lengths=prefill, decode_contexts=contexts,
+                           steps=steps, out_dir=args.out, device=device)
     print(format_table(report))
 
 
@@ -183,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200")
     bench.add_argument("--ops", action="store_true", help="time each operator instead of the whole model")
     bench.add_argument("--out", default="benchmarks/results", help="where the JSON and the plot go")
+    bench.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b")
+    bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
+    bench.add_argument("--steps", type=int, help="timed decode steps per measurement (default 200)")
+    bench.add_argument("--prefill", help="comma-separated prefill lengths (default 128,4096)")
+    bench.add_argument("--contexts", help="comma-separated decode contexts (default 128,4096,32768)")
     bench.set_defaults(run=command_bench)
 
     ops = commands.add_parser("ops", help="the table of operators and the kernel each phase uses")

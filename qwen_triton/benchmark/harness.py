@@ -13,6 +13,9 @@ context L runs steps at position L, so each step reads L keys of every attention
 Timing: CUDA events around each call, after warm-up; the median of `steps` calls. The ceilings are
 measured in the same run: HBM bandwidth by a device-to-device copy (bytes read + written over time), the
 bf16 matmul rate by an 8192^3 product.
+
+On a CPU (the tiny preset, float32, Triton under its interpreter) the same harness runs end to end with
+host timers and host ceilings, so that it is tested in CI; its numbers there mean nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,10 +46,18 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def time_calls(function, steps: int, warmup: int) -> float:
-    """Median milliseconds of `steps` calls, each timed by its own pair of CUDA events."""
+def time_calls(function, steps: int, warmup: int, device: str = "cuda") -> float:
+    """Median milliseconds of `steps` calls, each timed by its own pair of CUDA events (a host timer on
+    the CPU)."""
     for _ in range(warmup):
         function()
+    if device != "cuda":
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            function()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(steps):
@@ -58,33 +70,36 @@ def time_calls(function, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def measure_hbm_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB: bytes read plus written per second, in TB/s."""
-    source = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+def measure_hbm_bandwidth(device: str = "cuda") -> float:
+    """Device-to-device copy (2 GiB on a GPU, 64 MiB on the host): bytes read plus written per second, TB/s."""
+    elements = 2**30 if device == "cuda" else 2**25
+    source = torch.empty(elements, dtype=torch.int16, device=device).random_()
     target = torch.empty_like(source)
-    ms = time_calls(lambda: target.copy_(source), steps=20, warmup=3)
+    ms = time_calls(lambda: target.copy_(source), steps=20, warmup=3, device=device)
     return 2 * source.numel() * source.element_size() / (ms * 1e-3) / 1e12
 
 
-def measure_matmul_rate() -> float:
-    """bf16 8192^3 matrix product on random data, in TFLOP/s."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = time_calls(lambda: a @ b, steps=10, warmup=3)
-    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+def measure_matmul_rate(device: str = "cuda") -> float:
+    """Matrix product on random data (bf16 8192^3 on a GPU, float32 512^3 on the host), in TFLOP/s."""
+    size, dtype = (8192, torch.bfloat16) if device == "cuda" else (512, torch.float32)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = time_calls(lambda: a @ b, steps=10, warmup=3, device=device)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
 class EngineRunner:
     """One of this package's backends, timed through its model's prefill and decode calls."""
 
-    def __init__(self, variant: str, preset: str, max_length: int):
+    def __init__(self, variant: str, preset: str, max_length: int, device: str, dtype: torch.dtype):
         from .models import random_llm
 
+        self.device = device
         if variant.startswith("triton"):
             options = dict(split_k="split_k" in variant, cuda_graph="cuda_graph" in variant)
-            self.llm = random_llm(preset, "triton", dtype=torch.bfloat16, max_length=max_length, **options)
+            self.llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max_length, **options)
         else:
-            self.llm = random_llm(preset, "reference", dtype=torch.bfloat16, max_length=max_length)
+            self.llm = random_llm(preset, "reference", device=device, dtype=dtype, max_length=max_length)
         self.model = self.llm.model
         self.variant = variant
         self.step_function = None
@@ -94,14 +109,14 @@ class EngineRunner:
         self.model.prefill(token_ids, slot=0, all_logits=False)
 
     def decode_step(self, context: int):
-        token = torch.ones(1, device="cuda", dtype=torch.int64)
-        position = torch.full((1,), context, device="cuda", dtype=torch.int64)
+        token = torch.ones(1, device=self.device, dtype=torch.int64)
+        position = torch.full((1,), context, device=self.device, dtype=torch.int64)
         if self.variant.startswith("triton"):
             from ..engine.sampling import SamplingParams
             from ..engine.triton_model import DeviceSampling
 
-            sampling = DeviceSampling.build([SamplingParams()], "cuda")
-            step = torch.zeros(1, device="cuda", dtype=torch.int64)
+            sampling = DeviceSampling.build([SamplingParams()], self.device)
+            step = torch.zeros(1, device=self.device, dtype=torch.int64)
             return lambda: self.model.decode_tokens(token, position, sampling, step)
         decode = self.model.decode
         if self.variant == "reference+torch.compile":
@@ -112,19 +127,21 @@ class EngineRunner:
 
     def close(self) -> None:
         del self.llm, self.model
-        torch.cuda.empty_cache()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 class TransformersRunner:
     """transformers' Qwen3_5ForCausalLM in bf16 with random weights; decode through its DynamicCache."""
 
-    def __init__(self, preset: str, max_length: int):
+    def __init__(self, preset: str, max_length: int, device: str, dtype: torch.dtype):
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
         text = dict(PRESETS[preset])
         text.pop("dtype", None)
-        with torch.device("cuda"):
-            self.model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).to(torch.bfloat16).eval()
+        self.device = device
+        with torch.device(device):
+            self.model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).to(dtype).eval()
         try:
             import fla  # noqa: F401
 
@@ -138,9 +155,9 @@ class TransformersRunner:
 
     @torch.no_grad()
     def decode_step(self, context: int):
-        token_ids = torch.randint(0, 1000, (1, context), device="cuda")
+        token_ids = torch.randint(0, 1000, (1, context), device=self.device)
         cache = self.model(token_ids, logits_to_keep=1, use_cache=True).past_key_values
-        token = torch.ones(1, 1, device="cuda", dtype=torch.int64)
+        token = torch.ones(1, 1, device=self.device, dtype=torch.int64)
 
         def step():  # the cache grows by one token a step: context L..L+steps
             with torch.no_grad():
@@ -149,15 +166,18 @@ class TransformersRunner:
 
     def close(self) -> None:
         del self.model
-        torch.cuda.empty_cache()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFILL_LENGTHS,
                   decode_contexts=DECODE_CONTEXTS, steps: int = 200, warmup: int = 10,
-                  out_dir: str | Path = "benchmarks/results") -> dict:
+                  out_dir: str | Path = "benchmarks/results", device: str = "cuda") -> dict:
+    """Time every variant; write the JSON and the plot to out_dir; return the report."""
     config = parse_config(official_config(PRESETS[preset]))
-    hbm = measure_hbm_bandwidth()
-    matmul = measure_matmul_rate()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot is wrong in bf16
+    hbm = measure_hbm_bandwidth(device)
+    matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s")
     max_length = max(list(decode_contexts) + list(prefill_lengths)) + 1
     results = []
@@ -165,13 +185,14 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
     generator = torch.Generator().manual_seed(0)
     for variant in variants:
         log(f"{variant}: building")
-        runner = TransformersRunner(preset, max_length) if variant == "transformers" \
-            else EngineRunner(variant, preset, max_length)
+        runner = TransformersRunner(preset, max_length, device, dtype) if variant == "transformers" \
+            else EngineRunner(variant, preset, max_length, device, dtype)
         notes[variant] = getattr(runner, "note", "")
         for length in prefill_lengths:
-            token_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).cuda()
+            token_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).to(device)
             prefill_steps = max(3, steps // 20) if length > 1024 else max(5, steps // 10)
-            ms = time_calls(lambda: runner.prefill(token_ids), steps=prefill_steps, warmup=2)
+            ms = time_calls(lambda: runner.prefill(token_ids), steps=min(prefill_steps, steps), warmup=min(2, steps),
+                            device=device)
             flops = prefill_flops(config, length)
             results.append(dict(variant=variant, phase="prefill", context=length, batch=1, ms=ms, bytes=None,
                                 flops=flops, pct_of_floor=100 * flops / (ms * 1e-3) / (matmul * 1e12)))
@@ -181,16 +202,17 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
                 notes[variant] += f"; decode at {context} not run (its prefill to that context alone takes minutes)"
                 continue
             step = runner.decode_step(context)
-            ms = time_calls(step, steps=steps, warmup=warmup)
+            ms = time_calls(step, steps=steps, warmup=min(warmup, steps), device=device)
             counted = decode_bytes(config, context).total
             results.append(dict(variant=variant, phase="decode", context=context, batch=1, ms=ms, bytes=counted,
                                 flops=None, pct_of_floor=100 * counted / (ms * 1e-3) / (hbm * 1e12)))
             log(f"{variant}: decode at {context}: {ms * 1e3:.1f} us ({results[-1]['pct_of_floor']:.1f}% of HBM)")
         runner.close()
     report = dict(
-        gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
+        gpu=torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()})", date=datetime.date.today().isoformat(), commit=_commit(),
         torch=torch.__version__, triton=_triton_version(), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul,
-        steps=steps, notes=notes, results=results, python=platform.python_version(),
+        steps=steps, notes=notes, results=results, python=platform.python_version(), preset=preset,
+        dtype=str(dtype).replace("torch.", ""),
     )
     write_report(report, out_dir)
     return report

@@ -37,10 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs
+from ..common import autotune_configs, interpreting
 from .fusion import SWIGLU, accumulate, row_rstd, store_output
 
 MAX_ROWS = 16  # the GEMV serves M <= 16 (one tensor-core tile of tokens)
+INTERPRETER_WIDE_N = 4096
 
 
 def _configs(split: bool) -> list[triton.Config]:
@@ -173,6 +174,11 @@ def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, block_m))
 
+    explicit = {}
+    if interpreting() and N > INTERPRETER_WIDE_N:
+        # the interpreter pays per program: a vocabulary-sized N (the LM head) gets wide blocks there
+        kernel = _gemv_kernel
+        explicit = dict(BLOCK_N=1024, BLOCK_K=64, SPLIT_K=2 if split_k else 1)
     kernel[grid](
         x, weight, out,
         out if residual is None else residual,
@@ -185,6 +191,6 @@ def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         0 if gate is None else gate.stride(0),
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        HAS_NORM=norm_weight is not None, BLOCK_M=block_m,
+        HAS_NORM=norm_weight is not None, BLOCK_M=block_m, **explicit,
     )
     return out

@@ -176,13 +176,17 @@ def lm_head_argmax(
     def grid(meta):
         return (triton.cdiv(V, meta["BLOCK_V"]), triton.cdiv(M, block_m))
 
-    _lm_head_argmax_kernel[grid](
+    kernel, explicit = _lm_head_argmax_kernel, {}
+    if interpreting() and V > 4096:
+        # the interpreter pays per program: wide vocabulary blocks there
+        kernel, explicit = _lm_head_argmax_kernel.fn, dict(BLOCK_V=1024, BLOCK_K=64)
+    kernel[grid](
         x, weight, x if norm_weight is None else norm_weight,
         temperature if sample else x, seed if sample else x, step if sample else x,
         values, indices, tiles,
         M, V, K, x.stride(0), weight.stride(0), eps, max_tiles,
         HAS_NORM=norm_weight is not None, SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1,
-        BLOCK_M=block_m,
+        BLOCK_M=block_m, **explicit,
     )
     _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, BLOCK_T=BLOCK_T, num_warps=8)
     return out

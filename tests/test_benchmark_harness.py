@@ -1,0 +1,28 @@
+"""`qwen-triton bench` end to end on the CPU at the tiny preset (Triton interpreted, two steps), so the
+harness cannot rot: the JSON schema, the table and the plot."""
+
+import json
+
+from qwen_triton.cli import main
+
+# the Triton variants differ only on a GPU (split-K configs, CUDA graphs); one of them keeps CI short
+VARIANTS = "transformers,reference,triton"
+
+
+def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+    code = main(["bench", "--device", "cpu", "--preset", "tiny", "--variants", VARIANTS, "--steps", "1",
+                 "--prefill", "8", "--contexts", "4,12", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "latest.json").read_text())
+    for key in ("gpu", "date", "commit", "torch", "triton", "hbm_copy_TBps", "matmul_TFLOPs", "results"):
+        assert key in report
+    rows = report["results"]
+    assert {r["variant"] for r in rows} == set(VARIANTS.split(","))
+    for row in rows:
+        assert set(row) >= {"variant", "phase", "context", "batch", "ms", "bytes", "flops", "pct_of_floor"}
+        assert row["ms"] > 0 and row["pct_of_floor"] > 0
+        assert (row["bytes"] if row["phase"] == "decode" else row["flops"]) > 0
+    assert len([r for r in rows if r["phase"] == "decode"]) == 3 * 2
+    assert (tmp_path / "latest.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| triton |" in table and "decode @12 (us)" in table
