@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ..common import autotune_configs, check_same_device, check_tensor, interpreting
+from .prefill import online_softmax_step
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2_E = 1.4426950408889634
@@ -95,20 +96,8 @@ def _decode_split_kernel(
         loaded = valid[:, None] & in_head[None, :]
         k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=loaded, other=0.0)
         v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=loaded, other=0.0)
-        if IEEE:
-            scores = tl.dot(q_tile, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q_tile, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, valid[None, :],
+                                            MASKED=True, IEEE=IEEE)
 
     active = begin < length
     stat = batch.to(tl.int64) * stride_stat_batch + head * stride_stat_head + split

@@ -36,10 +36,10 @@ MAX_GROUP = 64  # the smallest BLOCK_M below: a program holds at least one token
 
 
 @triton.jit
-def _online_softmax_step(
+def online_softmax_step(
     q_tile, k, v, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Fold one K/V tile into the running (max, sum, accumulator) of every row."""
+    """Fold one K/V tile into the running (max, sum, accumulator) of every row (prefill and decode)."""
     if IEEE:
         scores = tl.dot(q_tile, tl.trans(k), input_precision="ieee")
     else:
@@ -113,7 +113,7 @@ def _prefill_kernel(
         n = tile_start + keys_in_tile
         k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=in_head[None, :], other=0.0)
         v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=in_head[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, None, False, IEEE)
+        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, None, False, IEEE)
     # the diagonal: key n is visible to the row at position p when n <= p
     for tile_start in range(unmasked_end, last_position + 1, BLOCK_N):
         n = tile_start + keys_in_tile
@@ -121,7 +121,7 @@ def _prefill_kernel(
         k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=loaded, other=0.0)
         v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=loaded, other=0.0)
         visible = n[None, :] <= query_position[:, None]
-        m_i, l_i, acc = _online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, visible, True, IEEE)
+        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, visible, True, IEEE)
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_i[:, None]
