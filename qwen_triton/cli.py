@@ -5,6 +5,7 @@
     qwen-triton chat [--model DIR]
     qwen-triton ops
     qwen-triton bench [--variants ...] [--quick] [--ops]
+    qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
 Without --model, generate and chat run a random-weight model (the 0.8b shape on a GPU, the tiny preset on
 a CPU), made once and kept under ~/.cache/qwen-triton. Errors are one line on stderr and exit status 1.
@@ -154,6 +155,31 @@ def command_bench(args) -> None:
     print(format_table(report))
 
 
+def command_profile(args) -> None:
+    import json
+
+    import torch
+
+    device = args.device or _default_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("device 'cuda' was asked for, but no CUDA GPU is available on this machine")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print("profiling on the CPU (Triton interpreted, operators timed on the host): its numbers mean nothing",
+              file=sys.stderr)
+    for name in ("context", "prefill", "steps"):
+        if getattr(args, name) <= 0:
+            raise CommandError(f"--{name} must be positive, got {getattr(args, name)}")
+    from .benchmark.profile import format_profile, run_profile
+
+    report = run_profile(preset=args.preset, context=args.context, prefill_tokens=args.prefill, steps=args.steps,
+                         device=device, pdl=False if args.no_pdl else None)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    print(format_profile(report))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-triton", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -200,6 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill", help="comma-separated prefill lengths (default 128,4096)")
     bench.add_argument("--contexts", help="comma-separated decode contexts (default 128,4096,32768)")
     bench.set_defaults(run=command_bench)
+
+    profile = commands.add_parser("profile", help="one decode step and one prefill, kernel by kernel (GPU)")
+    profile.add_argument("--context", type=int, default=128, help="decode context in tokens (default 128)")
+    profile.add_argument("--prefill", type=int, default=128, help="prefill length in tokens (default 128)")
+    profile.add_argument("--steps", type=int, default=20, help="decode steps profiled; medians are reported")
+    profile.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b")
+    profile.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
+    profile.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    profile.add_argument("--out", help="write the full report (every kernel) as JSON here")
+    profile.set_defaults(run=command_profile)
 
     ops = commands.add_parser("ops", help="the table of operators and the kernel each phase uses")
     ops.set_defaults(run=command_ops)

@@ -101,7 +101,7 @@ class LLM:
 
             self.model = TritonModel(
                 self.config, weights, max_batch=max_batch, max_length=self.max_length,
-                device=self.device, dtype=self.dtype, **backend_options,
+                device=self.device, dtype=self.dtype, progress=progress, **backend_options,
             )
         self._tokenizer = None
 

@@ -17,11 +17,13 @@ replayed: inputs are copied into static buffers, nothing is allocated and nothin
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
+from ..operators.common import pdl_available
 from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
@@ -35,6 +37,8 @@ from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear
 from ..operators.sampling import sample
 from ..state import ModelState
+from ..progress import progress_printer
+from .trace import KernelTrace
 
 
 @dataclass
@@ -84,6 +88,8 @@ class TritonModel:
         split_k: bool = True,
         cuda_graph: bool = True,
         fused_delta_decode: bool = True,
+        pdl: bool | None = None,
+        progress: bool = False,
     ):
         self.config = c = config
         self.device = torch.device(device)
@@ -93,6 +99,10 @@ class TritonModel:
         self.split_k = split_k
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.fused_delta_decode = fused_delta_decode
+        # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
+        self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
+        if self.pdl and not pdl_available(self.device):
+            raise ValueError(f"pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer, not {self.device}")
         self.embed = weights["embed_tokens.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["norm.weight"]
@@ -139,28 +149,57 @@ class TritonModel:
         self.state = ModelState(config, max_batch, max_length, self.device, dtype)
         self._buffers: dict[int, DecodeBuffers] = {}
         self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        # progress of the warm-ups on stderr (the first prefill, each decode graph's first step): they compile
+        # and autotune the kernels, once per machine (the choices are cached on disk)
+        self.progress = progress
+        self._layer_done = None
+        self._prefilled = False
+        self.trace: KernelTrace | None = None  # set by qwen-triton profile while it records launches
+        self.trace_context = 0  # the decode context the trace's attention bytes are counted at
 
     def reset(self, slot: int | None = None) -> None:
         """Forget the sequence in `slot` (all slots when None)."""
         for s in range(self.max_batch) if slot is None else [slot]:
             self.state.reset(s)
 
+    # ---- tracing: which operator launched which kernel (qwen-triton profile) -------------------------
+    def _operator(self, kind: str, layer: int | None, cost=None):
+        """Name the kernels launched inside for `qwen-triton profile`; cost() -> (bytes, flops) of the
+        operator's floor, evaluated only while tracing. A no-op otherwise."""
+        if self.trace is None:
+            return nullcontext()
+        moved, flops = cost() if cost is not None else (0, 0)
+        return self.trace.operator(kind, layer, moved, flops)
+
+    def _linear(self, kind: str, layer: int | None, x, weight, out=None, pdl=False, **options):
+        """`linear` with the model's split-K switch, traced as one operator."""
+        def cost():
+            rows, width = x.shape[0], weight.shape[0] // (2 if options.get("activation") else 1)
+            activations = rows * (x.shape[1] + width * (2 if options.get("residual") is not None else 1))
+            return weight.numel() * weight.element_size() + activations * x.element_size(), 2 * rows * weight.numel()
+
+        with self._operator(kind, layer, cost):
+            return linear(x, weight, out=out, split_k=self.split_k, pdl=pdl, **options)
+
     # ---- the layers, shared by prefill and decode ------------------------------------------------
-    def _attention(self, i, w: AttentionWeights, x, positions, slots, attend, scratch=None):
+    def _attention(self, i, w: AttentionWeights, x, positions, slots, attend, scratch=None, pdl=False):
         c = self.config
-        qkv = linear(x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps, split_k=self.split_k,
-                     out=None if scratch is None else scratch["attention_qkv"])
+        qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
+                           out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
-        q = qk_norm_rotary(
-            qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
-            self.state.key[i], self.state.value[i],
-            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"],
-        )
-        attended = attend(q, self.state.key[i], self.state.value[i])
+        rows, heads = x.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads
+        with self._operator("q/k norm + rotary + KV write", i,
+                            lambda: (2 * rows * heads * c.head_dim * x.element_size(), 10 * rows * heads * c.head_dim)):
+            q = qk_norm_rotary(
+                qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
+                self.state.key[i], self.state.value[i],
+                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
+            )
+        attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
-        return linear(attended.view(attended.shape[0], -1), w.out, gate=gate, residual=x, out=x,
-                      split_k=self.split_k)
+        return self._linear("attention gate + out-projection", i, attended.view(attended.shape[0], -1), w.out,
+                            gate=gate, residual=x, out=x, pdl=pdl)
 
     def _split_projection(self, projection):
         c = self.config
@@ -179,11 +218,23 @@ class TritonModel:
         v = mixed[:, 2 * c.linear_key_dim:].view(rows, c.linear_num_value_heads, c.linear_value_head_dim)
         return q, k, v
 
-    def _mlp(self, w: MLPWeights, x, scratch=None):
+    def _state_bytes(self, rows: int) -> int:
+        """The recurrent and conv state of `rows` sequences of one DeltaNet layer, read and written."""
         c = self.config
-        hidden = linear(x, w.gate_up, norm_weight=w.input_norm, eps=c.rms_norm_eps, activation="swiglu",
-                        split_k=self.split_k, out=None if scratch is None else scratch["mlp_hidden"])
-        return linear(hidden, w.down, residual=x, out=x, split_k=self.split_k)
+        recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * self.embed.element_size()
+        return 2 * rows * (recurrent + conv)
+
+    def _mlp(self, i, w: MLPWeights, x, scratch=None, pdl=False):
+        c = self.config
+        hidden = self._linear("mlp norm + gate/up + swiglu", i, x, w.gate_up, norm_weight=w.input_norm,
+                              eps=c.rms_norm_eps, activation="swiglu",
+                              out=None if scratch is None else scratch["mlp_hidden"], pdl=pdl)
+        return self._linear("mlp down-projection + residual", i, hidden, w.down, residual=x, out=x, pdl=pdl)
+
+    def _lm_head_cost(self, rows: int, logits: bool):
+        weight = self.lm_head.numel() * self.lm_head.element_size()
+        return lambda: (weight + rows * self.lm_head.shape[0] * 4 * logits, 2 * rows * self.lm_head.numel())
 
     # ---- prefill: one sequence ------------------------------------------------------------------
     @torch.no_grad()
@@ -193,26 +244,55 @@ class TritonModel:
         tokens = token_ids.shape[0]
         positions = torch.arange(start, start + tokens, device=self.device, dtype=torch.int32)
         slots = torch.full((tokens,), slot, device=self.device, dtype=torch.int32)
-        x = embedding(token_ids.to(self.device), self.embed)
+        element = self.embed.element_size()
+        if self.progress and not self._prefilled:
+            self._layer_done = progress_printer("first prefill: compiling and autotuning (cached on disk), layers")
+        self._prefilled = True
+        with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
+            x = embedding(token_ids.to(self.device), self.embed)
 
-        def attend(q, key_cache, value_cache):
-            return attention_prefill(q, key_cache, value_cache, slot=slot, start=start)
+        def attend(i, q, key_cache, value_cache):
+            def cost():
+                keys = start + tokens
+                visible = tokens * start + tokens * (tokens + 1) // 2
+                moved = (2 * tokens * c.num_attention_heads * c.head_dim
+                         + 2 * keys * c.num_key_value_heads * c.head_dim) * element
+                return moved, 4 * c.num_attention_heads * c.head_dim * visible
+
+            with self._operator("attention (flash prefill)", i, cost):
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
                 x = self._attention(i, w, x, positions, slots, attend)
             else:
-                projection = linear(x, w.projection, norm_weight=w.input_norm, eps=c.rms_norm_eps,
-                                    split_k=self.split_k)
+                projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
+                                          eps=c.rms_norm_eps)
                 mixed, z, b, a = self._split_projection(projection)
-                mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot])
+                with self._operator("deltanet conv + silu", i,
+                                    lambda: (2 * tokens * c.linear_conv_dim * element,
+                                             2 * tokens * c.linear_conv_dim * c.linear_conv_kernel_dim)):
+                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot])
                 q, k, v = self._heads(mixed)
-                out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot])
-                out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
-                x = linear(out, w.out, residual=x, out=x, split_k=self.split_k)
-            x = self._mlp(mlp, x)
+
+                def delta_cost():
+                    per_token_head = 2 * 64 * (c.linear_key_head_dim + c.linear_value_head_dim) + \
+                        6 * c.linear_key_head_dim * c.linear_value_head_dim
+                    return (self._state_bytes(1) + tokens * (c.linear_conv_dim + c.linear_value_dim) * element,
+                            tokens * c.linear_num_value_heads * per_token_head)
+
+                with self._operator("gated delta rule (chunked)", i, delta_cost):
+                    out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot])
+                with self._operator("gated rms norm", i, lambda: (3 * tokens * c.linear_value_dim * element, 0)):
+                    out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
+                x = self._linear("deltanet out-projection + residual", i, out, w.out, residual=x, out=x)
+            x = self._mlp(i, mlp, x)
+            if self._layer_done is not None:
+                self._layer_done(i + 1, len(self.layers))
+        self._layer_done = None
         rows = x if all_logits else x[-1:]
-        return lm_head_logits(rows, self.lm_head, norm_weight=self.final_norm, eps=c.rms_norm_eps)
+        with self._operator("final norm + lm head", None, self._lm_head_cost(rows.shape[0], logits=True)):
+            return lm_head_logits(rows, self.lm_head, norm_weight=self.final_norm, eps=c.rms_norm_eps)
 
     # ---- decode: one token for each of slots 0..B-1 ---------------------------------------------
     def _buffers_for(self, batch: int) -> DecodeBuffers:
@@ -226,43 +306,65 @@ class TritonModel:
     def _decode_body(self, buffers: DecodeBuffers, mode: str) -> None:
         """One decode step on static buffers; allocation-free once every kernel has been warmed up."""
         c = self.config
-        x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
+        pdl = self.pdl
+        size = buffers.size
+        element = self.embed.element_size()
+        with self._operator("embedding", None, lambda: (2 * size * c.hidden_size * element, 0)):
+            x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
-        def attend(q, key_cache, value_cache):
-            return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
-                                    num_splits=self.decode_splits)
+        def attend(i, q, key_cache, value_cache):
+            def cost():  # the KV cache at the traced context, q and the output
+                keys = self.trace_context + 1
+                moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
+                return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
+
+            with self._operator("attention (split-KV decode + merge)", i, cost):
+                return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
+                                        num_splits=self.decode_splits, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, x, buffers.positions, buffers.slots, attend, buffers.scratch)
+                x = self._attention(i, w, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
             else:
-                projection = linear(x, w.projection, norm_weight=w.input_norm, eps=c.rms_norm_eps,
-                                    split_k=self.split_k, out=buffers.scratch["delta_projection"])
+                projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
+                                          eps=c.rms_norm_eps, out=buffers.scratch["delta_projection"], pdl=pdl)
                 mixed, z, b, a = self._split_projection(projection)
-                size = buffers.size
                 conv_state, state = self.state.conv[i][:size], self.state.recurrent[i][:size]
+
+                def delta_cost():
+                    moved = self._state_bytes(size) + w.conv.numel() * element + \
+                        size * (projection.shape[1] + c.linear_value_dim) * element
+                    return moved, 8 * size * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+
                 if self.fused_delta_decode:
-                    out = gated_delta_rule_decode_fused(
-                        mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
-                        out=buffers.scratch["delta_normed"], delta_out=buffers.scratch["delta_out"],
-                    )
+                    with self._operator("deltanet step (conv, gating, delta rule, gated norm)", i, delta_cost):
+                        out = gated_delta_rule_decode_fused(
+                            mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
+                            out=buffers.scratch["delta_normed"], delta_out=buffers.scratch["delta_out"], pdl=pdl,
+                        )
                 else:
-                    mixed = causal_conv1d_step(mixed, w.conv, conv_state, out=buffers.scratch["conv_out"])
-                    q, k, v = self._heads(mixed)
-                    out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state,
-                                                     out=buffers.scratch["delta_out"])
-                    out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=buffers.scratch["delta_normed"])
-                x = linear(out, w.out, residual=x, out=x, split_k=self.split_k)
-            x = self._mlp(mlp, x, buffers.scratch)
-        final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps)
-        if mode == "greedy":
-            lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
-        elif mode == "temperature":  # Gumbel-max inside the LM head: no logits written
-            lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, temperature=buffers.temperature,
-                           seed=buffers.seed, step=buffers.step, **final)
-        else:
-            lm_head_logits(x, self.lm_head, out=buffers.logits, **final)
-            if mode == "sample":
+                    with self._operator("deltanet step (unfused: conv, delta rule, gated norm)", i, delta_cost):
+                        mixed = causal_conv1d_step(mixed, w.conv, conv_state, out=buffers.scratch["conv_out"])
+                        q, k, v = self._heads(mixed)
+                        out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state,
+                                                         out=buffers.scratch["delta_out"])
+                        out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=buffers.scratch["delta_normed"])
+                x = self._linear("deltanet out-projection + residual", i, out, w.out, residual=x, out=x, pdl=pdl)
+            x = self._mlp(i, mlp, x, buffers.scratch, pdl=pdl)
+            if self._layer_done is not None:
+                self._layer_done(i + 1, len(self.layers))
+        final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl)
+        with self._operator("final norm + lm head" + (" + argmax" if mode in ("greedy", "temperature") else ""),
+                            None, self._lm_head_cost(size, logits=mode not in ("greedy", "temperature"))):
+            if mode == "greedy":
+                lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
+            elif mode == "temperature":  # Gumbel-max inside the LM head: no logits written
+                lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, temperature=buffers.temperature,
+                               seed=buffers.seed, step=buffers.step, **final)
+            else:
+                lm_head_logits(x, self.lm_head, out=buffers.logits, **final)
+        if mode == "sample":
+            with self._operator("sampling (top-k / top-p)", None, lambda: (2 * size * c.vocab_size * 4, 0)):
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
                        buffers.step, out=buffers.next_tokens)
 
@@ -278,8 +380,14 @@ class TritonModel:
             saved = self._save_state(buffers.size)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._decode_body(buffers, mode)
+            if self.progress:
+                self._layer_done = progress_printer(
+                    f"decode warm-up (batch {buffers.size}, {mode}): compiling and autotuning (cached on disk), layers")
+            try:
+                with torch.cuda.stream(stream):
+                    self._decode_body(buffers, mode)
+            finally:
+                self._layer_done = None
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

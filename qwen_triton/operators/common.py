@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpreting() -> bool:
@@ -20,9 +23,13 @@ def interpreting() -> bool:
 
 def autotune_configs(configs: list) -> list:
     """The autotune search space: all configs on a GPU, the first alone under the interpreter or when
-    QWEN_TRITON_AUTOTUNE=first (correctness runs on a GPU, which need no tuning)."""
-    if interpreting() or os.environ.get("QWEN_TRITON_AUTOTUNE", "") == "first":
+    QWEN_TRITON_AUTOTUNE=first (correctness runs on a GPU, which need no tuning); QWEN_TRITON_AUTOTUNE=N
+    keeps the first N (a short tuning, for tests of the tuning machinery itself)."""
+    setting = os.environ.get("QWEN_TRITON_AUTOTUNE", "")
+    if interpreting() or setting == "first":
         return configs[:1]
+    if setting.isdigit() and int(setting) > 0:
+        return configs[:int(setting)]
     return configs
 
 
@@ -64,3 +71,39 @@ def check_same_device(**tensors) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
         raise ValueError(f"tensors must share one device: {listing}")
+
+
+# ---- programmatic dependent launch (PDL) -------------------------------------------------------------
+# On Hopper a kernel launched with the programmatic-stream-serialization attribute (Triton's
+# `launch_pdl=True`) may start while the kernel before it in the stream is still running, as soon as every
+# program of that kernel has executed `griddepcontrol.launch_dependents`. It must then execute
+# `griddepcontrol.wait` before it touches anything an earlier kernel writes; the wait returns once the
+# previous kernel has completed and its writes are visible. Loads of data no kernel writes (the weights)
+# may go before the wait: they stream while the previous kernel drains. Because every kernel launched
+# with PDL waits before its own writes, the ordering is transitive down the stream, and a kernel launched
+# without the attribute simply waits for everything before it, as usual.
+
+
+def pdl_available(device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch (compute capability >= 9.0)."""
+    device = torch.device(device)
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """The extra launch keywords of a kernel that supports PDL (its USE_PDL constexpr set alike)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def allow_next_kernel(USE_PDL: tl.constexpr):
+    """Let the next kernel in the stream launch now (it waits for this one before reading its output)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has completed and its writes are visible."""
+    if USE_PDL:
+        gdc_wait()

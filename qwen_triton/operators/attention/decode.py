@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor, interpreting
+from ..common import (
+    allow_next_kernel,
+    autotune_configs,
+    check_same_device,
+    check_tensor,
+    interpreting,
+    launch_options,
+    wait_for_previous_kernel,
+)
 from .prefill import online_softmax_step
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,7 +73,10 @@ def _decode_split_kernel(
     stride_stat_batch, stride_stat_head,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -127,7 +138,10 @@ def _decode_merge_kernel(
     stride_stat_batch, stride_stat_head,
     stride_out_batch, stride_out_head,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     head = tl.program_id(0)
     batch = tl.program_id(1)
     lanes = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -209,6 +223,7 @@ def attention_decode(
     *,
     num_splits: int | None = None,
     split_align: int = DEFAULT_SPLIT_ALIGN,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] (one token of each of slots 0..B-1) over the first lengths[b] keys of slot b.
 
@@ -216,7 +231,8 @@ def attention_decode(
     (each at most max_length; 0 gives zeros). max_length (default: the cache's) is the longest length the
     call must serve; with B and the SM count it fixes the split count, unless num_splits is given.
     Returns out [B, Hq, D] in q's dtype. Host-read free: capturable in a CUDA graph after a warm-up call
-    at the same shapes (the warm-up autotunes and allocates the workspace).
+    at the same shapes (the warm-up autotunes and allocates the workspace). pdl: launch both kernels with
+    programmatic dependent launch (Hopper; operators/common.py).
     """
     check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
     batch, num_heads, head_dim = q.shape
@@ -255,6 +271,7 @@ def attention_decode(
         partial_max.stride(0), partial_max.stride(1),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=q.dtype == torch.float32,
+        USE_PDL=pdl, **launch_options(pdl),
     )
     merge_grid = lambda meta: (num_heads, batch, triton.cdiv(head_dim, meta["BLOCK_D"]))  # noqa: E731
     _decode_merge_kernel[merge_grid](
@@ -263,7 +280,7 @@ def attention_decode(
         partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2),
         partial_max.stride(0), partial_max.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
+        HEAD_DIM=head_dim, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -33,7 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor
+from ..common import (
+    allow_next_kernel,
+    autotune_configs,
+    check_same_device,
+    check_tensor,
+    launch_options,
+    wait_for_previous_kernel,
+)
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -91,7 +98,10 @@ def _qk_norm_rotary_kernel(
     stride_out_row, stride_out_head,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     position = tl.load(positions + row)
@@ -136,6 +146,7 @@ def qk_norm_rotary(
     gated: bool = True,
     eps: float = 1e-6,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Norm and rotate q and k of each row, write k and v into the cache; return q [M, Hq, D].
 
@@ -143,6 +154,7 @@ def qk_norm_rotary(
     `rotary_table`; positions, slots int32 [M] on the device (no host reads: graph capturable);
     key_cache, value_cache [max_batch, Hkv, max_length, D] in qkv's dtype, written at [slot, :, position].
     Positions must lie below both the table's and the cache's max_length (not checked: device data).
+    pdl: programmatic dependent launch (Hopper; operators/common.py).
     """
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
@@ -181,7 +193,7 @@ def qk_norm_rotary(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-        GATED=gated, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        GATED=gated, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -30,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor
+from ..common import (
+    allow_next_kernel,
+    autotune_configs,
+    check_same_device,
+    check_tensor,
+    launch_options,
+    wait_for_previous_kernel,
+)
 from ..conv.causal_conv1d import MAX_WIDTH, conv_step_channels, shift_conv_state
 from .gated_rms_norm import gated_rms_norm_heads
 from .gating import ACTIVATION_DTYPES, check_gate_parameters
@@ -59,7 +66,10 @@ def _fused_step_kernel(
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     sequence_head = tl.program_id(0)
     sequence = sequence_head // V_HEADS
     head = sequence_head % V_HEADS
@@ -112,7 +122,10 @@ def _fused_finish_kernel(
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, BLOCK_D: tl.constexpr,
     KEY_CHANNELS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     sequence = tl.program_id(0)
     part = tl.program_id(1)
     norm_programs: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
@@ -142,12 +155,14 @@ def gated_delta_rule_decode_fused(
     state: torch.Tensor,
     out: torch.Tensor | None = None,
     delta_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One decode step of a Gated DeltaNet layer for B sequences: y [B, Hv*Dv], out_proj's input.
 
     x [B, C] the pre-conv q | k | v columns (C = 2 Hk Dk + Hv Dv); z [B, Hv*Dv]; a, b [B, Hv] (all strided
     row views of the fused projection); conv_weight [C, W]; conv_state [B, C, W-1] and state
     [B, Hv, Dk, Dv] float32, both updated in place; norm_weight [Dv]. delta_out [B, Hv, Dv]: o's buffer.
+    pdl: launch both kernels with programmatic dependent launch (Hopper; operators/common.py).
     """
     check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
     batch, value_heads, key_dim, value_dim = state.shape
@@ -186,7 +201,7 @@ def gated_delta_rule_decode_fused(
         x.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0),
         delta_out.stride(0), delta_out.stride(1),
         K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
-        WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim),
+        WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim), USE_PDL=pdl, **launch_options(pdl),
     )
     grid = lambda meta: (  # noqa: E731
         batch, triton.cdiv(value_heads, meta["BLOCK_H"]) + triton.cdiv(key_channels, meta["BLOCK_C"]))
@@ -197,6 +212,7 @@ def gated_delta_rule_decode_fused(
         HEADS=value_heads, HEAD_DIM=value_dim,
         ROUND_PRODUCT=norm_weight.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_D=triton.next_power_of_2(value_dim), KEY_CHANNELS=key_channels, WIDTH=width, BLOCK_W=block_w,
+        USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -14,8 +14,14 @@ weight bytes over HBM bandwidth (about 4.8 TB/s on an H200). Qwen3.5-0.8B's proj
 8 rows, too few bytes in flight to reach the HBM bandwidth on 132 SMs, hence split-K: SPLIT_K programs
 share each block of rows, each over its own slice of K.
 
-Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)). BLOCK_M = 1 for one token (CUDA-core multiply-add,
-see fusion.accumulate), 16 for 2..16 tokens (one tensor-core tile, the rows past M masked).
+Grid: (cdiv(N, BLOCK_N), SPLIT_K, M): one token per program, multiplied and added on the CUDA cores
+(a tensor-core tile would waste 15/16 of its work at one token). Rows 2..16 re-read the weight tile from
+L2 rather than sharing it: a row is then reduced exactly as it would be alone (batch invariance).
+
+Programmatic dependent launch (pdl=True, Hopper): the kernel lets the next one launch at once and loads
+its first weight tile before waiting for the previous kernel, so weight streaming overlaps the previous
+kernel's tail (see common.py). The autotune space includes splits of exactly one tile per program, whose
+whole weight slice is then in flight before the wait.
 
 Deterministic split-K ("the last program reduces"): each split stores its float32 partial tile to a
 workspace [SPLIT_K, 2, M, N], then increments a per-tile int32 counter (integer atomics are exact).
@@ -37,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, interpreting
-from .fusion import SWIGLU, accumulate, row_rstd, store_output
+from ..common import allow_next_kernel, autotune_configs, interpreting, launch_options, wait_for_previous_kernel
+from .fusion import SWIGLU, prologue, row_rstd, store_output
 
 MAX_ROWS = 16  # the GEMV serves M <= 16 (one tensor-core tile of tokens)
 INTERPRETER_WIDE_N = 4096
@@ -50,9 +56,10 @@ def _configs(split: bool) -> list[triton.Config]:
     # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages): 8-32 rows of 256-512 elements (0.5-1 KB
     # contiguous per row) per step; splits of K to put 256-1024 programs on the SMs when N is small
     candidates = [
-        (1, 8, 512, 4, 3), (1, 16, 256, 4, 3), (1, 16, 512, 8, 3), (1, 32, 256, 8, 2),
-        (2, 8, 512, 4, 3), (2, 16, 256, 4, 3),
-        (4, 8, 256, 4, 3), (4, 16, 256, 4, 3), (4, 8, 512, 4, 2),
+        (1, 8, 512, 4, 3), (1, 16, 256, 4, 3), (1, 16, 512, 8, 3), (1, 32, 256, 8, 2), (1, 8, 1024, 8, 1),
+        (2, 8, 512, 4, 3), (2, 16, 256, 4, 3), (2, 16, 512, 8, 1), (2, 8, 1024, 8, 1),
+        (4, 8, 256, 4, 3), (4, 16, 256, 4, 3), (4, 8, 512, 4, 2), (4, 16, 512, 8, 1),
+        (7, 8, 512, 4, 1), (7, 16, 512, 8, 1),  # K = 3584 (the MLP down projection) in one tile per split
         (8, 8, 256, 4, 3), (8, 16, 128, 4, 3),
     ]
     for split_k, block_n, block_k, warps, stages in candidates:
@@ -69,12 +76,12 @@ MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in SPLIT_CONFIGS + NO_SPLIT_CONFIGS)
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop configs that cannot run (a dot needs BLOCK_N >= 16) or split K into slices under one block."""
+    """Drop configs that split K into slices under one block, or whose one block overshoots K."""
     K = named_args["K"]
     kept = [
         c for c in configs
-        if (kwargs["BLOCK_M"] == 1 or c.kwargs["BLOCK_N"] >= 16)
-        and (c.kwargs["SPLIT_K"] == 1 or K // c.kwargs["SPLIT_K"] >= c.kwargs["BLOCK_K"])
+        if (c.kwargs["SPLIT_K"] == 1 or K // c.kwargs["SPLIT_K"] >= c.kwargs["BLOCK_K"])
+        and c.kwargs["BLOCK_K"] <= triton.next_power_of_2(K)
     ]
     return kept or configs[:1]
 
@@ -86,43 +93,76 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_om, stride_rm, stride_gm,
     eps,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One token (row pid 2) times BLOCK_N weight rows over one split of K, on the CUDA cores.
+
+    The weight tile of the next K step is loaded one step ahead; the first one before waiting for the
+    previous kernel (PDL), so a program whose split is one tile has all its weights in flight while the
+    kernel that writes its x is still draining.
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.program_id(2)
+    allow_next_kernel(USE_PDL)
+    offs_m = row + tl.arange(0, 1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_NORM:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    n_mask = offs_n < N
+    w_rows = offs_n.to(tl.int64) * stride_wn
+    up_offset = N * stride_wn
     # this split's slice of K, whole blocks except at the end of K
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    acc, acc_up = accumulate(
-        x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, gate_ptr, stride_gm, norm_ptr, rstd,
-        offs_m, offs_n, M, N, K, k_start, k_end,
-        ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_mask = n_mask[:, None] & (offs_k < k_end)[None, :]
+    w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
+    if ACTIVATION == SWIGLU:
+        w_up = tl.load(w_ptr + up_offset + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
+    else:
+        w_up = w
+    wait_for_previous_kernel(USE_PDL)
+    if HAS_NORM:
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
+    else:
+        rstd = tl.zeros([1], dtype=tl.float32)
+    x_row = row.to(tl.int64) * stride_xm
+    wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(x_ptr + x_row + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        x = prologue(x, offs_m, offs_k, k_mask[None, :], K, gate_ptr, stride_gm, norm_ptr, rstd,
+                     HAS_GATE, HAS_NORM).to(tl.float32)
+        next_k = offs_k + BLOCK_K
+        next_mask = n_mask[:, None] & (next_k < k_end)[None, :]
+        w_next = tl.load(w_ptr + w_rows[:, None] + next_k[None, :], mask=next_mask, other=0.0)
+        wide += w.to(tl.float32) * x
+        if ACTIVATION == SWIGLU:
+            w_up_next = tl.load(w_ptr + up_offset + w_rows[:, None] + next_k[None, :], mask=next_mask, other=0.0)
+            wide_up += w_up.to(tl.float32) * x
+            w_up = w_up_next
+        w = w_next
+    acc = tl.sum(wide, axis=1)[None, :]
+    acc_up = tl.sum(wide_up, axis=1)[None, :]
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
     else:
         # partial_ptr: [MAX_SPLIT_K, 2, M, N] float32 (gate and up accumulators with swiglu, else the first)
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        mask = (offs_m < M)[:, None] & n_mask[None, :]
         tile_offsets = offs_m[:, None] * N + offs_n[None, :]
         tl.store(partial_ptr + (2 * pid_k) * M * N + tile_offsets, acc, mask=mask)
         if ACTIVATION == SWIGLU:
             tl.store(partial_ptr + (2 * pid_k + 1) * M * N + tile_offsets, acc_up, mask=mask)
         # every thread's partial stores precede the release of the arrival count
         tl.debug_barrier()
-        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        counter = counter_ptr + row * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([1, BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
                 # .cg: read the other programs' partials from L2, never a stale L1 line
                 total += tl.load(partial_ptr + (2 * split) * M * N + tile_offsets, mask=mask, other=0.0,
@@ -137,7 +177,7 @@ def _gemv_kernel(
 
 # M is not in the key: a row's result must not depend on how many rows share the call (batch invariance:
 # a batched generation equals one at a time), so every M uses the config tuned first for its shape.
-_KEY = ["N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "BLOCK_M"]
+_KEY = ["N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM"]
 # restore_value: autotuning runs the kernel many times; an in-place residual add (out is residual) would
 # otherwise be added once per run. Only the benchmark runs copy and restore: a tuned call does not.
 _gemv_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
@@ -148,31 +188,29 @@ _gemv_no_split = triton.autotune(configs=NO_SPLIT_CONFIGS, key=_KEY, prune_confi
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, M: int, N: int, block_m: int):
+def _workspace(device: torch.device, M: int, N: int):
     """Float32 partials [MAX_SPLIT_K, 2, M, N] and zeroed int32 arrival counters, one per output tile."""
     key = (device, M, N)
     if key not in _workspaces:
         partial = torch.empty(MAX_SPLIT_K * 2 * M * N, dtype=torch.float32, device=device)
-        counters = torch.zeros(triton.cdiv(M, block_m) * triton.cdiv(N, MIN_BLOCK_N), dtype=torch.int32, device=device)
+        counters = torch.zeros(M * triton.cdiv(N, MIN_BLOCK_N), dtype=torch.int32, device=device)
         _workspaces[key] = (partial, counters)
     return _workspaces[key]
 
 
-def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True):
+def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
+         pdl=False):
     """Launch the GEMV on checked arguments (see linear.linear, which checks them)."""
     M, K = x.shape
     N = out.shape[1]
-    # one row per program for every M: each row is reduced exactly as it would be alone (batch
-    # invariance); rows 2..16 re-read the weight tile from L2 rather than sharing a tensor-core tile
-    block_m = 1
     if split_k:
         kernel = _gemv_split
-        partial, counters = _workspace(x.device, M, N, block_m)
+        partial, counters = _workspace(x.device, M, N)
     else:
         kernel, partial, counters = _gemv_no_split, out, out
 
     def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, block_m))
+        return (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], M)
 
     explicit = {}
     if interpreting() and N > INTERPRETER_WIDE_N:
@@ -191,6 +229,6 @@ def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         0 if gate is None else gate.stride(0),
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        HAS_NORM=norm_weight is not None, BLOCK_M=block_m, **explicit,
+        HAS_NORM=norm_weight is not None, USE_PDL=pdl, **explicit, **launch_options(pdl),
     )
     return out

@@ -60,6 +60,7 @@ def linear(
     out: torch.Tensor | None = None,
     split_k: bool = True,
     out_dtype: torch.dtype | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -67,6 +68,8 @@ def linear(
     residual [M, N] in the output dtype; gate [M, K] in x's dtype; norm_weight [K] (any float dtype);
     out [M, N] (rows may be strided); out_dtype: x's dtype (default) or torch.float32.
     split_k: let the GEMV split K across programs (autotuned); False keeps one program per output tile.
+    pdl: launch the GEMV with programmatic dependent launch (Hopper; see operators/common.py); the GEMM
+    ignores it.
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -107,5 +110,5 @@ def linear(
         return out
     options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
     if M <= MAX_ROWS:
-        return gemv(x, weight, out, split_k=split_k, **options)
+        return gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
     return gemm(x, weight, out, **options)

@@ -24,7 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor, interpreting
+from ..common import (
+    allow_next_kernel,
+    autotune_configs,
+    check_same_device,
+    check_tensor,
+    interpreting,
+    launch_options,
+    wait_for_previous_kernel,
+)
 from ..linear.fusion import accumulate, row_rstd
 from ..sampling.noise import gumbel_noise
 
@@ -52,7 +60,10 @@ def _lm_head_argmax_kernel(
     M, V, K, stride_xm, stride_wv, eps, MAX_TILES,
     HAS_NORM: tl.constexpr, SAMPLE: tl.constexpr, SEED_PER_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     pid_v = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,7 +103,9 @@ def _lm_head_argmax_kernel(
 
 
 @triton.jit
-def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, BLOCK_T: tl.constexpr):
+def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     tiles = tl.load(tiles_ptr)
     best = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
@@ -137,6 +150,7 @@ def lm_head_argmax(
     temperature: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
     step: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """int64 ids [M]: the argmax over the vocabulary of x [M, H] @ weight[V, H].T, lowest id on ties.
 
@@ -144,6 +158,7 @@ def lm_head_argmax(
     temperature float32 [M], seed int64 [1] or [M], step int64 [M] (all three or none): rows with T > 0
     draw from softmax(logits / T) by the Gumbel-max trick with sampling.gumbel_noise (the same noise as
     sampling.sample for the same seed, step and row); rows with T = 0 stay greedy.
+    pdl: launch both kernels with programmatic dependent launch (Hopper; operators/common.py).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -186,7 +201,8 @@ def lm_head_argmax(
         values, indices, tiles,
         M, V, K, x.stride(0), weight.stride(0), eps, max_tiles,
         HAS_NORM=norm_weight is not None, SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1,
-        BLOCK_M=block_m, **explicit,
+        BLOCK_M=block_m, USE_PDL=pdl, **explicit, **launch_options(pdl),
     )
-    _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, BLOCK_T=BLOCK_T, num_warps=8)
+    _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, BLOCK_T=BLOCK_T, USE_PDL=pdl, num_warps=8,
+                                **launch_options(pdl))
     return out

@@ -24,6 +24,9 @@ def lm_head_logits(
     *,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """float32 logits [M, V] of x [M, H] against weight [V, H] (optionally zero-centred-RMSNorm-ing x first)."""
-    return linear(x, weight, norm_weight=norm_weight, eps=eps, out=out, out_dtype=torch.float32, split_k=False)
+    """float32 logits [M, V] of x [M, H] against weight [V, H] (optionally zero-centred-RMSNorm-ing x first);
+    pdl: programmatic dependent launch of the GEMV (Hopper; operators/common.py)."""
+    return linear(x, weight, norm_weight=norm_weight, eps=eps, out=out, out_dtype=torch.float32, split_k=False,
+                  pdl=pdl)

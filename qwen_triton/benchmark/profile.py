@@ -1,0 +1,241 @@
+"""`qwen-triton profile`: one decode step and one prefill of the Triton engine, kernel by kernel.
+
+For each operator of the model (`TritonModel._operator` names them, with the bytes and FLOPs of their
+floor) and each kernel it launches: the kernel's time, the gap before it (the GPU idle between the end
+of the previous kernel and the start of this one), and the operator's floor, max(bytes / HBM bandwidth,
+FLOPs / matmul rate), as a share of its time. The ceilings are measured in the same run.
+
+How: a first, eager step runs with a Triton launch hook that records which operator launched which
+kernel (`engine.trace.KernelTrace`); then the step is timed under the CUDA profiler (torch.profiler,
+CUPTI): decode as the engine runs it, replaying its CUDA graph; prefill eagerly, as the engine runs it.
+Kernel i of the timeline is launch i of the trace (their names are checked to agree). The profiler's
+own cost is small per kernel but not zero: compare the step time here with `qwen-triton bench`.
+
+On a CPU (the interpreter, which calls no launch hooks) each operator is timed on the host as a whole:
+the same report, without kernel names or gaps, so that CI runs the command end to end.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..engine.trace import KernelTrace
+from .floor import decode_bytes
+from .harness import log, measure_hbm_bandwidth, measure_matmul_rate
+
+
+def _floor_us(op, hbm_TBps: float, matmul_TFLOPs: float) -> float:
+    return max(op.bytes / (hbm_TBps * 1e12), op.flops / (matmul_TFLOPs * 1e12)) * 1e6
+
+
+class _HostTimedTrace(KernelTrace):
+    """On the CPU: each operator's host time (the interpreter runs kernels synchronously at launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.host_us: list[float] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def operator(self, kind, layer, bytes=0, flops=0):
+        inner = super().operator(kind, layer, bytes, flops)
+        trace = self
+
+        class _Timed:
+            def __enter__(self):
+                inner.__enter__()
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                trace.host_us.append((time.perf_counter() - self.start) * 1e6)
+                return inner.__exit__(*exc)
+
+        return _Timed()
+
+
+def _cuda_kernel_events(prof, names: set[str]) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of the device kernels whose names are in `names`, by start time."""
+    events = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name in names:
+            events.append((event.name, event.time_range.start, event.time_range.end))
+    return sorted(events, key=lambda e: e[1])
+
+
+def _timeline(run, trace: KernelTrace, steps: int) -> tuple[list[float], list[float], list[float]] | None:
+    """Median duration and gap per launch over `steps` runs, and each run's span; None when the profiler's
+    kernels do not line up with the trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    launches = [name for _, name in trace.launches()]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    events = _cuda_kernel_events(prof, set(launches))
+    count = len(launches)
+    if len(events) != steps * count or any(
+            events[s * count + k][0] != launches[k] for s in range(steps) for k in range(count)):
+        log(f"profile: {len(events)} kernels recorded for {steps} x {count} launches: no per-kernel timeline")
+        return None
+    durations, gaps, spans = [[] for _ in range(count)], [[] for _ in range(count)], []
+    for s in range(steps):
+        run_events = events[s * count:(s + 1) * count]
+        for k, (_, start, end) in enumerate(run_events):
+            durations[k].append(end - start)
+            if k > 0:
+                gaps[k].append(start - run_events[k - 1][2])
+        spans.append(run_events[-1][2] - run_events[0][1])
+    return ([statistics.median(d) for d in durations], [statistics.median(g) if g else 0.0 for g in gaps], spans)
+
+
+def _report(trace: KernelTrace, timeline, hbm: float, matmul: float, host_us=None) -> dict:
+    timed: dict[int, list[dict]] = {id(op): [] for op in trace.operators}
+    if timeline is not None:
+        for k, (op, name) in enumerate(trace.launches()):  # launch k is kernel k of the timeline
+            timed[id(op)].append(dict(name=name, us=timeline[0][k], gap_before_us=timeline[1][k]))
+    operators = []
+    for n, op in enumerate(trace.operators):
+        kernels = timed[id(op)]
+        if timeline is not None:
+            us = sum(k["us"] for k in kernels)
+            gap = sum(k["gap_before_us"] for k in kernels)
+        else:
+            us, gap = host_us[n], 0.0
+        floor = _floor_us(op, hbm, matmul)
+        operators.append(dict(kind=op.kind, layer=op.layer, bytes=op.bytes, flops=op.flops, us=us, gap_before_us=gap,
+                              floor_us=floor, pct_of_floor=100 * floor / us if us else 0.0, kernels=kernels))
+    kinds: dict[str, dict] = {}
+    for op in operators:
+        row = kinds.setdefault(op["kind"], dict(kind=op["kind"], count=0, kernels=0, us=0.0, gap_before_us=0.0,
+                                                bytes=0, flops=0, floor_us=0.0))
+        row["count"] += 1
+        row["kernels"] += len(op["kernels"])
+        for key in ("us", "gap_before_us", "bytes", "flops", "floor_us"):
+            row[key] += op[key]
+    for row in kinds.values():
+        row["pct_of_floor"] = 100 * row["floor_us"] / row["us"] if row["us"] else 0.0
+    kernel_us = sum(op["us"] for op in operators)
+    gap_us = sum(op["gap_before_us"] for op in operators)
+    span = statistics.median(timeline[2]) if timeline is not None else kernel_us
+    floor = sum(op["floor_us"] for op in operators)
+    return dict(span_us=span, kernel_us=kernel_us, gap_us=gap_us, floor_us=floor,
+                pct_of_floor=100 * floor / span if span else 0.0, kernel_count=sum(len(op.kernels) for op in trace.operators),
+                per_kernel=timeline is not None, by_kind=list(kinds.values()), operators=operators)
+
+
+def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, mode: str = "greedy") -> dict:
+    """Profile one decode step of `model` (a TritonModel) for slot 0 at `context` tokens of context."""
+    from ..engine.sampling import SamplingParams
+    from ..engine.triton_model import DeviceSampling
+
+    device = model.device
+    token = torch.ones(1, device=device, dtype=torch.int64)
+    position = torch.full((1,), context, device=device, dtype=torch.int64)
+    sampling = DeviceSampling.build([SamplingParams()], device)
+    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    model.decode_tokens(token, position, sampling, counter)  # warm-up: compile, autotune, capture
+    buffers = model._buffers_for(1)
+    saved = model._save_state(buffers.size)
+    model.trace_context = context
+    on_gpu = device.type == "cuda"
+    model.trace = KernelTrace() if on_gpu else _HostTimedTrace()
+    try:
+        with model.trace:
+            model._decode_body(buffers, mode)
+        trace = model.trace
+    finally:
+        model.trace = None
+    if not on_gpu:
+        model._restore_state(buffers.size, saved)
+        return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul, trace.host_us))
+    torch.cuda.synchronize()
+    timeline = _timeline(lambda: model._run(buffers, mode), trace, steps)
+    where = "cuda graph" if model.cuda_graph else "eager"
+    if timeline is None and model.cuda_graph:
+        timeline = _timeline(lambda: model._decode_body(buffers, mode), trace, steps)
+        where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
+    if timeline is None:
+        raise RuntimeError("the CUDA profiler's kernels do not match the launches of the step")
+    model._restore_state(buffers.size, saved)
+    report = _report(trace, timeline, hbm, matmul)
+    report["bytes_counted_by_floor"] = decode_bytes(model.config, context).total
+    return dict(context=context, timeline=where, pdl=model.pdl, **report)
+
+
+def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -> dict:
+    """Profile a prefill of `tokens` random tokens into slot 0 (eager, as the engine runs it)."""
+    device = model.device
+    token_ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    token_ids = token_ids.to(device)
+
+    def run():
+        model.reset(0)
+        model.prefill(token_ids, slot=0, all_logits=False)
+
+    run()  # warm-up: compile, autotune
+    on_gpu = device.type == "cuda"
+    model.trace = KernelTrace() if on_gpu else _HostTimedTrace()
+    try:
+        with model.trace:
+            run()
+        trace = model.trace
+    finally:
+        model.trace = None
+    if not on_gpu:
+        return dict(tokens=tokens, timeline="host (interpreter)", **_report(trace, None, hbm, matmul, trace.host_us))
+    timeline = _timeline(run, trace, steps)
+    if timeline is None:
+        raise RuntimeError("the CUDA profiler's kernels do not match the launches of the prefill")
+    return dict(tokens=tokens, timeline="eager", **_report(trace, timeline, hbm, matmul))
+
+
+def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 128, steps: int = 20,
+                device: str = "cuda", pdl: bool | None = None) -> dict:
+    from .models import random_llm
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hbm = measure_hbm_bandwidth(device)
+    matmul = measure_matmul_rate(device)
+    log(f"ceilings: HBM copy {hbm:.2f} TB/s, matmul {matmul:.0f} TFLOP/s")
+    llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max(context, prefill_tokens) + 2,
+                     pdl=pdl)
+    model = llm.model
+    log("profiling a decode step")
+    decode = profile_decode(model, context, steps, hbm, matmul)
+    log("profiling a prefill")
+    prefill = profile_prefill(model, prefill_tokens, max(2, steps // 4), hbm, matmul)
+    return dict(preset=preset, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, decode=decode, prefill=prefill)
+
+
+def format_profile(report: dict) -> str:
+    lines = [f"{report['device']}: HBM copy {report['hbm_copy_TBps']:.2f} TB/s, "
+             f"matmul {report['matmul_TFLOPs']:.0f} TFLOP/s"]
+    for phase, title in (("decode", "decode step at context {context}"), ("prefill", "prefill of {tokens} tokens")):
+        part = report[phase]
+        heading = title.format(**part)
+        lines += ["", f"{heading} ({part['timeline']}{', PDL' if part.get('pdl') else ''}): "
+                  f"{part['span_us']:.1f} us first kernel start to last kernel end; {part['kernel_count']} kernels "
+                  f"{part['kernel_us']:.1f} us + gaps {part['gap_us']:.1f} us; floor {part['floor_us']:.1f} us "
+                  f"({part['pct_of_floor']:.1f}% of floor)", "",
+                  "| operator | count | kernels | time (us) | gaps before (us) | MB | floor (us) | % of floor |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in sorted(part["by_kind"], key=lambda r: -(r["us"] + r["gap_before_us"])):
+            lines.append(f"| {row['kind']} | {row['count']} | {row['kernels']} | {row['us']:.1f} | "
+                         f"{row['gap_before_us']:.1f} | {row['bytes'] / 1e6:.1f} | {row['floor_us']:.1f} | "
+                         f"{row['pct_of_floor']:.0f}% |")
+    return "\n".join(lines)
+
+
+def profile_to_json(report: dict) -> dict:
+    return {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in report.items()}

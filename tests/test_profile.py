@@ -1,0 +1,69 @@
+"""`qwen-triton profile` end to end on the CPU (tiny preset, interpreter, operators timed on the host)."""
+
+import pytest
+
+from qwen_triton.benchmark.floor import decode_bytes
+from qwen_triton.benchmark.profile import format_profile, run_profile
+from qwen_triton.checkpoint import PRESETS, official_config
+from qwen_triton.config import FULL_ATTENTION, parse_config
+from qwen_triton.engine.trace import KernelTrace
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_profile(preset="tiny", context=5, prefill_tokens=8, steps=1, device="cpu")
+
+
+def test_profile_names_every_operator_of_each_layer(report):
+    config = parse_config(official_config(PRESETS["tiny"]))
+    attention = sum(t == FULL_ATTENTION for t in config.layer_types)
+    delta = len(config.layer_types) - attention
+    counts = {row["kind"]: row["count"] for row in report["decode"]["by_kind"]}
+    assert counts == {
+        "embedding": 1,
+        "attention in-projection": attention,
+        "q/k norm + rotary + KV write": attention,
+        "attention (split-KV decode + merge)": attention,
+        "attention gate + out-projection": attention,
+        "deltanet in-projection": delta,
+        "deltanet step (conv, gating, delta rule, gated norm)": delta,
+        "deltanet out-projection + residual": delta,
+        "mlp norm + gate/up + swiglu": len(config.layer_types),
+        "mlp down-projection + residual": len(config.layer_types),
+        "final norm + lm head + argmax": 1,
+    }
+    prefill_kinds = {row["kind"] for row in report["prefill"]["by_kind"]}
+    assert {"attention (flash prefill)", "gated delta rule (chunked)", "deltanet conv + silu",
+            "gated rms norm"} <= prefill_kinds
+    assert all(op["us"] > 0 for op in report["decode"]["operators"] + report["prefill"]["operators"])
+    text = format_profile(report)
+    assert "decode step at context 5" in text and "prefill of 8 tokens" in text
+
+
+def test_profile_bytes_add_up_to_the_decode_floor(report):
+    # the operators' own counts (weights from the tensors, states, KV cache at the context) against the
+    # floor counted from the config: equal but for the norm weights and the activations
+    config = parse_config(official_config(PRESETS["tiny"]))
+    counted = sum(op["bytes"] for op in report["decode"]["operators"])
+    floor = decode_bytes(config, 5, weight_bytes=4, activation_bytes=4).total  # float32 on the CPU
+    assert abs(counted - floor) / floor < 0.01
+
+
+def test_kernel_trace_assigns_launches_to_the_current_operator():
+    trace = KernelTrace()
+
+    class Launch:
+        def __init__(self, name):
+            self.name = name
+
+        def get(self):
+            return {"name": self.name}
+
+    trace._hook(Launch("before"))
+    with trace.operator("outer", 0, 10, 20):
+        trace._hook(Launch("a"))
+        with trace.operator("inner", 0, 1, 2):
+            trace._hook(Launch("b"))
+        trace._hook(Launch("c"))
+    assert trace.unlabelled == ["before"]
+    assert [(op.kind, name) for op, name in trace.launches()] == [("outer", "a"), ("inner", "b"), ("outer", "c")]
