@@ -12,6 +12,10 @@ if [ -n "${CHECK_TESTS:-}" ]; then
         $CHECK_TESTS -q -x --tb=short -p no:cacheprovider > "$OUT/check.log" 2>&1
     tail -3 "$OUT/check.log"
 fi
+if [ -n "${SWEEP:-}" ]; then
+    timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_sweep.py --out "$OUT/sweep.json" > "$OUT/sweep.md" 2> "$OUT/sweep.err"
+    echo "sweep rc $?"; cat "$OUT/sweep.md"
+fi
 timeout ${PROFILE_TIMEOUT:-300} python3 -m qwen_triton.cli profile --out "$OUT/profile-pdl.json" \
     > "$OUT/profile-pdl.md" 2> "$OUT/profile-pdl.err"; echo "profile rc $?"
 head -20 "$OUT/profile-pdl.md"
@@ -25,4 +29,9 @@ if [ -n "${BENCH_VARIANTS:-}" ]; then
         ${BENCH_ARGS:-} > "$OUT/bench.md" 2> "$OUT/bench.err"; echo "bench rc $?"
     head -8 "$OUT/bench.md"
 fi
-mkdir -p "$OUT/tune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name "*.autotune.json" -exec cp --parents {} "$OUT/tune/" \;)
+if [ -n "${OPS_BENCH:-}" ]; then
+    timeout ${OPS_BENCH_TIMEOUT:-200} python3 -m qwen_triton.cli bench --ops --out "$OUT/ops" > "$OUT/ops-bench.md" \
+        2> "$OUT/ops-bench.err"; echo "ops bench rc $?"
+fi
+# the autotuner's choices, one file (the device returns a limited number of files)
+(cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name "*.autotune.json" | tar -czf "$OUT/tune.tgz" -T -)

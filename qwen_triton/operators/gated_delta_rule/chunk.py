@@ -278,7 +278,7 @@ def _recurrence_configs():
 
 @triton.autotune(
     configs=_recurrence_configs(),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "DOT_DTYPE", "PRECISION"],
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: qk's dtype, in the key
     restore_value=["state_ptr"], cache_results=True,
 )
 @triton.jit

@@ -41,12 +41,15 @@ from ..common import (
 from ..conv.causal_conv1d import MAX_WIDTH, conv_step_channels, shift_conv_state
 from .gated_rms_norm import gated_rms_norm_heads
 from .gating import ACTIVATION_DTYPES, check_gate_parameters
-from .recurrent import delta_rule_step
+from .recurrent import delta_rule_update, state_slab
 
 
 def _step_configs():
     return autotune_configs([
         triton.Config({"BLOCK_V": 16}, num_warps=4),
+        triton.Config({"BLOCK_V": 4}, num_warps=2),
+        triton.Config({"BLOCK_V": 4}, num_warps=1),
+        triton.Config({"BLOCK_V": 8}, num_warps=1),
         triton.Config({"BLOCK_V": 8}, num_warps=2),
         triton.Config({"BLOCK_V": 8}, num_warps=4),
         triton.Config({"BLOCK_V": 16}, num_warps=2),
@@ -69,7 +72,6 @@ def _fused_step_kernel(
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     sequence_head = tl.program_id(0)
     sequence = sequence_head // V_HEADS
     head = sequence_head % V_HEADS
@@ -78,6 +80,11 @@ def _fused_step_kernel(
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     key_mask = keys < K_DIM
     value_mask = values < V_DIM
+    # the state slab, the largest read, before the wait: no kernel since the last launch without PDL
+    # writes it (see gated_delta_rule_decode_fused's pdl)
+    slab, slab_mask = state_slab(state_ptr + sequence_head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    old = tl.load(slab, mask=slab_mask, other=0.0)
+    wait_for_previous_kernel(USE_PDL)
     dtype = o_ptr.dtype.element_ty
     x_row = x_ptr + sequence * stride_xb
     conv_row = conv_state_ptr + sequence * stride_cb
@@ -96,10 +103,9 @@ def _fused_step_kernel(
 
     a = tl.load(a_ptr + sequence * stride_ab + head)
     b = tl.load(b_ptr + sequence * stride_bb + head)
-    out = delta_rule_step(
+    out = delta_rule_update(
         q.to(dtype).to(tl.float32), k.to(dtype).to(tl.float32), v.to(dtype).to(tl.float32), a, b,
-        a_log_ptr + head, dt_bias_ptr + head, state_ptr + sequence_head * (K_DIM * V_DIM), keys, values, scale,
-        K_DIM, V_DIM,
+        a_log_ptr + head, dt_bias_ptr + head, old, slab, slab_mask, scale,
     )
     tl.store(o_ptr + sequence * stride_ob + head * stride_oh + values, out.to(dtype), mask=value_mask)
 
@@ -162,7 +168,10 @@ def gated_delta_rule_decode_fused(
     x [B, C] the pre-conv q | k | v columns (C = 2 Hk Dk + Hv Dv); z [B, Hv*Dv]; a, b [B, Hv] (all strided
     row views of the fused projection); conv_weight [C, W]; conv_state [B, C, W-1] and state
     [B, Hv, Dk, Dv] float32, both updated in place; norm_weight [Dv]. delta_out [B, Hv, Dv]: o's buffer.
-    pdl: launch both kernels with programmatic dependent launch (Hopper; operators/common.py).
+    pdl: launch both kernels with programmatic dependent launch (Hopper; operators/common.py). The step
+    kernel then reads `state` before waiting for the previous kernel, so no kernel launched since the last
+    launch without PDL may write `state` (the engine's decode step starts with the embedding, launched
+    without PDL, and writes each layer's state once).
     """
     check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
     batch, value_heads, key_dim, value_dim = state.shape

@@ -43,12 +43,24 @@ def delta_rule_step(q, k, v, a, b, a_log_ptr, dt_bias_ptr, state, keys, values, 
     q, k [BLOCK_K] and v [BLOCK_V] raw, in float32 (masked lanes zero); a, b the raw gate inputs (b in
     the activation dtype, which beta is rounded to). Updates the slab in place and returns o [BLOCK_V].
     """
+    slab, slab_mask = state_slab(state, keys, values, K_DIM, V_DIM)
+    old = tl.load(slab, mask=slab_mask, other=0.0)
+    return delta_rule_update(q, k, v, a, b, a_log_ptr, dt_bias_ptr, old, slab, slab_mask, scale)
+
+
+@triton.jit
+def state_slab(state, keys, values, K_DIM: tl.constexpr, V_DIM: tl.constexpr):
+    """Pointers to and mask of the [Dk, BLOCK_V] slab (columns `values`) of a head's state [Dk, Dv]."""
+    return state + keys[:, None] * V_DIM + values[None, :], (keys[:, None] < K_DIM) & (values[None, :] < V_DIM)
+
+
+@triton.jit
+def delta_rule_update(q, k, v, a, b, a_log_ptr, dt_bias_ptr, old, slab, slab_mask, scale):
+    """delta_rule_step on the slab's values `old`, already loaded (so a caller can load them early)."""
     g, beta = gate_and_beta(a, b, tl.load(a_log_ptr), tl.load(dt_bias_ptr), b.dtype)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    slab = state + keys[:, None] * V_DIM + values[None, :]
-    slab_mask = (keys[:, None] < K_DIM) & (values[None, :] < V_DIM)
-    state = tl.load(slab, mask=slab_mask, other=0.0) * tl.exp(g)
+    state = old * tl.exp(g)
     predicted = tl.sum(state * k[:, None], axis=0)
     delta = (v - predicted) * beta
     state = state + k[:, None] * delta[None, :]

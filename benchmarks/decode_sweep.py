@@ -1,0 +1,155 @@
+"""Every config of the decode GEMV and of the fused DeltaNet step, timed as the engine runs them.
+
+The autotuner times one launch at a time after flushing L2; a decode step runs them back to back inside
+a CUDA graph with programmatic dependent launch. Here each config runs as a graph of `layers` launches
+on as many distinct weights (or states): more bytes than the 60 MB L2, so each launch reads from HBM as
+in the model, and each launch overlaps its neighbours as in the model. Prints, per shape, every config's
+time per launch and its share of the copy bandwidth, and the autotuner's own pick.
+
+    python3 benchmarks/decode_sweep.py [--out sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from qwen_triton.benchmark.harness import measure_hbm_bandwidth
+from qwen_triton.operators.gated_delta_rule import fused_decode
+from qwen_triton.operators.gated_delta_rule.fused_decode import gated_delta_rule_decode_fused
+from qwen_triton.operators.linear import gemv
+from qwen_triton.operators.linear.linear import linear
+
+SHAPES = [  # name, weight rows, K, options
+    ("deltanet in-projection", 10304, 1024, dict(norm=True)),
+    ("attention in-projection", 5120, 1024, dict(norm=True)),
+    ("mlp gate/up + swiglu", 7168, 1024, dict(norm=True, activation="swiglu")),
+    ("mlp down + residual", 1024, 3584, dict(residual=True)),
+    ("out-projection + residual", 1024, 2048, dict(residual=True)),
+    ("attention gate + out-projection", 1024, 2048, dict(residual=True, gate=True)),
+]
+
+
+def graph_time_us(launch, count: int, replays: int = 20) -> float:
+    """Median time per launch of a CUDA graph of `count` calls of launch(i)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(count):
+            launch(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(count):
+            launch(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / count)
+    return statistics.median(times)
+
+
+def with_configs(autotuner, configs):
+    autotuner.configs = configs
+    autotuner.cache = {}
+
+
+def sweep_gemv(layers: int, hbm: float, pdl: bool) -> list[dict]:
+    rows = []
+    all_configs = list(gemv._gemv_split.configs)
+    for name, weight_rows, K, options in SHAPES:
+        N = weight_rows // (2 if options.get("activation") else 1)
+        weights = [torch.randn(weight_rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.randn(1, N, device="cuda", dtype=torch.bfloat16)
+        norm = torch.randn(K, device="cuda", dtype=torch.bfloat16) * 0.1 if options.get("norm") else None
+        gate = torch.randn(1, K, device="cuda", dtype=torch.bfloat16) if options.get("gate") else None
+        moved = weight_rows * K * 2
+
+        def launch(i):
+            linear(x, weights[i], norm_weight=norm, gate=gate, activation=options.get("activation"),
+                   residual=out if options.get("residual") else None, out=out if options.get("residual") else None,
+                   pdl=pdl)
+
+        with_configs(gemv._gemv_split, all_configs)
+        launch(0)  # the autotuner's pick
+        pick = gemv._gemv_split.best_config
+        for config in all_configs:
+            if config.kwargs["SPLIT_K"] > 1 and K // config.kwargs["SPLIT_K"] < config.kwargs["BLOCK_K"]:
+                continue
+            with_configs(gemv._gemv_split, [config])
+            us = graph_time_us(launch, layers)
+            rows.append(dict(shape=name, config=str(config), us=us, pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12),
+                             autotuner_pick=str(config) == str(pick), pdl=pdl))
+        with_configs(gemv._gemv_split, all_configs)
+    return rows
+
+
+def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
+    heads, dim, channels, width = 16, 128, 6144, 4
+    states = [torch.randn(1, heads, dim, dim, device="cuda") * 0.1 for _ in range(layers)]
+    conv_states = [torch.randn(1, channels, width - 1, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    projection = torch.randn(1, channels + heads * dim + 2 * heads, device="cuda", dtype=torch.bfloat16)
+    x, z = projection[:, :channels], projection[:, channels:channels + heads * dim]
+    b, a = projection[:, channels + heads * dim:channels + heads * dim + heads], projection[:, -heads:]
+    conv_weight = torch.randn(channels, width, device="cuda", dtype=torch.bfloat16)
+    a_log = torch.randn(heads, device="cuda")
+    dt_bias = torch.randn(heads, device="cuda")
+    norm = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, heads * dim, device="cuda", dtype=torch.bfloat16)
+    delta_out = torch.empty(1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    moved = 2 * heads * dim * dim * 4
+
+    def launch(i):
+        gated_delta_rule_decode_fused(x, z, a, b, conv_weight, conv_states[i], a_log, dt_bias, norm, 1e-6, states[i],
+                                      out=out, delta_out=delta_out, pdl=pdl)
+
+    all_configs = list(fused_decode._fused_step_kernel.configs)
+    launch(0)
+    pick = fused_decode._fused_step_kernel.best_config
+    rows = []
+    for config in all_configs:
+        with_configs(fused_decode._fused_step_kernel, [config])
+        us = graph_time_us(launch, layers)
+        rows.append(dict(shape="deltanet step (2 kernels)", config=str(config), us=us,
+                         pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12), autotuner_pick=str(config) == str(pick),
+                         pdl=pdl))
+    with_configs(fused_decode._fused_step_kernel, all_configs)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    hbm = measure_hbm_bandwidth()
+    rows = []
+    for pdl in (True, False):
+        rows += sweep_gemv(args.layers, hbm, pdl)
+        rows += sweep_delta_step(18, hbm, pdl)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(hbm_copy_TBps=hbm, rows=rows), f, indent=2)
+    print(f"HBM copy {hbm:.2f} TB/s; time per launch in a graph of back-to-back launches on distinct weights")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for pdl in (True, False):
+            mine = sorted((r for r in rows if r["shape"] == shape and r["pdl"] == pdl), key=lambda r: r["us"])
+            pick = next((r for r in mine if r["autotuner_pick"]), None)
+            best = mine[0]
+            print(f"{shape} (PDL {'on' if pdl else 'off'}): best {best['us']:.2f} us ({best['pct_hbm']:.0f}%) "
+                  f"{best['config']}; autotuner's pick {pick['us'] if pick else float('nan'):.2f} us; "
+                  f"worst {mine[-1]['us']:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
