@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-from qwen_triton.benchmark.harness import measure_hbm_bandwidth
+from qwen_triton.benchmark.harness import measure_hbm_bandwidth, time_graph
 from qwen_triton.operators.gated_delta_rule import fused_decode
 from qwen_triton.operators.gated_delta_rule.fused_decode import gated_delta_rule_decode_fused
 from qwen_triton.operators.linear import gemv
@@ -34,28 +33,9 @@ SHAPES = [  # name, weight rows, K, options
 
 
 def graph_time_us(launch, count: int, replays: int = 20) -> float:
-    """Median time per launch of a CUDA graph of `count` calls of launch(i)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(count):
-            launch(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(count):
-            launch(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / count)
-    return statistics.median(times)
+    """Median time per launch of a CUDA graph of `count` calls of launch(i), i = 0..count-1."""
+    calls = iter(range(10**9))
+    return time_graph(lambda: launch(next(calls) % count), calls=count, replays=replays) * 1e3
 
 
 def with_configs(autotuner, configs):

@@ -70,6 +70,31 @@ def time_calls(function, steps: int, warmup: int, device: str = "cuda") -> float
     return statistics.median(times)
 
 
+def time_graph(function, calls: int = 20, replays: int = 20) -> float:
+    """Median milliseconds per call of `function`, captured `calls` times back to back in one CUDA graph
+    and replayed: no host launch cost in the number. Warm up (compile, autotune) before calling this."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            function()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def measure_hbm_bandwidth(device: str = "cuda") -> float:
     """Device-to-device copy (2 GiB on a GPU, 64 MiB on the host): bytes read plus written per second, TB/s."""
     elements = 2**30 if device == "cuda" else 2**25

@@ -7,7 +7,7 @@ FLOPs / matmul rate), as a share of its time. The ceilings are measured in the s
 
 How: a first, eager step runs with a Triton launch hook that records which operator launched which
 kernel (`engine.trace.KernelTrace`); then the step is timed under the CUDA profiler (torch.profiler,
-CUPTI): decode as the engine runs it, replaying its CUDA graph; prefill eagerly, as the engine runs it.
+CUPTI) as the engine runs it: replaying its CUDA graphs (decode, and a prefill whose length repeats).
 Kernel i of the timeline is launch i of the trace (their names are checked to agree). The profiler's
 own cost is small per kernel but not zero: compare the step time here with `qwen-triton bench`.
 
@@ -173,7 +173,8 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
 
 
 def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -> dict:
-    """Profile a prefill of `tokens` random tokens into slot 0 (eager, as the engine runs it)."""
+    """Profile a prefill of `tokens` random tokens into slot 0, as the engine runs it (a CUDA graph once
+    the length repeats, with cuda_graph; eager otherwise)."""
     device = model.device
     token_ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     token_ids = token_ids.to(device)
@@ -182,21 +183,29 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
         model.reset(0)
         model.prefill(token_ids, slot=0, all_logits=False)
 
+    def run_eager():
+        model.reset(0)
+        model._prefill(token_ids, 0, 0, False)
+
     run()  # warm-up: compile, autotune
+    run()  # with cuda_graph: capture
     on_gpu = device.type == "cuda"
     model.trace = KernelTrace() if on_gpu else _HostTimedTrace()
     try:
         with model.trace:
-            run()
+            run_eager()
         trace = model.trace
     finally:
         model.trace = None
     if not on_gpu:
         return dict(tokens=tokens, timeline="host (interpreter)", **_report(trace, None, hbm, matmul, trace.host_us))
-    timeline = _timeline(run, trace, steps)
+    timeline, where = _timeline(run, trace, steps), "cuda graph" if model.cuda_graph else "eager"
+    if timeline is None and model.cuda_graph:
+        timeline = _timeline(run_eager, trace, steps)
+        where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
     if timeline is None:
         raise RuntimeError("the CUDA profiler's kernels do not match the launches of the prefill")
-    return dict(tokens=tokens, timeline="eager", **_report(trace, timeline, hbm, matmul))
+    return dict(tokens=tokens, timeline=where, **_report(trace, timeline, hbm, matmul))
 
 
 def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 128, steps: int = 20,

@@ -68,6 +68,9 @@ class MLPWeights:
     down: torch.Tensor
 
 
+PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
+
+
 def bucket(batch: int) -> int:
     """The CUDA-graph batch bucket of a batch: the next power of two."""
     size = 1
@@ -154,6 +157,9 @@ class TritonModel:
         self.progress = progress
         self._layer_done = None
         self._prefilled = False
+        self._prefill_graphs: dict[tuple, tuple] = {}  # (tokens, slot, all_logits) -> (graph, ids, logits)
+        self._prefill_seen: dict[tuple, int] = {}
+        self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.trace: KernelTrace | None = None  # set by qwen-triton profile while it records launches
         self.trace_context = 0  # the decode context the trace's attention bytes are counted at
 
@@ -239,7 +245,35 @@ class TritonModel:
     # ---- prefill: one sequence ------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0, all_logits: bool = True):
-        """Tokens [T] of the sequence in `slot` after `start` cached ones: float32 logits [T or 1, vocab]."""
+        """Tokens [T] of the sequence in `slot` after `start` cached ones: float32 logits [T or 1, vocab].
+
+        With cuda_graph, a prefill from position 0 that repeats an earlier (length, slot, all_logits) is
+        captured in a CUDA graph on its second call and replayed from then on: the ~180 launches of a
+        prefill cost the host far more than the GPU work at short lengths. A length seen once runs eagerly
+        (no capture cost for one-off prompts); at most PREFILL_GRAPHS graphs are kept, sharing one pool.
+        """
+        token_ids = token_ids.to(self.device)
+        if not (self.cuda_graph and start == 0):
+            return self._prefill(token_ids, slot, start, all_logits)
+        key = (token_ids.shape[0], slot, all_logits)
+        entry = self._prefill_graphs.get(key)
+        if entry is None:
+            self._prefill_seen[key] = self._prefill_seen.get(key, 0) + 1
+            if self._prefill_seen[key] < 2:
+                return self._prefill(token_ids, slot, start, all_logits)  # also the warm-up of this shape
+            if len(self._prefill_graphs) >= PREFILL_GRAPHS:
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
+            static_ids = token_ids.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._prefill_pool):
+                logits = self._prefill(static_ids, slot, start, all_logits)
+            entry = self._prefill_graphs[key] = (graph, static_ids, logits)
+        graph, static_ids, logits = entry
+        static_ids.copy_(token_ids)
+        graph.replay()
+        return logits.clone()
+
+    def _prefill(self, token_ids: torch.Tensor, slot: int, start: int, all_logits: bool):
         c = self.config
         tokens = token_ids.shape[0]
         positions = torch.arange(start, start + tokens, device=self.device, dtype=torch.int32)
@@ -249,7 +283,7 @@ class TritonModel:
             self._layer_done = progress_printer("first prefill: compiling and autotuning (cached on disk), layers")
         self._prefilled = True
         with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
-            x = embedding(token_ids.to(self.device), self.embed)
+            x = embedding(token_ids, self.embed)
 
         def attend(i, q, key_cache, value_cache):
             def cost():

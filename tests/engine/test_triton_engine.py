@@ -119,6 +119,29 @@ def test_gpu_cuda_graph_replay_is_bit_identical_to_eager_kernels():
 
 
 @pytest.mark.gpu
+def test_gpu_prefill_graph_replay_is_bit_identical_to_eager_prefill():
+    # the second prefill of a length is captured, the third replays: logits and every state as eager
+    token_ids = torch.randint(0, 248_000, (100,), generator=torch.Generator().manual_seed(3)).cuda()
+    graphed = _real_model("triton", torch.bfloat16).model
+    runs = []
+    for _ in range(3):
+        graphed.reset(0)
+        runs.append((graphed.prefill(token_ids, slot=0, all_logits=True),
+                     graphed.state.recurrent[0][0].clone(), graphed.state.conv[0][0].clone(),
+                     graphed.state.key[3][0].clone()))
+    assert len(graphed._prefill_graphs) == 1
+    torch.cuda.empty_cache()
+    eager = _real_model("triton", torch.bfloat16, cuda_graph=False).model
+    eager.reset(0)
+    expected = (eager.prefill(token_ids, slot=0, all_logits=True), eager.state.recurrent[0][0],
+                eager.state.conv[0][0], eager.state.key[3][0])
+    assert torch.isfinite(expected[0]).all()
+    for run in runs:
+        for got, want in zip(run, expected):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_programmatic_dependent_launch_changes_no_bit():
     # PDL only lets kernels start early; every read of an earlier kernel's output follows its wait
     if torch.cuda.get_device_capability()[0] < 9:

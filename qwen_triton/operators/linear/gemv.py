@@ -53,14 +53,15 @@ INTERPRETER_WIDE_N = 4096
 def _configs(split: bool) -> list[triton.Config]:
     # first: the interpreter's (small blocks, and a real split of K so the CPU tests exercise the reduction)
     configs = [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2 if split else 1}, num_warps=4, num_stages=2)]
-    # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages): 8-32 rows of 256-512 elements (0.5-1 KB
-    # contiguous per row) per step; splits of K to put 256-1024 programs on the SMs when N is small
+    # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages). Chosen by benchmarks/decode_sweep.py on the H200
+    # (2026-11-29), which timed 17 configs back to back in a CUDA graph on distinct weights, as the model
+    # runs them: these were the fastest for every decode shape; the autotuner, timing one launch at a time,
+    # picked configs up to 30% slower (and once 2.5x slower) when it had all 17 to choose from.
     candidates = [
-        (1, 8, 512, 4, 3), (1, 16, 256, 4, 3), (1, 16, 512, 8, 3), (1, 32, 256, 8, 2), (1, 8, 1024, 8, 1),
-        (2, 8, 512, 4, 3), (2, 16, 256, 4, 3), (2, 16, 512, 8, 1), (2, 8, 1024, 8, 1),
-        (4, 8, 256, 4, 3), (4, 16, 256, 4, 3), (4, 8, 512, 4, 2), (4, 16, 512, 8, 1),
-        (7, 8, 512, 4, 1), (7, 16, 512, 8, 1),  # K = 3584 (the MLP down projection) in one tile per split
-        (8, 8, 256, 4, 3), (8, 16, 128, 4, 3),
+        (1, 16, 256, 4, 3),  # K = 1024 (the in-projections, gate/up): 16 rows x 256 columns a step
+        (1, 8, 1024, 8, 1),  # K = 2048 (out-projections): the whole row of K in one tile
+        (4, 16, 512, 8, 1),  # K = 3584 (down): four splits of K, one or two tiles each
+        (2, 16, 512, 8, 1),
     ]
     for split_k, block_n, block_k, warps, stages in candidates:
         if split or split_k == 1:
