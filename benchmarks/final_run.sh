@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the engine's and the changed operators' GPU tests (untuned kernels: correctness
+# needs no tuning), then `qwen-triton bench` over $BENCH_VARIANTS. Few files under $OUT (the device returns 8).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/gpu.txt"
+if [ -n "${ENGINE_TESTS:-}" ]; then
+    QWEN_TRITON_AUTOTUNE=first TRITON_CACHE_DIR=/tmp/tc-first timeout ${ENGINE_TIMEOUT:-300} python3 -m pytest -m gpu \
+        $ENGINE_TESTS -q -s --tb=short -p no:cacheprovider > "$OUT/engine.log" 2>&1
+    grep -E "passed|failed|bf16 vs|Error" "$OUT/engine.log" | tail -8
+fi
+if [ -n "${OPS_TESTS:-}" ]; then
+    QWEN_TRITON_AUTOTUNE=first TRITON_CACHE_DIR=/tmp/tc-first timeout ${OPS_TIMEOUT:-200} python3 -m pytest -m gpu \
+        $OPS_TESTS -q --tb=short -p no:cacheprovider > "$OUT/ops.log" 2>&1
+    grep -E "passed|failed|Error" "$OUT/ops.log" | tail -5
+fi
+if [ -n "${BENCH_VARIANTS:-}" ]; then
+    TRITON_CACHE_DIR=$PWD/.tc timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
+        --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.md" 2> "$OUT/bench.err"; echo "bench rc $?"
+    cat "$OUT/bench.md"; tail -3 "$OUT/bench.err"
+    tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
+fi
+if [ -n "${PROFILE:-}" ]; then
+    TRITON_CACHE_DIR=$PWD/.tc timeout 200 python3 -m qwen_triton.cli profile --out "$OUT/profile.json" \
+        > "$OUT/profile.md" 2> "$OUT/profile.err"; echo "profile rc $?"; head -3 "$OUT/profile.md"
+fi
