@@ -321,7 +321,8 @@ def test_gpu_autotune_cached_on_disk(tmp_path):
     """)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), TRITON_PRINT_AUTOTUNING="1", PYTHONPATH=path)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), TRITON_PRINT_AUTOTUNING="1", PYTHONPATH=path,
+               QWEN_TRITON_AUTOTUNE="2")  # a real tuning (two configs) whatever the caller set
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
             for _ in range(2)]
     assert "Triton autotuning for function _gemv_kernel" in runs[0].stdout

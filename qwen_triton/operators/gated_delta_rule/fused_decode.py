@@ -45,11 +45,11 @@ from .recurrent import delta_rule_update, state_slab
 
 
 def _step_configs():
-    # BLOCK_V 16 with 2 warps was the fastest of 10 configs back to back in a CUDA graph on the H200
-    # (benchmarks/decode_sweep.py, 2026-11-29); the first config is the interpreter's
+    # BLOCK_V 16 with 2 warps (256 programs at B = 1) was the fastest of 10 configs back to back in a CUDA
+    # graph on the H200 (benchmarks/decode_sweep.py, 2026-11-29); the others are kept for other shapes
     return autotune_configs([
-        triton.Config({"BLOCK_V": 16}, num_warps=4),
         triton.Config({"BLOCK_V": 16}, num_warps=2),
+        triton.Config({"BLOCK_V": 16}, num_warps=4),
         triton.Config({"BLOCK_V": 8}, num_warps=2),
         triton.Config({"BLOCK_V": 32}, num_warps=4),
     ])

@@ -53,15 +53,15 @@ INTERPRETER_WIDE_N = 4096
 def _configs(split: bool) -> list[triton.Config]:
     # first: the interpreter's (small blocks, and a real split of K so the CPU tests exercise the reduction)
     configs = [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2 if split else 1}, num_warps=4, num_stages=2)]
-    # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages). Chosen by benchmarks/decode_sweep.py on the H200
-    # (2026-11-29), which timed 17 configs back to back in a CUDA graph on distinct weights, as the model
-    # runs them: these were the fastest for every decode shape; the autotuner, timing one launch at a time,
-    # picked configs up to 30% slower (and once 2.5x slower) when it had all 17 to choose from.
+    # (SPLIT_K, BLOCK_N, BLOCK_K, num_warps, num_stages): 8-32 rows of 256-1024 elements (0.5-2 KB
+    # contiguous per row) per step; splits of K to put 256-1024 programs on the SMs when N is small, and
+    # splits of exactly one tile per program (the whole weight slice in flight before the PDL wait)
     candidates = [
-        (1, 16, 256, 4, 3),  # K = 1024 (the in-projections, gate/up): 16 rows x 256 columns a step
-        (1, 8, 1024, 8, 1),  # K = 2048 (out-projections): the whole row of K in one tile
-        (4, 16, 512, 8, 1),  # K = 3584 (down): four splits of K, one or two tiles each
-        (2, 16, 512, 8, 1),
+        (1, 8, 512, 4, 3), (1, 16, 256, 4, 3), (1, 16, 512, 8, 3), (1, 32, 256, 8, 2), (1, 8, 1024, 8, 1),
+        (2, 8, 512, 4, 3), (2, 16, 256, 4, 3), (2, 16, 512, 8, 1), (2, 8, 1024, 8, 1),
+        (4, 8, 256, 4, 3), (4, 16, 256, 4, 3), (4, 8, 512, 4, 2), (4, 16, 512, 8, 1),
+        (7, 8, 512, 4, 1), (7, 16, 512, 8, 1),  # K = 3584 (the MLP down projection) in one tile per split
+        (8, 8, 256, 4, 3), (8, 16, 128, 4, 3),
     ]
     for split_k, block_n, block_k, warps, stages in candidates:
         if split or split_k == 1:
@@ -76,15 +76,30 @@ MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS)
 MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in SPLIT_CONFIGS + NO_SPLIT_CONFIGS)
 
 
+# The configs that were fastest in the decode step's own setting: benchmarks/decode_sweep.py timed all 17
+# on the H200 (2026-11-29) as the model runs them, back to back in a CUDA graph with PDL on distinct
+# weights, for each projection of Qwen3.5-0.8B; by K: K <= 1024 (the in-projections, gate/up) 16 rows x
+# 256 columns; K <= 2048 (the out-projections) 8 rows x the whole K; larger K (down, 3584) four splits of
+# 16 x 512. Timing one launch at a time after an L2 flush, the autotuner picked configs up to 30% slower
+# in that setting (and once 2.5x slower), so where a preferred config applies it is the only candidate.
+PREFERRED_BY_K = ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))
+
+
+def _preferred(K: int) -> tuple[int, int, int]:
+    return next(choice for limit, choice in PREFERRED_BY_K if limit is None or K <= limit)
+
+
 def _prune(configs, named_args, **kwargs):
-    """Drop configs that split K into slices under one block, or whose one block overshoots K."""
+    """Drop configs that split K into slices under one block, or whose one block overshoots K; then keep the
+    in-graph winner for this K where it is among them (see PREFERRED_BY_K)."""
     K = named_args["K"]
     kept = [
         c for c in configs
         if (c.kwargs["SPLIT_K"] == 1 or K // c.kwargs["SPLIT_K"] >= c.kwargs["BLOCK_K"])
         and c.kwargs["BLOCK_K"] <= triton.next_power_of_2(K)
     ]
-    return kept or configs[:1]
+    preferred = [c for c in kept if (c.kwargs["SPLIT_K"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == _preferred(K)]
+    return preferred or kept or configs[:1]
 
 
 @triton.jit
