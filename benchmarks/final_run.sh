@@ -22,7 +22,16 @@ if [ -n "${BENCH_VARIANTS:-}" ]; then
     cat "$OUT/bench.md"; tail -3 "$OUT/bench.err"
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 fi
+if [ -n "${TUNED_TESTS:-}" ]; then  # the kernels with the configs the bench tuned (its cache)
+    TRITON_CACHE_DIR=$PWD/.tc timeout ${TUNED_TIMEOUT:-150} python3 -m pytest -m gpu $TUNED_TESTS -q -s --tb=short \
+        -p no:cacheprovider > "$OUT/tuned.log" 2>&1
+    grep -E "passed|failed|bf16 vs|Error" "$OUT/tuned.log" | tail -5
+fi
 if [ -n "${PROFILE:-}" ]; then
     TRITON_CACHE_DIR=$PWD/.tc timeout 200 python3 -m qwen_triton.cli profile --out "$OUT/profile.json" \
         > "$OUT/profile.md" 2> "$OUT/profile.err"; echo "profile rc $?"; head -3 "$OUT/profile.md"
+fi
+if [ -n "${OPS_BENCH:-}" ]; then
+    TRITON_CACHE_DIR=$PWD/.tc timeout ${OPS_BENCH_TIMEOUT:-120} python3 -m qwen_triton.cli bench --ops --out "$OUT" \
+        > "$OUT/ops-bench.md" 2> "$OUT/ops-bench.err"; echo "ops bench rc $?"
 fi
