@@ -5,7 +5,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv > "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 if [ -n "${ENGINE_TESTS:-}" ]; then
     QWEN_TRITON_AUTOTUNE=first TRITON_CACHE_DIR=/tmp/tc-first timeout ${ENGINE_TIMEOUT:-300} python3 -m pytest -m gpu \
         $ENGINE_TESTS -q -s --tb=short -p no:cacheprovider > "$OUT/engine.log" 2>&1
@@ -18,8 +18,8 @@ if [ -n "${OPS_TESTS:-}" ]; then
 fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then
     TRITON_CACHE_DIR=$PWD/.tc timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
-        --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.md" 2> "$OUT/bench.err"; echo "bench rc $?"
-    cat "$OUT/bench.md"; tail -3 "$OUT/bench.err"
+        --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.md" 2>> "$OUT/err.log"; echo "bench rc $?"
+    cat "$OUT/bench.md"; tail -3 "$OUT/err.log"
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 fi
 if [ -n "${TUNED_TESTS:-}" ]; then  # the kernels with the configs the bench tuned (its cache)
@@ -29,9 +29,9 @@ if [ -n "${TUNED_TESTS:-}" ]; then  # the kernels with the configs the bench tun
 fi
 if [ -n "${PROFILE:-}" ]; then
     TRITON_CACHE_DIR=$PWD/.tc timeout 200 python3 -m qwen_triton.cli profile --out "$OUT/profile.json" \
-        > "$OUT/profile.md" 2> "$OUT/profile.err"; echo "profile rc $?"; head -3 "$OUT/profile.md"
+        > "$OUT/profile.md" 2>> "$OUT/err.log"; echo "profile rc $?"; head -3 "$OUT/profile.md"
 fi
 if [ -n "${OPS_BENCH:-}" ]; then
     TRITON_CACHE_DIR=$PWD/.tc timeout ${OPS_BENCH_TIMEOUT:-120} python3 -m qwen_triton.cli bench --ops --out "$OUT" \
-        > "$OUT/ops-bench.md" 2> "$OUT/ops-bench.err"; echo "ops bench rc $?"
+        > "$OUT/ops-bench.md" 2>> "$OUT/err.log"; echo "ops bench rc $?"
 fi
