@@ -244,11 +244,15 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
 
 
 def _commit() -> str:
+    """QWEN_TRITON_COMMIT when set (a copy of the tree without its git history, as on a lent GPU machine),
+    else git's HEAD."""
+    if os.environ.get("QWEN_TRITON_COMMIT"):
+        return os.environ["QWEN_TRITON_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("QWEN_TRITON_COMMIT", "unknown")
+        return "unknown"
 
 
 def _triton_version() -> str:
