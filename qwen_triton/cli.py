@@ -118,9 +118,8 @@ def command_ops(args) -> None:
     print(format_table())
 
 
-def command_bench(args) -> None:
-    import json
-
+def _measuring_device(args, cpu_warning: str) -> str:
+    """The device of bench / profile: a missing GPU is an error; on the CPU the kernels are interpreted."""
     import torch
 
     device = args.device or _default_device()
@@ -128,8 +127,15 @@ def command_bench(args) -> None:
         raise CommandError("device 'cuda' was asked for, but no CUDA GPU is available on this machine")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        print("benchmarking on the CPU (Triton interpreted): the harness runs, its numbers mean nothing",
-              file=sys.stderr)
+        print(cpu_warning, file=sys.stderr)
+    return device
+
+
+def command_bench(args) -> None:
+    import json
+
+    device = _measuring_device(args, "benchmarking on the CPU (Triton interpreted): the harness runs, "
+                                     "its numbers mean nothing")
     steps = args.steps or (20 if args.quick else 200)
     if args.ops:
         if device != "cuda":
@@ -158,15 +164,8 @@ def command_bench(args) -> None:
 def command_profile(args) -> None:
     import json
 
-    import torch
-
-    device = args.device or _default_device()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CommandError("device 'cuda' was asked for, but no CUDA GPU is available on this machine")
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        print("profiling on the CPU (Triton interpreted, operators timed on the host): its numbers mean nothing",
-              file=sys.stderr)
+    device = _measuring_device(args, "profiling on the CPU (Triton interpreted, operators timed on the host): "
+                                     "its numbers mean nothing")
     for name in ("context", "prefill", "steps"):
         if getattr(args, name) <= 0:
             raise CommandError(f"--{name} must be positive, got {getattr(args, name)}")
