@@ -74,6 +74,16 @@ def test_out_of_vocabulary_and_too_long_prompts(checkpoints):
 
 # ---- GPU, real shape ---------------------------------------------------------------------------------
 
+def test_first_prefill_shows_compilation_progress(checkpoints, capsys):
+    llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=16,
+              progress=True)
+    llm.score([1, 2, 3], prefill=3)
+    first = capsys.readouterr().err
+    llm.score([4, 5], prefill=2)
+    assert "first prefill: compiling and autotuning (cached on disk), layers: 4/4" in first
+    assert "compiling" not in capsys.readouterr().err  # once per model
+
+
 def _real_model(backend, dtype, **options):
     from qwen_triton.benchmark.models import random_llm
 

@@ -337,3 +337,26 @@ def test_gpu_benchmark_cases_run():
     for case in cases:
         case["fn"]()
     torch.cuda.synchronize()
+
+
+def test_decode_gemv_keeps_the_in_graph_winner_for_its_K():
+    import triton
+
+    from qwen_triton.operators.linear import gemv
+
+    def config(split, rows, block):
+        return triton.Config({"BLOCK_N": rows, "BLOCK_K": block, "SPLIT_K": split}, num_warps=4)
+
+    configs = [config(2, 64, 64), config(1, 16, 256), config(1, 8, 1024), config(4, 16, 512), config(7, 8, 512)]
+
+    def kept(K, candidates=configs):
+        return [(c.kwargs["SPLIT_K"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
+                for c in gemv._prune(candidates, {"K": K})]
+
+    assert kept(1024) == [(1, 16, 256)]
+    assert kept(2048) == [(1, 8, 1024)]
+    assert kept(3584) == [(4, 16, 512)]
+    # the winner not among the candidates: the autotuner chooses among the valid ones
+    assert kept(1024, [configs[0], configs[2], configs[3]]) == [(2, 64, 64), (1, 8, 1024)]  # 4 x 512 > K
+    # nothing valid (K under every block): the first config, which masks what it overshoots
+    assert kept(96) == [(2, 64, 64)]
