@@ -13,6 +13,13 @@ their epilogues, SwiGLU into the gate/up epilogue and the attention output gate 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
 replayed: inputs are copied into static buffers, nothing is allocated and nothing waits on the host.
+With `pdl=True` (the default on Hopper and newer) the decode kernels use programmatic dependent launch:
+each starts while the previous one drains, streams its weights, and waits before reading its input
+(operators/common.py). A prefill from position 0 whose length repeats is replayed from a CUDA graph too.
+
+Each operator call is named with `_operator` / `_linear` (kind, layer, the bytes and FLOPs of its floor):
+a no-op unless `qwen-triton profile` sets `trace`, which then records which kernels each operator
+launched (engine/trace.py).
 """
 
 from __future__ import annotations
