@@ -18,8 +18,6 @@ the same report, without kernel names or gaps, so that CI runs the command end t
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import asdict
 
 import torch
 
@@ -30,35 +28,6 @@ from .harness import log, measure_hbm_bandwidth, measure_matmul_rate
 
 def _floor_us(op, hbm_TBps: float, matmul_TFLOPs: float) -> float:
     return max(op.bytes / (hbm_TBps * 1e12), op.flops / (matmul_TFLOPs * 1e12)) * 1e6
-
-
-class _HostTimedTrace(KernelTrace):
-    """On the CPU: each operator's host time (the interpreter runs kernels synchronously at launch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.host_us: list[float] = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def operator(self, kind, layer, bytes=0, flops=0):
-        inner = super().operator(kind, layer, bytes, flops)
-        trace = self
-
-        class _Timed:
-            def __enter__(self):
-                inner.__enter__()
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                trace.host_us.append((time.perf_counter() - self.start) * 1e6)
-                return inner.__exit__(*exc)
-
-        return _Timed()
 
 
 def _cuda_kernel_events(prof, names: set[str]) -> list[tuple[str, float, float]]:
@@ -98,19 +67,19 @@ def _timeline(run, trace: KernelTrace, steps: int) -> tuple[list[float], list[fl
     return ([statistics.median(d) for d in durations], [statistics.median(g) if g else 0.0 for g in gaps], spans)
 
 
-def _report(trace: KernelTrace, timeline, hbm: float, matmul: float, host_us=None) -> dict:
+def _report(trace: KernelTrace, timeline, hbm: float, matmul: float) -> dict:
     timed: dict[int, list[dict]] = {id(op): [] for op in trace.operators}
     if timeline is not None:
         for k, (op, name) in enumerate(trace.launches()):  # launch k is kernel k of the timeline
             timed[id(op)].append(dict(name=name, us=timeline[0][k], gap_before_us=timeline[1][k]))
     operators = []
-    for n, op in enumerate(trace.operators):
+    for op in trace.operators:
         kernels = timed[id(op)]
         if timeline is not None:
             us = sum(k["us"] for k in kernels)
             gap = sum(k["gap_before_us"] for k in kernels)
         else:
-            us, gap = host_us[n], 0.0
+            us, gap = op.host_us, 0.0
         floor = _floor_us(op, hbm, matmul)
         operators.append(dict(kind=op.kind, layer=op.layer, bytes=op.bytes, flops=op.flops, us=us, gap_before_us=gap,
                               floor_us=floor, pct_of_floor=100 * floor / us if us else 0.0, kernels=kernels))
@@ -148,7 +117,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     saved = model._save_state(buffers.size)
     model.trace_context = context
     on_gpu = device.type == "cuda"
-    model.trace = KernelTrace() if on_gpu else _HostTimedTrace()
+    model.trace = KernelTrace()
     try:
         with model.trace:
             model._decode_body(buffers, mode)
@@ -157,7 +126,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
         model.trace = None
     if not on_gpu:
         model._restore_state(buffers.size, saved)
-        return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul, trace.host_us))
+        return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     torch.cuda.synchronize()
     timeline = _timeline(lambda: model._run(buffers, mode), trace, steps)
     where = "cuda graph" if model.cuda_graph else "eager"
@@ -190,7 +159,7 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
     run()  # warm-up: compile, autotune
     run()  # with cuda_graph: capture
     on_gpu = device.type == "cuda"
-    model.trace = KernelTrace() if on_gpu else _HostTimedTrace()
+    model.trace = KernelTrace()
     try:
         with model.trace:
             run_eager()
@@ -198,7 +167,7 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
     finally:
         model.trace = None
     if not on_gpu:
-        return dict(tokens=tokens, timeline="host (interpreter)", **_report(trace, None, hbm, matmul, trace.host_us))
+        return dict(tokens=tokens, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     timeline, where = _timeline(run, trace, steps), "cuda graph" if model.cuda_graph else "eager"
     if timeline is None and model.cuda_graph:
         timeline = _timeline(run_eager, trace, steps)
@@ -245,6 +214,3 @@ def format_profile(report: dict) -> str:
                          f"{row['pct_of_floor']:.0f}% |")
     return "\n".join(lines)
 
-
-def profile_to_json(report: dict) -> dict:
-    return {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in report.items()}

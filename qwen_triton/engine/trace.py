@@ -8,6 +8,7 @@ profiler) can be read as a timeline of operators: kernel i of a step is launch i
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ class Operator:
     bytes: int  # that the operator must move through device memory (its floor with `flops`)
     flops: int
     kernels: list[str] = field(default_factory=list)  # the kernel names it launched, in order
+    host_us: float = 0.0  # host time inside the operator: its whole time where kernels run synchronously
+    # (under the CPU interpreter, which calls no launch hooks); launch time only on a GPU
 
 
 class KernelTrace:
@@ -52,11 +55,13 @@ class KernelTrace:
     @contextmanager
     def operator(self, kind: str, layer: int | None, bytes: int = 0, flops: int = 0):
         outer = self._current
-        self._current = Operator(kind, layer, int(bytes), int(flops))
-        self.operators.append(self._current)
+        self._current = operator = Operator(kind, layer, int(bytes), int(flops))
+        self.operators.append(operator)
+        start = time.perf_counter()
         try:
             yield
         finally:
+            operator.host_us = (time.perf_counter() - start) * 1e6
             self._current = outer
 
     def launches(self) -> list[tuple[Operator, str]]:

@@ -33,6 +33,19 @@ def autotune_configs(configs: list) -> list:
     return configs
 
 
+def built_on_first_call(build):
+    """A no-argument callable that runs build() once, on its first call, and then calls what build returned:
+    a benchmark case whose inputs are allocated only when it is timed, and reused after."""
+    built = {}
+
+    def run():
+        if "call" not in built:
+            built["call"] = build()
+        return built["call"]()
+
+    return run
+
+
 def check_tensor(
     name: str,
     tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import built_on_first_call
 from .decode import attention_decode, attention_decode_cost, decode_splits
 from .prefill import attention_prefill, attention_prefill_cost
 from .qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_cost, rotary_table
@@ -27,15 +28,6 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
     """
     cases = []
 
-    def lazy(build):
-        state = {}
-
-        def run():
-            if "call" not in state:
-                state["call"] = build()
-            return state["call"]()
-
-        return run
 
     def make_cache(length: int, batch: int = 1):
         shape = (batch, NUM_KV_HEADS, length, HEAD_DIM)
@@ -57,7 +49,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             )
 
         data, flops = qk_norm_rotary_cost(rows, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
-        return {"name": f"attention.qk_norm_rotary rows={rows}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"attention.qk_norm_rotary rows={rows}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     def prefill_case(length: int):
         def build():
@@ -67,7 +59,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: attention_prefill(q, key_cache, value_cache, 0, 0, out=out)
 
         data, flops = attention_prefill_cost(length, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
-        return {"name": f"attention.prefill T={length}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"attention.prefill T={length}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     def decode_case(length: int):
         def build():
@@ -78,7 +70,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: attention_decode(q, key_cache, value_cache, lengths, out=out)
 
         data, flops = attention_decode_cost(1, length, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
-        return {"name": f"attention.decode L={length}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"attention.decode L={length}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     cases += [norm_rotary_case(1), norm_rotary_case(4096)]
     cases += [prefill_case(128), prefill_case(4096)]

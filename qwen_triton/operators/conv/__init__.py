@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import built_on_first_call
 from .causal_conv1d import causal_conv1d, causal_conv1d_cost, causal_conv1d_step, causal_conv1d_step_cost
 
 # Qwen3.5-0.8B: 2 x 16 x 128 (q, k) + 16 x 128 (v) channels, width 4
@@ -23,15 +24,6 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
     """
     row_width = CHANNELS + 2048 + 2 * 16
 
-    def lazy(build):
-        built = {}
-
-        def run():
-            if "call" not in built:
-                built["call"] = build()
-            return built["call"]()
-
-        return run
 
     def weight():
         return torch.randn(CHANNELS, WIDTH, device=device, dtype=dtype) * 0.5
@@ -44,7 +36,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: causal_conv1d(x, w, state, out=out)
 
         data, flops = causal_conv1d_cost(length, CHANNELS, WIDTH)
-        return {"name": f"conv.causal_conv1d T={length}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"conv.causal_conv1d T={length}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     def step_case(batch: int):
         def build():
@@ -54,7 +46,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: causal_conv1d_step(x, w, state, out=out)
 
         data, flops = causal_conv1d_step_cost(batch, CHANNELS, WIDTH)
-        return {"name": f"conv.causal_conv1d_step B={batch}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"conv.causal_conv1d_step B={batch}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     return [prefill_case(128), prefill_case(4096), step_case(1), step_case(4)]
 

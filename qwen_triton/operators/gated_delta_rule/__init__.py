@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import built_on_first_call
 from .chunk import gated_delta_rule_chunked, gated_delta_rule_chunked_cost
 from .fused_decode import gated_delta_rule_decode_fused, gated_delta_rule_decode_fused_cost
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_cost
@@ -32,15 +33,6 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
     Hk, Hv, Dk, Dv = NUM_KEY_HEADS, NUM_VALUE_HEADS, KEY_DIM, VALUE_DIM
     conv_dim = 2 * Hk * Dk + Hv * Dv
 
-    def lazy(build):
-        built = {}
-
-        def run():
-            if "call" not in built:
-                built["call"] = build()
-            return built["call"]()
-
-        return run
 
     def layer_inputs(rows: int):
         mixed = torch.randn(rows, conv_dim, device=device, dtype=dtype)
@@ -65,7 +57,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
 
         data, flops = gated_delta_rule_chunked_cost(length, Hk, Hv, Dk, Dv)
         suffix = "" if dot_precision is None else f" {dot_precision}"
-        return {"name": f"gated_delta_rule.chunked T={length}{suffix}", "fn": lazy(build), "bytes": data,
+        return {"name": f"gated_delta_rule.chunked T={length}{suffix}", "fn": built_on_first_call(build), "bytes": data,
                 "flops": flops}
 
     def recurrent_case(batch: int):
@@ -76,7 +68,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, state, out=out)
 
         data, flops = gated_delta_rule_recurrent_cost(batch, Hk, Hv, Dk, Dv)
-        return {"name": f"gated_delta_rule.recurrent B={batch}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"gated_delta_rule.recurrent B={batch}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     def norm_case(rows: int):
         def build():
@@ -87,7 +79,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: gated_rms_norm(x, z, weight, 1e-6, out=out)
 
         data, flops = gated_rms_norm_cost(rows, Hv, Dv)
-        return {"name": f"gated_delta_rule.gated_rms_norm M={rows}", "fn": lazy(build), "bytes": data,
+        return {"name": f"gated_delta_rule.gated_rms_norm M={rows}", "fn": built_on_first_call(build), "bytes": data,
                 "flops": flops}
 
     def fused_decode_case(batch: int):
@@ -105,7 +97,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
                 out=out, delta_out=delta_out)
 
         data, flops = gated_delta_rule_decode_fused_cost(batch, Hk, Hv, Dk, Dv)
-        return {"name": f"gated_delta_rule.decode_fused B={batch}", "fn": lazy(build), "bytes": data,
+        return {"name": f"gated_delta_rule.decode_fused B={batch}", "fn": built_on_first_call(build), "bytes": data,
                 "flops": flops}
 
     def gating_case(rows: int):
@@ -115,7 +107,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
             return lambda: gating(a, b, A_log, dt_bias, out=out)
 
         data, flops = gating_cost(rows, Hv)
-        return {"name": f"gated_delta_rule.gating M={rows}", "fn": lazy(build), "bytes": data, "flops": flops}
+        return {"name": f"gated_delta_rule.gating M={rows}", "fn": built_on_first_call(build), "bytes": data, "flops": flops}
 
     return [
         chunked_case(128), chunked_case(4096), chunked_case(4096, "tf32"),

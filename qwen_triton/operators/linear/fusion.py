@@ -64,53 +64,81 @@ def accumulate(
     PAIR: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32: [BLOCK_M, BLOCK_N].
+    """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32 on the tensor cores (BLOCK_M >= 16):
+    [BLOCK_M, BLOCK_N]. One token uses `accumulate_row` instead.
 
     PAIR: also accumulate the rows offs_n + up_offset / stride_wn (the up half of a gate_up weight)
     from the same x tiles; returns (acc, acc_up), acc_up = acc when not PAIR.
-    BLOCK_M == 1 (one token) multiplies and adds on the CUDA cores into a [BLOCK_N, BLOCK_K] accumulator
-    reduced once at the end: a padded tensor-core dot would waste 15/16 of its work and registers.
-    BLOCK_M >= 16 uses tl.dot (tensor cores).
     """
     x_rows = offs_m.to(tl.int64) * stride_xm
     w_rows = offs_n.to(tl.int64) * stride_wn
     m_mask = offs_m < M
     n_mask = offs_n < N
-    if BLOCK_M == 1:
-        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < k_end
-            x_mask = m_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
-            x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
-            x = x.to(tl.float32)
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
-            wide += w.to(tl.float32) * x
-            if PAIR:
-                w_up = tl.load(w_ptr + up_offset + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
-                wide_up += w_up.to(tl.float32) * x
-        acc = tl.sum(wide, axis=1)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
+        x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+        # the weight tile is loaded K-major ([BLOCK_K, BLOCK_N] view of row-major [N, K])
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
+        acc = dot(x, w, acc)
+        if PAIR:
+            w_up = tl.load(w_ptr + up_offset + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
+            acc_up = dot(x, w_up, acc_up)
+    if not PAIR:
+        acc_up = acc
+    return acc, acc_up
+
+
+@triton.jit
+def load_weight_tile(w_ptr, w_rows, up_offset, n_mask, offs_k, k_end, PAIR: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at rows w_rows (offsets) and columns offs_k (masked at k_end),
+    and with PAIR the up tile up_offset further on (else the same tile again)."""
+    mask = n_mask[:, None] & (offs_k < k_end)[None, :]
+    w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=mask, other=0.0)
+    if PAIR:
+        w_up = tl.load(w_ptr + up_offset + w_rows[:, None] + offs_k[None, :], mask=mask, other=0.0)
+    else:
+        w_up = w
+    return w, w_up
+
+
+@triton.jit
+def accumulate_row(
+    x_ptr, x_row, w_ptr, w_rows, up_offset, n_mask, gate_ptr, stride_gm, norm_ptr, rstd,
+    offs_m, K, k_start, k_end, w, w_up,
+    PAIR: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One token's x[k_start:k_end] (the row at offset x_row; offs_m = [its row index]) against BLOCK_N weight
+    rows, on the CUDA cores: (acc, acc_up) [1, BLOCK_N] float32, acc_up = acc when not PAIR.
+
+    A padded tensor-core dot would waste 15/16 of its work at one token, so each step multiplies and adds
+    into a [BLOCK_N, BLOCK_K] accumulator reduced once at the end. w, w_up: the first tile, which the caller
+    loads with `load_weight_tile` (before its PDL wait, so the weights stream while the previous kernel
+    drains); each step loads the next tile one step ahead.
+    """
+    wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        x = tl.load(x_ptr + x_row + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        x = prologue(x, offs_m, offs_k, k_mask[None, :], K, gate_ptr, stride_gm, norm_ptr, rstd,
+                     HAS_GATE, HAS_NORM).to(tl.float32)
+        w_next, w_up_next = load_weight_tile(w_ptr, w_rows, up_offset, n_mask, offs_k + BLOCK_K, k_end, PAIR)
+        wide += w.to(tl.float32) * x
+        if PAIR:
+            wide_up += w_up.to(tl.float32) * x
+        w, w_up = w_next, w_up_next
+    acc = tl.sum(wide, axis=1)[None, :]
+    if PAIR:
         acc_up = tl.sum(wide_up, axis=1)[None, :]
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < k_end
-            x_mask = m_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
-            x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
-            # the weight tile is loaded K-major ([BLOCK_K, BLOCK_N] view of row-major [N, K])
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
-            acc = dot(x, w, acc)
-            if PAIR:
-                w_up = tl.load(w_ptr + up_offset + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
-                acc_up = dot(x, w_up, acc_up)
-    if not PAIR:
         acc_up = acc
     return acc, acc_up
 

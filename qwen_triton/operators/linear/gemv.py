@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..common import allow_next_kernel, autotune_configs, interpreting, launch_options, wait_for_previous_kernel
-from .fusion import SWIGLU, prologue, row_rstd, store_output
+from .fusion import SWIGLU, accumulate_row, load_weight_tile, row_rstd, store_output
 
 MAX_ROWS = 16  # the GEMV serves M <= 16 (one tensor-core tile of tokens)
 INTERPRETER_WIDE_N = 4096
@@ -130,38 +130,18 @@ def _gemv_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    w_mask = n_mask[:, None] & (offs_k < k_end)[None, :]
-    w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
-    if ACTIVATION == SWIGLU:
-        w_up = tl.load(w_ptr + up_offset + w_rows[:, None] + offs_k[None, :], mask=w_mask, other=0.0)
-    else:
-        w_up = w
+    # the first weight tile before the wait: no kernel writes the weights
+    w, w_up = load_weight_tile(w_ptr, w_rows, up_offset, n_mask, k_start + tl.arange(0, BLOCK_K), k_end,
+                               ACTIVATION == SWIGLU)
     wait_for_previous_kernel(USE_PDL)
     if HAS_NORM:
         rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
     else:
         rstd = tl.zeros([1], dtype=tl.float32)
-    x_row = row.to(tl.int64) * stride_xm
-    wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        x = tl.load(x_ptr + x_row + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        x = prologue(x, offs_m, offs_k, k_mask[None, :], K, gate_ptr, stride_gm, norm_ptr, rstd,
-                     HAS_GATE, HAS_NORM).to(tl.float32)
-        next_k = offs_k + BLOCK_K
-        next_mask = n_mask[:, None] & (next_k < k_end)[None, :]
-        w_next = tl.load(w_ptr + w_rows[:, None] + next_k[None, :], mask=next_mask, other=0.0)
-        wide += w.to(tl.float32) * x
-        if ACTIVATION == SWIGLU:
-            w_up_next = tl.load(w_ptr + up_offset + w_rows[:, None] + next_k[None, :], mask=next_mask, other=0.0)
-            wide_up += w_up.to(tl.float32) * x
-            w_up = w_up_next
-        w = w_next
-    acc = tl.sum(wide, axis=1)[None, :]
-    acc_up = tl.sum(wide_up, axis=1)[None, :]
+    acc, acc_up = accumulate_row(
+        x_ptr, row.to(tl.int64) * stride_xm, w_ptr, w_rows, up_offset, n_mask, gate_ptr, stride_gm, norm_ptr, rstd,
+        offs_m, K, k_start, k_end, w, w_up, ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_N, BLOCK_K,
+    )
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)

@@ -2,7 +2,7 @@
 Gumbel-max draw at a temperature (sampling without top-k / top-p, fused the same way).
 
 x [M, H], W [V, H] (Qwen3.5-0.8B: V = 248320, H = 1024, bf16, tied to the embedding). Two kernels:
-1. grid (cdiv(V, BLOCK_V), cdiv(M, BLOCK_M)): each program computes a [BLOCK_M, BLOCK_V] tile of logits
+1. grid (cdiv(V, BLOCK_V), M): each program computes a [1, BLOCK_V] tile of logits of one row
    over the whole of K (the final norm fused as the prologue with norm_weight=), scores it
    (score = logit, or logit / T + Gumbel noise for rows with temperature T > 0) and stores the tile's
    (max, lowest index of the max) per row;
@@ -14,7 +14,7 @@ Deterministic: no atomics; every reduction has a fixed order.
 Floor at M = 1: the 508.6 MB of weights (106 us at 4.8 TB/s), 0.51 GFLOP; the partials are
 8 bytes per tile per row (31 KB at BLOCK_V = 64) instead of 1 MB of float32 logits.
 
-Autotuning: BLOCK_V, BLOCK_K, num_warps, num_stages per (M, V, K, fusions, dtypes), cached on disk like
+Autotuning: BLOCK_V, BLOCK_K, num_warps, num_stages per (V, K, fusions, dtypes), cached on disk like
 the projections (see linear/linear.py).
 """
 
@@ -33,8 +33,8 @@ from ..common import (
     launch_options,
     wait_for_previous_kernel,
 )
-from ..linear.fusion import accumulate, row_rstd
-from ..sampling.noise import gumbel_noise
+from ..linear.fusion import accumulate_row, load_weight_tile, row_rstd
+from ..sampling.noise import check_noise_keys, gumbel_noise
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INT32_MAX = tl.constexpr(2147483647)
@@ -53,30 +53,33 @@ CONFIGS = _configs()
 MIN_BLOCK_V = min(c.kwargs["BLOCK_V"] for c in CONFIGS)
 
 
-@triton.autotune(configs=CONFIGS, key=["V", "K", "HAS_NORM", "SAMPLE", "BLOCK_M"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["V", "K", "HAS_NORM", "SAMPLE"], cache_results=True)
 @triton.jit
 def _lm_head_argmax_kernel(
     x_ptr, w_ptr, norm_ptr, temperature_ptr, seed_ptr, step_ptr, value_ptr, index_ptr, tiles_ptr,
     M, V, K, stride_xm, stride_wv, eps, MAX_TILES,
     HAS_NORM: tl.constexpr, SAMPLE: tl.constexpr, SEED_PER_ROW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     pid_v = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.program_id(1)
+    offs_m = row + tl.arange(0, 1)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V
+    w_rows = offs_v.to(tl.int64) * stride_wv
+    # the first weight tile before the wait: no kernel writes the weights
+    w, _ = load_weight_tile(w_ptr, w_rows, 0, v_mask, tl.arange(0, BLOCK_K), K, False)
+    wait_for_previous_kernel(USE_PDL)
     m_mask = offs_m < M
     if HAS_NORM:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, BLOCK_K)
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
     else:
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    logits, _ = accumulate(
-        x_ptr, stride_xm, w_ptr, stride_wv, 0, x_ptr, 0, norm_ptr, rstd,
-        offs_m, offs_v, M, V, K, 0, K,
-        False, False, HAS_NORM, BLOCK_M, BLOCK_V, BLOCK_K,
+        rstd = tl.zeros([1], dtype=tl.float32)
+    logits, _ = accumulate_row(
+        x_ptr, row.to(tl.int64) * stride_xm, w_ptr, w_rows, 0, v_mask, x_ptr, 0, norm_ptr, rstd,
+        offs_m, K, 0, K, w, w, False, False, HAS_NORM, BLOCK_V, BLOCK_K,
     )
     score = logits
     if SAMPLE:
@@ -92,13 +95,13 @@ def _lm_head_argmax_kernel(
         step = tl.load(step_ptr + offs_m, mask=m_mask, other=0)
         noise = gumbel_noise(seed[:, None], step[:, None], stream[:, None], offs_v[None, :])
         score = tl.where(sampling[:, None], logits / scale[:, None] + noise, logits)
-    score = tl.where((offs_v < V)[None, :], score, float("-inf"))
+    score = tl.where(v_mask[None, :], score, float("-inf"))
     best = tl.max(score, axis=1)
     best_index = tl.argmax(score, axis=1, tie_break_left=True) + pid_v * BLOCK_V
     slots = offs_m * MAX_TILES + pid_v
     tl.store(value_ptr + slots, best, mask=m_mask)
     tl.store(index_ptr + slots, best_index.to(tl.int32), mask=m_mask)
-    if (pid_v == 0) & (pid_m == 0):
+    if (pid_v == 0) & (row == 0):
         tl.store(tiles_ptr, tl.num_programs(0))
 
 
@@ -173,10 +176,7 @@ def lm_head_argmax(
         if temperature is None or seed is None or step is None:
             raise ValueError("temperature, seed and step come together: pass all three to sample, none for argmax")
         check_tensor("temperature", temperature, shape=(M,), dtype=torch.float32)
-        check_tensor("seed", seed, shape=(None,), dtype=torch.int64)
-        if seed.shape[0] not in (1, M):
-            raise ValueError(f"seed has shape {list(seed.shape)}, expected [1] or [{M}]")
-        check_tensor("step", step, shape=(M,), dtype=torch.int64)
+        check_noise_keys(seed, step, M)
     if out is None:
         out = torch.empty(M, dtype=torch.int64, device=x.device)
     else:
@@ -186,10 +186,10 @@ def lm_head_argmax(
     if M == 0:
         return out
     max_tiles, values, indices, tiles = _workspace(x.device, M, V)
-    block_m = 1  # one row per program whatever M: a row's choice does not depend on its batch
+    # one row per program whatever M: a row's choice does not depend on its batch
 
     def grid(meta):
-        return (triton.cdiv(V, meta["BLOCK_V"]), triton.cdiv(M, block_m))
+        return (triton.cdiv(V, meta["BLOCK_V"]), M)
 
     kernel, explicit = _lm_head_argmax_kernel, {}
     if interpreting() and V > 4096:
@@ -201,7 +201,7 @@ def lm_head_argmax(
         values, indices, tiles,
         M, V, K, x.stride(0), weight.stride(0), eps, max_tiles,
         HAS_NORM=norm_weight is not None, SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1,
-        BLOCK_M=block_m, USE_PDL=pdl, **explicit, **launch_options(pdl),
+        USE_PDL=pdl, **explicit, **launch_options(pdl),
     )
     _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, BLOCK_T=BLOCK_T, USE_PDL=pdl, num_warps=8,
                                 **launch_options(pdl))

@@ -15,6 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import check_tensor
+
+
+def check_noise_keys(seed: torch.Tensor, step: torch.Tensor, rows: int) -> None:
+    """The keys of the noise of `rows` rows: seed int64 [1] (shared) or [rows], step int64 [rows]."""
+    check_tensor("seed", seed, shape=(None,), dtype=torch.int64)
+    if seed.shape[0] not in (1, rows):
+        raise ValueError(f"seed has shape {list(seed.shape)}, expected [1] or [{rows}]")
+    check_tensor("step", step, shape=(rows,), dtype=torch.int64)
+
 
 @triton.jit
 def gumbel_noise(seed, step, stream, token):

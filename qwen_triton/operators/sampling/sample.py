@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..common import check_same_device, check_tensor, interpreting
-from .noise import gumbel_noise
+from .noise import check_noise_keys, gumbel_noise
 
 TOP_K = tl.constexpr(0)
 TOP_P = tl.constexpr(1)
@@ -324,10 +324,7 @@ def sample(
     check_tensor("temperature", temperature, shape=(M,), dtype=torch.float32)
     check_tensor("top_k", top_k, shape=(M,), dtype=torch.int32)
     check_tensor("top_p", top_p, shape=(M,), dtype=torch.float32)
-    check_tensor("seed", seed, shape=(None,), dtype=torch.int64)
-    if seed.shape[0] not in (1, M):
-        raise ValueError(f"seed has shape {list(seed.shape)}, expected [1] or [{M}]")
-    check_tensor("step", step, shape=(M,), dtype=torch.int64)
+    check_noise_keys(seed, step, M)
     if out is None:
         out = torch.empty(M, dtype=torch.int64, device=logits.device)
     else:
