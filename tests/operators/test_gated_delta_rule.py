@@ -365,6 +365,27 @@ def test_argument_errors(device):
 HEADS, DIM = 16, 128
 
 
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_chunked_every_value_tiling_of_the_recurrence(block_v, monkeypatch):
+    # the autotuner may pick any BLOCK_V of the chunk recurrence: each must give the same function (128
+    # tokens, two chunks; float32, so the interpreter's dots are exact)
+    import triton
+
+    from qwen_triton.operators.gated_delta_rule import chunk
+
+    kernel = chunk._chunk_recurrence_kernel
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
+    monkeypatch.setattr(kernel, "cache", {})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = make_inputs(128, 2, 2, 64, 64, torch.float32, device, seed=20)
+    initial = random_state((2, 64, 64), device) * 0.2
+    ref_out, ref_state = reference_chunked(inputs, initial.clone())
+    state = initial.clone()
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision="ieee")
+    assert frobenius_error(out, ref_out) < 1e-4
+    assert frobenius_error(state, ref_state) < 1e-4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [128, 4096])
 def test_gpu_chunked(length):
