@@ -16,6 +16,11 @@ if [ -n "${OPS_TESTS:-}" ]; then
         $OPS_TESTS -q --tb=short -p no:cacheprovider > "$OUT/ops.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/ops.log" | tail -5
 fi
+if [ -n "${TUNING_TESTS:-}" ]; then  # full autotuning, every config's choice printed
+    QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/tc-tuning timeout ${TUNING_TIMEOUT:-150} \
+        python3 -m pytest -m gpu $TUNING_TESTS -q -s --tb=short -p no:cacheprovider > "$OUT/tuning.log" 2>&1
+    grep -E "passed|failed|Error" "$OUT/tuning.log" | tail -5
+fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then
     TRITON_CACHE_DIR=$PWD/.tc timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
         --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.md" 2>> "$OUT/err.log"; echo "bench rc $?"

@@ -49,8 +49,13 @@ def log(message: str) -> None:
 def time_calls(function, steps: int, warmup: int, device: str = "cuda") -> float:
     """Median milliseconds of `steps` calls, each timed by its own pair of CUDA events (a host timer on
     the CPU)."""
+    started = time.perf_counter()
     for _ in range(warmup):
         function()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if time.perf_counter() - started > 5:  # compilation, autotuning, graph capture
+        log(f"  warm-up took {time.perf_counter() - started:.1f} s")
     if device != "cuda":
         times = []
         for _ in range(steps):
@@ -127,10 +132,32 @@ class EngineRunner:
             self.llm = random_llm(preset, "reference", device=device, dtype=dtype, max_length=max_length)
         self.model = self.llm.model
         self.variant = variant
-        self.step_function = None
+        self.compiled: dict = {}
+
+    def _compiled(self, name: str):
+        """The reference's prefill or decode under torch.compile(mode="max-autotune"): Inductor's kernels,
+        autotuned GEMMs and CUDA graphs (the caches and weights are marked static, so the graphs may update
+        the caches in place). One graph per shape: the bench's lengths are fixed."""
+        if name not in self.compiled:
+            for tensor in self._static_tensors():
+                torch._dynamo.mark_static_address(tensor)
+            self.compiled[name] = torch.compile(getattr(self.model, name), mode="max-autotune", fullgraph=True,
+                                                dynamic=False)
+        return self.compiled[name]
+
+    def _static_tensors(self):
+        state = self.model.cache
+        yield from self.model.w.values()
+        for tensors in (state.key, state.value, state.conv, state.recurrent):
+            yield from tensors.values()
+        yield self.model.cos
+        yield self.model.sin
 
     def prefill(self, token_ids: torch.Tensor) -> None:
         self.model.reset(0)
+        if self.variant == "reference+torch.compile":
+            self._compiled("prefill")(token_ids, slot=0, all_logits=False)
+            return
         self.model.prefill(token_ids, slot=0, all_logits=False)
 
     def decode_step(self, context: int):
@@ -143,11 +170,7 @@ class EngineRunner:
             sampling = DeviceSampling.build([SamplingParams()], self.device)
             step = torch.zeros(1, device=self.device, dtype=torch.int64)
             return lambda: self.model.decode_tokens(token, position, sampling, step)
-        decode = self.model.decode
-        if self.variant == "reference+torch.compile":
-            if self.step_function is None:
-                self.step_function = torch.compile(decode, mode="max-autotune", fullgraph=True)
-            decode = self.step_function
+        decode = self._compiled("decode") if self.variant == "reference+torch.compile" else self.model.decode
         return lambda: decode(token, position)
 
     def close(self) -> None:
