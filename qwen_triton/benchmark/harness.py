@@ -3,14 +3,22 @@
 Variants (the names of the JSON rows):
   transformers               transformers' Qwen3_5ForCausalLM, bf16, what users run today
   reference                  this package's PyTorch model, eager
-  reference+torch.compile    its decode step under torch.compile(mode="max-autotune") (CUDA graphs)
+  reference+torch.compile    its decode step under torch.compile(mode="max-autotune") (CUDA graphs);
+                             no prefill (not compiled, see EngineRunner._compiled)
   triton                     the Triton kernels, no split-K, no CUDA graph
   triton+split_k             with split-K GEMVs
   triton+split_k+cuda_graph  with the decode step captured in a CUDA graph
 
-Every model has random weights at the preset's shape (speed does not depend on the values). Decode at
-context L runs steps at position L, so each step reads L keys of every attention layer's cache.
-Timing: CUDA events around each call, after warm-up; the median of `steps` calls. The ceilings are
+Every model has random weights at the preset's shape (speed does not depend on the values).
+
+Decode at context L: the triton variants run greedy steps as LLM.generate runs them (each step's id fed
+back on the device, each step launched before the host reads the previous step's id:
+engine/decode_pipeline.py), the context growing from L; the reference variants repeat a step at position
+L; transformers grows its cache from L. Steps are launched back to back with one CUDA event between
+consecutive steps, and a step's time is the interval between its two events as the GPU passes them: the
+GPU's time per step when the host keeps ahead of it, the host's time when it does not. The median of
+`steps` steps after warm-up. Prefill: CUDA events around each call, which is waited for; the median of
+`steps` / 10 calls (/ 20 for long prompts) after warm-up. The ceilings are
 measured in the same run: HBM bandwidth by a device-to-device copy (bytes read + written over time), the
 bf16 matmul rate by an 8192^3 product.
 
@@ -46,9 +54,11 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def time_calls(function, steps: int, warmup: int, device: str = "cuda") -> float:
+def time_calls(function, steps: int, warmup: int, device: str = "cuda", back_to_back: bool = False) -> float:
     """Median milliseconds of `steps` calls, each timed by its own pair of CUDA events (a host timer on
-    the CPU)."""
+    the CPU). back_to_back: the host does not wait for a call before making the next; one event is
+    recorded between consecutive calls, and a call's time is the interval between the events around it
+    as the GPU passes them (its GPU time when the host keeps ahead, the host's time when it does not)."""
     started = time.perf_counter()
     for _ in range(warmup):
         function()
@@ -64,6 +74,14 @@ def time_calls(function, steps: int, warmup: int, device: str = "cuda") -> float
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
     torch.cuda.synchronize()
+    if back_to_back:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for event in events[1:]:
+            function()
+            event.record()
+        events[-1].synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
     times = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -135,9 +153,10 @@ class EngineRunner:
         self.compiled: dict = {}
 
     def _compiled(self, name: str):
-        """The reference's prefill or decode under torch.compile(mode="max-autotune"): Inductor's kernels,
-        autotuned GEMMs and CUDA graphs (the caches and weights are marked static, so the graphs may update
-        the caches in place). One graph per shape: the bench's lengths are fixed."""
+        """The reference's decode under torch.compile(mode="max-autotune"): Inductor's kernels, autotuned
+        GEMMs and CUDA graphs (the caches and weights are marked static, so the graphs may update the caches
+        in place). Prefill is not compiled: max-autotune tunes every GEMM shape of the chunked delta rule,
+        and that alone took over two minutes for a 128-token prefill on the H200."""
         if name not in self.compiled:
             for tensor in self._static_tensors():
                 torch._dynamo.mark_static_address(tensor)
@@ -155,21 +174,24 @@ class EngineRunner:
 
     def prefill(self, token_ids: torch.Tensor) -> None:
         self.model.reset(0)
-        if self.variant == "reference+torch.compile":
-            self._compiled("prefill")(token_ids, slot=0, all_logits=False)
-            return
         self.model.prefill(token_ids, slot=0, all_logits=False)
 
     def decode_step(self, context: int):
         token = torch.ones(1, device=self.device, dtype=torch.int64)
         position = torch.full((1,), context, device=self.device, dtype=torch.int64)
-        if self.variant.startswith("triton"):
+        if self.variant.startswith("triton"):  # greedy steps as LLM.generate runs them
+            from ..engine.decode_pipeline import DecodePipeline
             from ..engine.sampling import SamplingParams
             from ..engine.triton_model import DeviceSampling
 
-            sampling = DeviceSampling.build([SamplingParams()], self.device)
-            step = torch.zeros(1, device=self.device, dtype=torch.int64)
-            return lambda: self.model.decode_tokens(token, position, sampling, step)
+            pipeline = DecodePipeline(self.model, DeviceSampling.build([SamplingParams()], self.device))
+            state = dict(ids=[1], position=context, steps=0)
+
+            def step():  # the context grows by one token a step: L..L+steps
+                state["ids"] = pipeline.step(state["ids"], [state["position"]], [state["steps"]], [True])
+                state["position"] += 1
+                state["steps"] += 1
+            return step
         decode = self._compiled("decode") if self.variant == "reference+torch.compile" else self.model.decode
         return lambda: decode(token, position)
 
@@ -227,7 +249,7 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
     hbm = measure_hbm_bandwidth(device)
     matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s")
-    max_length = max(list(decode_contexts) + list(prefill_lengths)) + 1
+    max_length = max(list(decode_contexts) + list(prefill_lengths)) + steps + warmup + 2  # decode advances
     results = []
     notes = {}
     generator = torch.Generator().manual_seed(0)
@@ -237,6 +259,9 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
             else EngineRunner(variant, preset, max_length, device, dtype)
         notes[variant] = getattr(runner, "note", "")
         for length in prefill_lengths:
+            if variant == "reference+torch.compile":
+                notes[variant] = "decode only: the prefill is not compiled (see EngineRunner._compiled)"
+                break
             token_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).to(device)
             prefill_steps = max(3, steps // 20) if length > 1024 else max(5, steps // 10)
             ms = time_calls(lambda: runner.prefill(token_ids), steps=min(prefill_steps, steps), warmup=min(2, steps),
@@ -250,7 +275,7 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
                 notes[variant] += f"; decode at {context} not run (its prefill to that context alone takes minutes)"
                 continue
             step = runner.decode_step(context)
-            ms = time_calls(step, steps=steps, warmup=min(warmup, steps), device=device)
+            ms = time_calls(step, steps=steps, warmup=min(warmup, steps), device=device, back_to_back=True)
             counted = decode_bytes(config, context).total
             results.append(dict(variant=variant, phase="decode", context=context, batch=1, ms=ms, bytes=counted,
                                 flops=None, pct_of_floor=100 * counted / (ms * 1e-3) / (hbm * 1e12)))

@@ -103,7 +103,8 @@ def _report(trace: KernelTrace, timeline, hbm: float, matmul: float) -> dict:
 
 
 def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, mode: str = "greedy") -> dict:
-    """Profile one decode step of `model` (a TritonModel) for slot 0 at `context` tokens of context."""
+    """Profile one decode step of `model` (a TritonModel) for slot 0 at `context` tokens of context, as
+    generation runs it (with the feedback kernel that makes its ids the next step's inputs)."""
     from ..engine.sampling import SamplingParams
     from ..engine.triton_model import DeviceSampling
 
@@ -112,7 +113,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     position = torch.full((1,), context, device=device, dtype=torch.int64)
     sampling = DeviceSampling.build([SamplingParams()], device)
     counter = torch.zeros(1, device=device, dtype=torch.int64)
-    model.decode_tokens(token, position, sampling, counter)  # warm-up: compile, autotune, capture
+    model.decode_tokens(token, position, sampling, counter, feedback=True)  # warm-up: compile, autotune, capture
     buffers = model._buffers_for(1)
     saved = model._save_state(buffers.size)
     model.trace_context = context
@@ -120,7 +121,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     model.trace = KernelTrace()
     try:
         with model.trace:
-            model._decode_body(buffers, mode)
+            model._decode_body(buffers, mode, feedback=True)
         trace = model.trace
     finally:
         model.trace = None
@@ -128,10 +129,10 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
         model._restore_state(buffers.size, saved)
         return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     torch.cuda.synchronize()
-    timeline = _timeline(lambda: model._run(buffers, mode), trace, steps)
+    timeline = _timeline(lambda: model._run(buffers, mode, feedback=True), trace, steps)
     where = "cuda graph" if model.cuda_graph else "eager"
     if timeline is None and model.cuda_graph:
-        timeline = _timeline(lambda: model._decode_body(buffers, mode), trace, steps)
+        timeline = _timeline(lambda: model._decode_body(buffers, mode, feedback=True), trace, steps)
         where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
     if timeline is None:
         raise RuntimeError("the CUDA profiler's kernels do not match the launches of the step")

@@ -104,6 +104,9 @@ class LLM:
                 device=self.device, dtype=self.dtype, progress=progress, **backend_options,
             )
         self._tokenizer = None
+        # triton backend: launch each decode step before the host reads the previous one's ids
+        # (engine/decode_pipeline.py); None = on a GPU only. Results are the same either way.
+        self.run_ahead: bool | None = None
 
     # ---- text ---------------------------------------------------------------------------------
     @property
@@ -275,7 +278,7 @@ class LLM:
             inputs = [generated[r][-1] if generated[r] else tokens[r] for r in range(rows)]
             step_positions = [positions[r] + len(generated[r]) - 1 if finish[r] is None else positions[r]
                               for r in range(rows)]
-            tokens = chooser.step(inputs, step_positions, steps)
+            tokens = chooser.step(inputs, step_positions, steps, running=[f is None for f in finish])
         elapsed = time.perf_counter() - start
         for row in range(rows):
             decode_tokens = max(len(generated[row]) - 1, 0)
@@ -303,7 +306,7 @@ class HostChooser:
     def first(self, logits: torch.Tensor, row: int) -> int:
         return int(sample(logits[-1:], self.params, self.generators[row])[0])
 
-    def step(self, inputs: list[int], positions: list[int], steps: list[int]) -> list[int]:
+    def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
         device = self.llm.device
         logits = self.llm.model.decode(torch.tensor(inputs, device=device), torch.tensor(positions, device=device))
         self.llm._check_finite(logits)
@@ -311,25 +314,23 @@ class HostChooser:
 
 
 class DeviceChooser:
-    """Next ids chosen on the device inside the decode step (CUDA graph); one host read per step for the
-    stop checks. Rows draw from (seed, row's step) streams, independent of the batch."""
+    """Next ids chosen on the device inside the decode step (CUDA graph), fed back on the device as the next
+    step's inputs, one step launched ahead of the host (engine/decode_pipeline.py); one host read per step
+    for the stop checks. Rows draw from (seed, row's step) streams, independent of the batch."""
 
     def __init__(self, llm: LLM, rows: int, params: SamplingParams):
+        from .decode_pipeline import DecodePipeline
         from .triton_model import DeviceSampling
 
         self.llm = llm
         self.sampling = DeviceSampling.build([params] * rows, llm.device)
+        self.pipeline = DecodePipeline(llm.model, self.sampling, ahead=llm.run_ahead)
 
     def first(self, logits: torch.Tensor, row: int) -> int:
         return int(self.llm.model.choose_first(logits[-1:], self.sampling, row)[0])
 
-    def step(self, inputs: list[int], positions: list[int], steps: list[int]) -> list[int]:
-        device = self.llm.device
-        chosen = self.llm.model.decode_tokens(
-            torch.tensor(inputs, device=device), torch.tensor(positions, device=device), self.sampling,
-            torch.tensor(steps, device=device),
-        )
-        ids = chosen.tolist()
+    def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
+        ids = self.pipeline.step(inputs, positions, steps, running)
         vocab = self.llm.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RuntimeError(

@@ -42,7 +42,7 @@ from ..operators.gated_delta_rule import (
 )
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear
-from ..operators.sampling import sample
+from ..operators.sampling import feed_back, sample
 from ..state import ModelState
 from ..progress import progress_printer
 from .trace import KernelTrace
@@ -344,8 +344,9 @@ class TritonModel:
             self._buffers[size] = DecodeBuffers(self, size)
         return self._buffers[size]
 
-    def _decode_body(self, buffers: DecodeBuffers, mode: str) -> None:
-        """One decode step on static buffers; allocation-free once every kernel has been warmed up."""
+    def _decode_body(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
+        """One decode step on static buffers; allocation-free once every kernel has been warmed up. With
+        feedback, its last kernel makes the chosen ids the next step's inputs (positions + 1)."""
         c = self.config
         pdl = self.pdl
         size = buffers.size
@@ -408,17 +409,22 @@ class TritonModel:
             with self._operator("sampling (top-k / top-p)", None, lambda: (2 * size * c.vocab_size * 4, 0)):
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
                        buffers.step, out=buffers.next_tokens)
+        if feedback:
+            with self._operator("feedback: chosen ids -> next inputs", None, lambda: (72 * size, 0)):
+                feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
+                          self.max_length - 1, pdl=pdl)
 
-    def _run(self, buffers: DecodeBuffers, mode: str) -> None:
+    def _run(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
         if not self.cuda_graph:
-            self._decode_body(buffers, mode)
+            self._decode_body(buffers, mode, feedback)
             return
-        key = (buffers.size, mode)
+        key = (buffers.size, mode, feedback)
         graph = self._graphs.get(key)
         if graph is None:
             # warm-up outside the graph: compiles, autotunes and allocates every workspace. It runs the
             # step once for real, so the states it advances are restored before capture and replay.
             saved = self._save_state(buffers.size)
+            inputs = [t.clone() for t in (buffers.token_ids, buffers.positions, buffers.lengths, buffers.step)]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             if self.progress:
@@ -426,14 +432,16 @@ class TritonModel:
                     f"decode warm-up (batch {buffers.size}, {mode}): compiling and autotuning (cached on disk), layers")
             try:
                 with torch.cuda.stream(stream):
-                    self._decode_body(buffers, mode)
+                    self._decode_body(buffers, mode, feedback)
             finally:
                 self._layer_done = None
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._decode_body(buffers, mode)
+                self._decode_body(buffers, mode, feedback)
             self._restore_state(buffers.size, saved)
+            for buffer, value in zip((buffers.token_ids, buffers.positions, buffers.lengths, buffers.step), inputs):
+                buffer.copy_(value)
             self._graphs[key] = graph
         graph.replay()
 
@@ -450,6 +458,7 @@ class TritonModel:
 
     def _load_inputs(self, buffers: DecodeBuffers, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         batch = token_ids.shape[0]
+        buffers.fed_back = 0
         buffers.token_ids[:batch].copy_(token_ids)
         buffers.positions[:batch].copy_(positions)
         buffers.lengths[:batch].copy_(positions + 1)
@@ -468,20 +477,36 @@ class TritonModel:
         return buffers.logits[: token_ids.shape[0]].clone()
 
     @torch.no_grad()
-    def decode_tokens(self, token_ids, positions, sampling: "DeviceSampling", step) -> torch.Tensor:
+    def decode_tokens(self, token_ids, positions, sampling: "DeviceSampling", step,
+                      feedback: bool = False) -> torch.Tensor:
         """One step for slots 0..B-1, choosing the next ids on the device: int64 [B], a view of a static
         buffer. sampling holds the rows' parameters (device tensors) and the mode the host chose from
-        them; step [B] is each row's draw counter (its number of generated tokens)."""
-        batch = token_ids.shape[0]
+        them; step [B] is each row's draw counter (its number of generated tokens).
+
+        feedback=True ends the step with the feedback kernel: the chosen ids, positions + 1 and step + 1
+        become the next step's inputs on the device, and the next call may pass token_ids, positions and
+        step as None to continue from them without any host input (how generation runs ahead of the host:
+        engine/decode_pipeline.py)."""
+        batch = sampling.temperature.shape[0]
         buffers = self._buffers_for(batch)
-        self._load_inputs(buffers, token_ids, positions)
+        if token_ids is None:
+            if positions is not None or step is not None:
+                raise ValueError("continuing from the fed-back inputs: pass token_ids, positions and step all as None")
+            if buffers.fed_back != batch:
+                raise ValueError("nothing to continue from: the previous step of this batch did not run with feedback")
+        else:
+            if token_ids.shape[0] != batch:
+                raise ValueError(f"token_ids has {token_ids.shape[0]} rows, the sampling parameters {batch}")
+            self._load_inputs(buffers, token_ids, positions)
+            if step is not None:
+                buffers.step[:batch].copy_(step)
         if sampling.mode != "greedy":
             buffers.temperature[:batch].copy_(sampling.temperature)
             buffers.top_k[:batch].copy_(sampling.top_k)
             buffers.top_p[:batch].copy_(sampling.top_p)
             buffers.seed[:batch].copy_(sampling.seed)
-            buffers.step[:batch].copy_(step)
-        self._run(buffers, sampling.mode)
+        self._run(buffers, sampling.mode, feedback)
+        buffers.fed_back = batch if feedback else 0
         return buffers.next_tokens[:batch]
 
     @torch.no_grad()
@@ -568,3 +593,4 @@ class DecodeBuffers:
         self.top_p = torch.ones(size, device=device, dtype=torch.float32)
         self.seed = torch.zeros(size, device=device, dtype=torch.int64)
         self.step = torch.zeros(size, device=device, dtype=torch.int64)
+        self.fed_back = 0  # rows whose inputs the last step wrote (feedback); 0 when the host must give them

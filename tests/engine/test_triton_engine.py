@@ -175,6 +175,20 @@ def test_gpu_batched_generation_equals_one_at_a_time():
 
 
 @pytest.mark.gpu
+def test_gpu_running_ahead_of_the_host_generates_the_same_tokens():
+    llm = _real_model("triton", torch.bfloat16)
+    prompts = [[5, 6, 7, 8], list(range(100, 140))]
+    for temperature in (0.0, 0.8):
+        results = {}
+        for ahead in (False, True):
+            llm.run_ahead = ahead
+            results[ahead] = [r.token_ids for r in llm.generate(prompts, max_new_tokens=64, temperature=temperature,
+                                                                  seed=3)]
+        assert results[True] == results[False]
+        assert all(len(ids) == 64 for ids in results[True])  # random weights: no end-of-turn id expected
+
+
+@pytest.mark.gpu
 def test_gpu_second_start_reuses_the_autotune_cache(tmp_path):
     script = (
         "import torch, time\n"
@@ -193,3 +207,34 @@ def test_gpu_second_start_reuses_the_autotune_cache(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
     assert "best config" in runs[0].stdout.lower() + runs[0].stderr.lower()
     assert "best config" not in runs[1].stdout.lower() + runs[1].stderr.lower()
+
+
+def test_running_ahead_of_the_host_generates_the_same_tokens(checkpoints):
+    # steps launched before the host has read the previous one's ids (engine/decode_pipeline.py): the same
+    # ids (temperature: the draw counter is fed back too), with a row that stops early (budgets 4 and 1
+    # under max_length 8) and a last step at the last position
+    llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=8,
+              max_batch=2)
+    prompts = [[5, 6, 7, 8], [9, 9, 9, 9, 1, 2, 3]]
+    results = {}
+    for ahead in (False, True):
+        llm.run_ahead = ahead
+        results[ahead] = [r.token_ids for r in llm.generate(prompts, max_new_tokens=10, temperature=0.9, seed=3)]
+    assert [len(ids) for ids in results[True]] == [4, 1]
+    assert results[True] == results[False]
+
+
+def test_decode_pipeline_refuses_inputs_the_step_ahead_did_not_run_on(checkpoints):
+    from qwen_triton.engine.decode_pipeline import DecodePipeline
+    from qwen_triton.engine.sampling import SamplingParams
+    from qwen_triton.engine.triton_model import DeviceSampling
+
+    llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=12)
+    pipeline = DecodePipeline(llm.model, DeviceSampling.build([SamplingParams()], llm.device), ahead=True)
+    first = pipeline.step([5], [0], [0], [True])
+    assert pipeline.step(first, [1], [1], [True]) is not None  # the continuation it ran ahead on
+    with pytest.raises(RuntimeError, match="row 0 continues from id"):
+        pipeline.step([first[0] + 1], [2], [2], [True])
+    llm.model.decode_tokens(torch.tensor([1]), torch.tensor([0]), pipeline.sampling, None)  # no feedback
+    with pytest.raises(ValueError, match="did not run with feedback"):
+        llm.model.decode_tokens(None, None, pipeline.sampling, None)

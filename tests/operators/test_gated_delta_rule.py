@@ -294,6 +294,11 @@ def test_fused_decode_matches_unfused_and_reference(device, batch, dtype):
     torch.testing.assert_close(layer["state"], ref_state, **state_tolerance)
     tolerance = TOLERANCE[dtype] if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, ref_out, **tolerance)
+    # a second step: the last program of each head reset its arrival counter, so the norm runs again
+    fused_decode(layer, out=out, delta_out=delta_out)
+    assert torch.equal(out, unfused_decode(unfused))
+    assert torch.equal(layer["state"], unfused["state"])
+    assert torch.equal(layer["conv_state"], unfused["conv_state"])
 
 
 def test_fused_decode_width_two_and_argument_errors(device):

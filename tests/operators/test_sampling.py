@@ -241,3 +241,43 @@ def test_gpu_benchmark_cases_run():
     for case in benchmark_cases():
         case["fn"]()
     torch.cuda.synchronize()
+
+
+# ---- feedback: a step's ids become the next step's inputs --------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_feed_back_makes_the_chosen_ids_the_next_inputs(device, rows):
+    from qwen_triton.operators.sampling import feed_back
+
+    generator = torch.Generator().manual_seed(rows)
+    chosen = torch.randint(0, 248_320, (rows,), generator=generator)
+    positions = torch.randint(0, 40, (rows,), generator=generator).int()
+    positions[0] = 49  # at max_position: stays
+    steps = torch.randint(0, 9, (rows,), generator=generator)
+    token_ids = torch.full((rows,), -1, dtype=torch.int64)
+    lengths = torch.zeros(rows, dtype=torch.int32)
+    on_device = [t.to(device, copy=True) for t in (chosen, token_ids, positions, lengths, steps)]
+    feed_back(*on_device, max_position=49)
+    expected_positions = torch.clamp(positions + 1, max=49)
+    assert torch.equal(on_device[1].cpu(), chosen)
+    assert torch.equal(on_device[2].cpu(), expected_positions)
+    assert torch.equal(on_device[3].cpu(), expected_positions + 1)
+    assert torch.equal(on_device[4].cpu(), steps + 1)
+    assert torch.equal(on_device[0].cpu(), chosen)  # the chosen ids are left as they are
+
+
+@pytest.mark.parametrize("name, tensor, message", [
+    ("chosen", torch.zeros(2, dtype=torch.int32), "chosen has dtype"),
+    ("positions", torch.zeros(2, dtype=torch.int64), "positions has dtype"),
+    ("lengths", torch.zeros(3, dtype=torch.int32), r"lengths has shape \[3\]"),
+    ("steps", torch.zeros(4, dtype=torch.int64)[::2], "steps must be contiguous"),
+])
+def test_feed_back_rejects_bad_arguments(name, tensor, message):
+    from qwen_triton.operators.sampling import feed_back
+
+    arguments = dict(chosen=torch.zeros(2, dtype=torch.int64), token_ids=torch.zeros(2, dtype=torch.int64),
+                     positions=torch.zeros(2, dtype=torch.int32), lengths=torch.zeros(2, dtype=torch.int32),
+                     steps=torch.zeros(2, dtype=torch.int64))
+    arguments[name] = tensor
+    with pytest.raises(ValueError, match=message):
+        feed_back(**arguments, max_position=10)

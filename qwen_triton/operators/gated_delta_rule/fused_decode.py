@@ -1,24 +1,26 @@
-"""A whole Gated DeltaNet decode step, from the fused projection row to out_proj's input, in two kernels.
+"""A whole Gated DeltaNet decode step, from the fused projection row to out_proj's input, in one kernel.
 
 It computes exactly what this chain of launchers computes, with the same roundings:
     mixed = causal_conv1d_step(x, conv_weight, conv_state)          x: the q | k | v columns [B, C]
     o = gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, state)   (q, k, v split from mixed)
     y = gated_rms_norm(o, z, norm_weight, eps)
-but launches two kernels instead of three and never writes `mixed`.
+but launches one kernel instead of three and never writes `mixed`.
 
-1. `_fused_step_kernel`, grid (B x Hv, Dv / BLOCK_V), the recurrent kernel's blocking: a program runs the
-   conv step of the channels it needs (its key head's q and k, recomputed by each of the head's programs
-   from cached bytes, and its BLOCK_V channels of v), rounds them to the activation dtype as the unfused
-   chain stores them, then gates, normalises and updates its [Dk, BLOCK_V] state slab (recurrent.py),
-   writing o. It shifts the conv state of its v channels, which no other program reads. The q and k
-   channels' conv state is read by every program of the key head, so it cannot be shifted here.
-2. `_fused_finish_kernel`, grid (B, Hv / BLOCK_H + 2 Hk Dk / BLOCK_C): the first programs apply the gated
-   RMSNorm to o; the others shift the q and k channels' conv state (the kernel boundary orders it after
-   every read of kernel 1).
+`_fused_step_kernel`, grid (B x Hv, Dv / BLOCK_V), the recurrent kernel's blocking: a program runs the
+conv step of the channels it needs (its key head's q and k, recomputed by each of the head's programs from
+cached bytes, and its BLOCK_V channels of v), rounds them to the activation dtype as the unfused chain
+stores them, then gates, normalises and updates its [Dk, BLOCK_V] state slab (recurrent.py), writing its
+slice of o. It shifts the conv state of its v channels, which no other program reads. Two things need a
+whole key head: the gated RMSNorm (over each value head's Dv outputs) and the shift of the q and k
+channels' conv state (read by every program of the key head). So each program then arrives at an int32
+counter of its (sequence, key head); the last of the head's programs to arrive (its count is acquired
+after every other program's stores and reads were released) applies the gated RMSNorm to the key head's
+value heads, shifts their q and k conv state and resets the counter, so a CUDA graph can replay the
+launch. Whichever program is last, it computes the same values: the results are deterministic.
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, C = 6144, W = 4, bf16), per sequence: the 1 MiB
 float32 state read and written (2 MiB), x, z and y (~16 KiB), the conv state read and written (72 KiB)
-and the conv weight (48 KiB): ~2.2 MB, ~2 MFLOP; about two launch latencies at B = 1.
+and the conv weight (48 KiB): ~2.2 MB, ~2 MFLOP; one launch latency at B = 1.
 CUDA-graph capturable: no host reads, `out=` and `delta_out=` (o's buffer) accepted, states updated in
 place, no allocation once autotuned (autotuning restores the states it benchmarks on; run it before
 capture).
@@ -60,10 +62,12 @@ def _step_configs():
 @triton.jit
 def _fused_step_kernel(
     x_ptr, conv_weight_ptr, conv_state_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr,
-    batch, scale,
-    stride_xb, stride_wc, stride_cb, stride_cc, stride_ab, stride_bb, stride_ob, stride_oh,
+    z_ptr, norm_weight_ptr, out_ptr, counter_ptr,
+    batch, scale, eps,
+    stride_xb, stride_wc, stride_cb, stride_cc, stride_ab, stride_bb, stride_ob, stride_oh, stride_zb, stride_yb,
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_V: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -105,42 +109,30 @@ def _fused_step_kernel(
     )
     tl.store(o_ptr + sequence * stride_ob + head * stride_oh + values, out.to(dtype), mask=value_mask)
 
-
-def _finish_configs():
-    return autotune_configs([
-        triton.Config({"BLOCK_H": 4, "BLOCK_C": 256}, num_warps=4),
-        triton.Config({"BLOCK_H": 2, "BLOCK_C": 128}, num_warps=2),
-        triton.Config({"BLOCK_H": 8, "BLOCK_C": 512}, num_warps=4),
-        triton.Config({"BLOCK_H": 16, "BLOCK_C": 1024}, num_warps=8),
-    ])
-
-
-@triton.autotune(configs=_finish_configs(), key=["batch", "HEADS", "HEAD_DIM", "KEY_CHANNELS", "WIDTH"],
-                 restore_value=["conv_state_ptr"], cache_results=True)
-@triton.jit
-def _fused_finish_kernel(
-    o_ptr, z_ptr, norm_weight_ptr, out_ptr, x_ptr, conv_state_ptr,
-    batch, eps, stride_ob, stride_oh, stride_zb, stride_yb, stride_xb, stride_cb, stride_cc,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, BLOCK_D: tl.constexpr,
-    KEY_CHANNELS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
-    sequence = tl.program_id(0)
-    part = tl.program_id(1)
-    norm_programs: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
-    if part < norm_programs:
-        head = part * BLOCK_H + tl.arange(0, BLOCK_H)
+    # every thread's o stores and conv state reads precede the release of the arrival count
+    tl.debug_barrier()
+    counter = counter_ptr + sequence * K_HEADS + key_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == GROUP * tl.num_programs(1) - 1:  # the key head's last program
+        member = tl.arange(0, BLOCK_G)
+        heads = tl.where(member < GROUP, key_head * GROUP + member, V_HEADS)  # V_HEADS: masked off
         gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
-                             norm_weight_ptr, out_ptr + sequence * stride_yb, head, eps,
-                             HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_D)
-    else:
-        cols = (part - norm_programs) * BLOCK_C + tl.arange(0, BLOCK_C)
-        col_mask = cols < KEY_CHANNELS
-        x = tl.load(x_ptr + sequence * stride_xb + cols, mask=col_mask, other=0.0)
-        shift_conv_state(x, conv_state_ptr + sequence * stride_cb, cols, col_mask, stride_cc, WIDTH, BLOCK_W)
+                             norm_weight_ptr, out_ptr + sequence * stride_yb, heads, eps,
+                             V_HEADS, V_DIM, ROUND_PRODUCT, BLOCK_D, True)
+        shift_conv_state(x_q, conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
+        shift_conv_state(x_k, conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, batch: int, key_heads: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, key head); each launch leaves them zero."""
+    key = (device, batch, key_heads)
+    if key not in _counters:
+        _counters[key] = torch.zeros(batch * key_heads, dtype=torch.int32, device=device)
+    return _counters[key]
 
 
 def gated_delta_rule_decode_fused(
@@ -164,8 +156,8 @@ def gated_delta_rule_decode_fused(
     x [B, C] the pre-conv q | k | v columns (C = 2 Hk Dk + Hv Dv); z [B, Hv*Dv]; a, b [B, Hv] (all strided
     row views of the fused projection); conv_weight [C, W]; conv_state [B, C, W-1] and state
     [B, Hv, Dk, Dv] float32, both updated in place; norm_weight [Dv]. delta_out [B, Hv, Dv]: o's buffer.
-    pdl: launch both kernels with programmatic dependent launch (Hopper; operators/common.py). The step
-    kernel then reads `state` before waiting for the previous kernel, so no kernel launched since the last
+    pdl: launch with programmatic dependent launch (Hopper; operators/common.py). The kernel then reads
+    `state` before waiting for the previous kernel, so no kernel launched since the last
     launch without PDL may write `state` (the engine's decode step starts with the embedding, launched
     without PDL, and writes each layer's state once).
     """
@@ -199,24 +191,18 @@ def gated_delta_rule_decode_fused(
         return out
 
     block_w = triton.next_power_of_2(width)
+    group = value_heads // key_heads
     grid = lambda meta: (batch * value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _fused_step_kernel[grid](
         x, conv_weight, conv_state, a, b, A_log, dt_bias, state, delta_out,
-        batch, key_dim**-0.5,
+        z, norm_weight, out, _arrival_counters(x.device, batch, key_heads),
+        batch, key_dim**-0.5, eps,
         x.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0),
-        delta_out.stride(0), delta_out.stride(1),
-        K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
-        WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim), USE_PDL=pdl, **launch_options(pdl),
-    )
-    grid = lambda meta: (  # noqa: E731
-        batch, triton.cdiv(value_heads, meta["BLOCK_H"]) + triton.cdiv(key_channels, meta["BLOCK_C"]))
-    _fused_finish_kernel[grid](
-        delta_out, z, norm_weight, out, x, conv_state,
-        batch, eps, delta_out.stride(0), delta_out.stride(1), z.stride(0), out.stride(0), x.stride(0),
-        conv_state.stride(0), conv_state.stride(1),
-        HEADS=value_heads, HEAD_DIM=value_dim,
+        delta_out.stride(0), delta_out.stride(1), z.stride(0), out.stride(0),
+        K_HEADS=key_heads, V_HEADS=value_heads, GROUP=group, K_DIM=key_dim, V_DIM=value_dim,
+        WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim),
         ROUND_PRODUCT=norm_weight.dtype == x.dtype and x.dtype != torch.float32,
-        BLOCK_D=triton.next_power_of_2(value_dim), KEY_CHANNELS=key_channels, WIDTH=width, BLOCK_W=block_w,
+        BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_G=triton.next_power_of_2(group),
         USE_PDL=pdl, **launch_options(pdl),
     )
     return out

@@ -29,13 +29,17 @@ from .gating import ACTIVATION_DTYPES
 @triton.jit
 def gated_rms_norm_heads(x_row, stride_xh, z_row, weight_ptr, out_row, head, eps,
                          HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, X_FROM_L2: tl.constexpr):
     """The norm of the heads `head` of one row: x_row [Hv, Dv] (head stride stride_xh), z_row and out_row
-    [Hv * Dv]."""
+    [Hv * Dv]. X_FROM_L2: read x past the L1 cache (x was written by other programs of this kernel)."""
     lane = tl.arange(0, BLOCK_D)
     mask = (head[:, None] < HEADS) & (lane[None, :] < HEAD_DIM)
     dtype = x_row.dtype.element_ty
-    x = tl.load(x_row + head[:, None] * stride_xh + lane[None, :], mask=mask, other=0.0).to(tl.float32)
+    if X_FROM_L2:
+        x = tl.load(x_row + head[:, None] * stride_xh + lane[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(x_row + head[:, None] * stride_xh + lane[None, :], mask=mask, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     normed = normed.to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + lane, mask=lane < HEAD_DIM, other=0.0).to(tl.float32)
@@ -69,7 +73,7 @@ def _gated_rms_norm_kernel(
     row = tl.program_id(0)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     gated_rms_norm_heads(x_ptr + row * stride_xm, stride_xh, z_ptr + row * stride_zm, weight_ptr,
-                         out_ptr + row * stride_om, head, eps, HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_D)
+                         out_ptr + row * stride_om, head, eps, HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_D, False)
 
 
 def gated_rms_norm(

@@ -1,0 +1,73 @@
+"""Generation one step ahead of the host: the GPU never waits for Python between decode steps.
+
+A decode step chooses its ids on the device and, with feedback (operators/sampling/feedback.py), writes
+them back as the next step's inputs. So step k+1 can be launched before the host has read step k's ids:
+the host launches k+1, then waits for k's ids (copied to pinned host memory behind step k), runs its stop
+checks and the detokenizer while k+1 runs, and launches k+2. The time per token is then the GPU's time per
+step, not the GPU's time plus the host's.
+
+The price is one step computed past the end of a generation (its result is dropped) and, for rows of a
+batch that stop before the others, steps whose results are unused; the results themselves are identical
+to running one step at a time (same kernels, same inputs). A step is launched ahead only while every
+running row's next position fits in the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecodePipeline:
+    """Launches decode steps of the rows in slots 0..B-1 and hands back their chosen ids in order, keeping
+    one step in flight when `ahead` is set (the default on a GPU)."""
+
+    def __init__(self, model, sampling, ahead: bool | None = None):
+        self.model = model
+        self.sampling = sampling
+        self.rows = sampling.temperature.shape[0]
+        self.ahead = model.device.type == "cuda" if ahead is None else ahead
+        on_gpu = model.device.type == "cuda"
+        # one host buffer and one event per step in flight (the one being read and the one running)
+        self._host = [torch.empty(self.rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._events = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
+        self._launched = 0
+        self._pending: int | None = None  # the step launched ahead of the host, not yet read
+        self._expected = None  # (ids, positions, steps) the pending step ran on
+
+    def _launch(self, token_ids=None, positions=None, steps=None) -> int:
+        chosen = self.model.decode_tokens(token_ids, positions, self.sampling, steps, feedback=True)
+        index = self._launched % 2
+        self._host[index].copy_(chosen, non_blocking=self._events[index] is not None)
+        if self._events[index] is not None:
+            self._events[index].record()
+        self._launched += 1
+        return index
+
+    def _read(self, index: int) -> list[int]:
+        if self._events[index] is not None:
+            self._events[index].synchronize()
+        return self._host[index].tolist()
+
+    def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
+        """The ids chosen after feeding `inputs` at `positions` (one per row; `steps` counts each row's
+        generated tokens). Rows not `running` have stopped: their inputs are ignored, their ids unused."""
+        if self._pending is not None:
+            index = self._pending
+            ids, last_positions, last_steps = self._expected
+            for row in range(self.rows):
+                if running[row] and (inputs[row], positions[row], steps[row]) != (
+                        ids[row], last_positions[row] + 1, last_steps[row] + 1):
+                    raise RuntimeError(
+                        f"decode pipeline: row {row} continues from id {inputs[row]} at position {positions[row]}, "
+                        f"but the step launched ahead ran on id {ids[row]} at position {last_positions[row] + 1}"
+                    )
+        else:
+            device = self.model.device
+            index = self._launch(torch.tensor(inputs, device=device), torch.tensor(positions, device=device),
+                                 torch.tensor(steps, device=device))
+        self._pending = None
+        if self.ahead and all(positions[row] + 1 < self.model.max_length for row in range(self.rows) if running[row]):
+            self._pending = self._launch()
+        ids = self._read(index)
+        self._expected = (ids, positions, steps)
+        return ids
