@@ -31,6 +31,7 @@ def test_profile_names_every_operator_of_each_layer(report):
         "mlp norm + gate/up + swiglu": len(config.layer_types),
         "mlp down-projection + residual": len(config.layer_types),
         "final norm + lm head + argmax": 1,
+        "feedback: chosen ids -> next inputs": 1,
     }
     prefill_kinds = {row["kind"] for row in report["prefill"]["by_kind"]}
     assert {"attention (flash prefill)", "gated delta rule (chunked)", "deltanet conv + silu",
