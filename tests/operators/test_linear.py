@@ -85,7 +85,7 @@ CASES = (
     + [(M, 100, 70, (option,), True)
        for M in (1, 3, 17) for option in ("residual", "inplace", "swiglu", "gate", "norm")]
     # no split
-    + [(M, 100, 70, options, False) for M in (1, 3) for options in ((), ("swiglu", "residual"))]
+    + [(M, 100, 70, options, False) for M in (1, 3, 17) for options in ((), ("swiglu", "residual"))]
     # fusions together: an MLP (norm -> gate_up -> swiglu, + residual) and an attention output
     + [(M, 40, 33, ("norm", "swiglu", "residual"), True) for M in (1, 17)]
     + [(M, 40, 33, ("gate", "inplace"), True) for M in (1, 17)]
@@ -253,6 +253,8 @@ def test_gpu_decode_batch_and_no_split(M, split_k, projection):
     ("mlp_gate_up", 7168, HIDDEN, ("norm", "swiglu"), 4096),
     ("mlp_down", HIDDEN, 3584, ("residual",), 4096),
     ("attention_out_proj", HIDDEN, 2048, ("gate", "residual"), 128),
+    ("mlp_down_short_prompt", HIDDEN, 3584, ("residual",), 128),
+    ("mlp_gate_up_short_prompt", 7168, HIDDEN, ("norm", "swiglu"), 100),
     ("plain_odd", 1000, 1000, (), 77),
 ])
 def test_gpu_prefill_projections(name, rows, K, options, M):
@@ -360,3 +362,25 @@ def test_decode_gemv_keeps_the_in_graph_winner_for_its_K():
     assert kept(1024, [configs[0], configs[2], configs[3]]) == [(2, 64, 64), (1, 8, 1024)]  # 4 x 512 > K
     # nothing valid (K under every block): the first config, which masks what it overshoots
     assert kept(96) == [(2, 64, 64)]
+
+
+def test_prefill_gemm_splits_k_only_for_short_prompts():
+    import triton
+
+    from qwen_triton.operators.linear import gemm
+
+    def config(block_m, split):
+        return triton.Config({"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": split},
+                             num_warps=4)
+
+    configs = [config(64, 1), config(64, 4), config(128, 2)]
+
+    def kept(bucket, allowed, candidates=configs):
+        pruned = gemm._prune(candidates, {"M_BUCKET": bucket}, ACTIVATION=0, SPLIT_ALLOWED=allowed)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["SPLIT_K"]) for c in pruned]
+
+    assert kept(128, True) == [(64, 1), (64, 4), (128, 2)]
+    assert kept(32, True) == [(64, 1), (64, 4)]  # tiles taller than max(bucket, 64) dropped
+    assert kept(512, True) == [(64, 1)]  # a long prompt has enough tiles: no split
+    assert kept(128, False) == [(64, 1)]  # the caller's split_k=False
+    assert kept(4096, True, [config(64, 4)]) == [(64, 1)]  # nothing left: the first config, unsplit

@@ -18,13 +18,21 @@ Floor for a prefill of M = 4096 tokens of Qwen3.5-0.8B (bf16; H200 ~ 990 TFLOP/s
 At M = 4096 these are compute-bound (450-1150 FLOP/byte, above the H200's ~ 206 FLOP/byte ridge); at M of a
 few dozen tokens they are bound by the weight bytes, like the GEMV.
 
-Autotuning: BLOCK_M/N/K, GROUP_M, num_warps, num_stages per (bucket of M = next power of two, N, K,
-fusions, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps the
-choice in Triton's cache directory across processes (see linear.py).
+A short prompt (M <= 256) is bound by the weight bytes, and a grid of tiles covering [M, N] has too few
+programs to stream them: at M = 128 the MLP down projection (N = 1024) has 16 tiles of 128 x 64. Split-K
+(SPLIT_K > 1, for M <= 256 and when the caller allows it) gives each tile SPLIT_K programs, each over a
+K range: they write float32 partial tiles to a workspace, count their arrival on an int32 counter per
+tile, and the last to arrive sums the partials in split order (deterministic whichever arrives last),
+applies the epilogue, stores and resets the counter (so a CUDA graph can replay it): the GEMV's scheme.
+
+Autotuning: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages per (bucket of M = next power of two, N,
+K, fusions, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps
+the choice in Triton's cache directory across processes (see linear.py).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -32,46 +40,66 @@ from ..common import autotune_configs
 from .fusion import SWIGLU, accumulate, row_rstd, store_output
 
 
-def _configs() -> list[triton.Config]:
-    configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=2)]
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the usual Hopper bf16 tiles
-    for block_m, block_n, block_k, warps, stages in [
-        (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4),
-        (64, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 128, 8, 2),
+MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
+MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
+
+
+def _configs(split: bool) -> list[triton.Config]:
+    # first: the interpreter's (small blocks, and a real split of K so the CPU tests exercise the reduction)
+    configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 2 if split else 1},
+                             num_warps=4, num_stages=2)]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K): the usual Hopper bf16 tiles, then
+    # smaller tiles and splits of K that put 100-300 programs on the SMs for a prompt of 32-256 tokens
+    for block_m, block_n, block_k, warps, stages, split_k in [
+        (128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1),
+        (64, 64, 64, 4, 4, 1), (64, 256, 64, 8, 3, 1), (128, 128, 128, 8, 2, 1),
+        (64, 32, 128, 4, 3, 1), (128, 32, 128, 4, 3, 1),
+        (128, 64, 64, 4, 3, 2), (128, 64, 64, 4, 3, 4), (128, 64, 128, 8, 3, 8), (64, 64, 128, 4, 3, 4),
+        (128, 128, 64, 8, 3, 2), (128, 128, 64, 8, 3, 4), (64, 128, 64, 4, 3, 2), (64, 64, 64, 4, 3, 8),
     ]:
-        configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
-                                     num_warps=warps, num_stages=stages))
+        if split or split_k == 1:
+            configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                          "GROUP_M": 8, "SPLIT_K": split_k}, num_warps=warps, num_stages=stages))
     return autotune_configs(configs)
 
 
-CONFIGS = _configs()
+SPLIT_CONFIGS = _configs(split=True)
+NO_SPLIT_CONFIGS = _configs(split=False)
+MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS)
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles taller than the bucket of M, and accumulators over 128 float32 registers per thread."""
+    """Drop tiles taller than the bucket of M, accumulators over 128 float32 registers per thread, and
+    splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False)."""
     bucket = named_args["M_BUCKET"]
     accumulators = 2 if kwargs["ACTIVATION"] == 1 else 1
+    split_allowed = kwargs["SPLIT_ALLOWED"] and bucket <= MAX_SPLIT_ROWS
     kept = [
         c for c in configs
         if c.kwargs["BLOCK_M"] <= max(bucket, 64)
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
+        and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
     ]
-    return kept or configs[:1]
+    if kept:
+        return kept
+    first = configs[0]
+    return [triton.Config(dict(first.kwargs, SPLIT_K=1), num_warps=first.num_warps, num_stages=first.num_stages)]
 
 
-@triton.autotune(configs=CONFIGS, key=["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM"],
-                 prune_configs_by={"early_config_prune": _prune}, restore_value=["out_ptr"], cache_results=True)
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, residual_ptr, gate_ptr, norm_ptr,
+    x_ptr, w_ptr, out_ptr, residual_ptr, gate_ptr, norm_ptr, partial_ptr, counter_ptr,
     M, N, K, M_BUCKET,
     stride_xm, stride_wn, stride_om, stride_rm, stride_gm,
     eps,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+    SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    # M_BUCKET only keys the autotuning (M rounded up to a power of two)
+    # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed)
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     in_group = GROUP_M * num_n
@@ -85,34 +113,94 @@ def _gemm_kernel(
         rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, BLOCK_K)
     else:
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     acc, acc_up = accumulate(
         x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, gate_ptr, stride_gm, norm_ptr, rstd,
-        offs_m, offs_n, M, N, K, 0, K,
+        offs_m, offs_n, M, N, K, k_start, k_end,
         ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K,
     )
-    store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                 ACTIVATION, HAS_RESIDUAL)
+    if SPLIT_K == 1:
+        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                     ACTIVATION, HAS_RESIDUAL)
+    else:
+        # partial_ptr: [MAX_SPLIT_K, 2, M, N] float32 (gate and up accumulators with swiglu, else the first)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        tile_offsets = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + (2 * pid_k) * M * N + tile_offsets, acc, mask=mask)
+        if ACTIVATION == SWIGLU:
+            tl.store(partial_ptr + (2 * pid_k + 1) * M * N + tile_offsets, acc_up, mask=mask)
+        # every thread's partial stores precede the release of the arrival count
+        tl.debug_barrier()
+        counter = counter_ptr + pid
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: read the other programs' partials from L2, never a stale L1 line
+                total += tl.load(partial_ptr + (2 * split) * M * N + tile_offsets, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+                if ACTIVATION == SWIGLU:
+                    total_up += tl.load(partial_ptr + (2 * split + 1) * M * N + tile_offsets, mask=mask,
+                                        other=0.0, cache_modifier=".cg")
+            store_output(total, total_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                         ACTIVATION, HAS_RESIDUAL)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0):
-    """Launch the GEMM on checked arguments (see linear.linear, which checks them)."""
+_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "SPLIT_ALLOWED"]
+# (a single config, as under the interpreter, is not pruned: the split list's first config then splits K
+# at any M, and the launcher gives it a workspace)
+_gemm_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                              restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
+_gemm_no_split = triton.autotune(configs=NO_SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                                 restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, rows: int, N: int):
+    """Float32 partials [MAX_SPLIT_K, 2, rows, N] and zeroed int32 arrival counters, one per output tile,
+    for M <= rows (a power of two: one workspace per bucket of M)."""
+    key = (device, rows, N)
+    if key not in _workspaces:
+        partial = torch.empty(MAX_SPLIT_K * 2 * rows * N, dtype=torch.float32, device=device)
+        counters = torch.zeros(triton.cdiv(rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK), dtype=torch.int32,
+                               device=device)
+        _workspaces[key] = (partial, counters)
+    return _workspaces[key]
+
+
+def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True):
+    """Launch the GEMM on checked arguments (see linear.linear, which checks them). split_k: allow splits
+    of K for M <= MAX_SPLIT_ROWS (the autotuner chooses)."""
     M, K = x.shape
     N = out.shape[1]
+    bucket = triton.next_power_of_2(M)
+    split_allowed = bool(split_k) and bucket <= MAX_SPLIT_ROWS
+    if split_allowed or (split_k and len(SPLIT_CONFIGS) == 1):
+        partial, counters = _workspace(x.device, bucket, N)
+    else:
+        partial, counters = x, x  # never touched: every config kept has SPLIT_K = 1
+    kernel = _gemm_split if split_k else _gemm_no_split
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    _gemm_kernel[grid](
+    kernel[grid](
         x, weight, out,
         out if residual is None else residual,
         x if gate is None else gate,
         x if norm_weight is None else norm_weight,
-        M, N, K, triton.next_power_of_2(M),
+        partial, counters,
+        M, N, K, bucket,
         x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0),
         0 if gate is None else gate.stride(0),
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        HAS_NORM=norm_weight is not None,
+        HAS_NORM=norm_weight is not None, SPLIT_ALLOWED=split_allowed,
     )
     return out

@@ -111,4 +111,4 @@ def linear(
     options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
     if M <= MAX_ROWS:
         return gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
-    return gemm(x, weight, out, **options)
+    return gemm(x, weight, out, split_k=split_k, **options)
