@@ -252,6 +252,9 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
     """Time every variant; write the JSON and the plot to out_dir; return the report."""
     config = parse_config(official_config(PRESETS[preset]))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot is wrong in bf16
+    if not variants:
+        raise ValueError("no variants to run")
+    started = time.perf_counter()
     hbm = measure_hbm_bandwidth(device)
     matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s")
@@ -284,13 +287,14 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
                                 flops=None, pct_of_floor=100 * counted / (ms * 1e-3) / (hbm * 1e12)))
             log(f"{variant}: decode at {context}: {ms * 1e3:.1f} us ({results[-1]['pct_of_floor']:.1f}% of HBM)")
         runner.close()
-    report = dict(
-        gpu=torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()})", date=datetime.date.today().isoformat(), commit=_commit(),
-        torch=torch.__version__, triton=_triton_version(), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul,
-        steps=steps, notes=notes, results=results, python=platform.python_version(), preset=preset,
-        dtype=str(dtype).replace("torch.", ""),
-    )
-    write_report(report, out_dir)
+        report = dict(
+            gpu=torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()})",
+            date=datetime.date.today().isoformat(), commit=_commit(), torch=torch.__version__,
+            triton=_triton_version(), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, steps=steps, notes=notes,
+            results=results, python=platform.python_version(), preset=preset, dtype=str(dtype).replace("torch.", ""),
+            seconds=time.perf_counter() - started,
+        )
+        write_report(report, out_dir)  # after every variant: a run cut short keeps what it measured
     return report
 
 
@@ -319,7 +323,8 @@ def format_table(report: dict) -> str:
         return next((r for r in rows if (r["variant"], r["phase"], r["context"]) == (variant, phase, context)), None)
 
     lines = [f"{report['gpu']}, {report['date']}, torch {report['torch']}, triton {report['triton']}; "
-             f"HBM copy {report['hbm_copy_TBps']:.2f} TB/s, bf16 matmul {report['matmul_TFLOPs']:.0f} TFLOP/s", ""]
+             f"HBM copy {report['hbm_copy_TBps']:.2f} TB/s, bf16 matmul {report['matmul_TFLOPs']:.0f} TFLOP/s"
+             + (f"; the run took {report['seconds']:.0f} s" if "seconds" in report else ""), ""]
     contexts = sorted({(r["phase"], r["context"]) for r in rows}, key=lambda k: (k[0] != "prefill", k[1]))
     header = "| variant | " + " | ".join(
         f"prefill {c} (ms)" if p == "prefill" else f"decode @{c} (us)" for p, c in contexts) + " |"
