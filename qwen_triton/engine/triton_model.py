@@ -13,6 +13,8 @@ their epilogues, SwiGLU into the gate/up epilogue and the attention output gate 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
 replayed: inputs are copied into static buffers, nothing is allocated and nothing waits on the host.
+With `feedback=True` the step ends with a kernel that writes its chosen ids back as the next step's inputs,
+so generation can launch the next step before reading this one's ids (engine/decode_pipeline.py).
 With `pdl=True` (the default on Hopper and newer) the decode kernels use programmatic dependent launch:
 each starts while the previous one drains, streams its weights, and waits before reading its input
 (operators/common.py). A prefill from position 0 whose length repeats is replayed from a CUDA graph too.

@@ -5,7 +5,7 @@
     gated_delta_rule_recurrent   one decode step of B sequences, the float32 state updated in place
     gated_rms_norm               per-head RMSNorm of the output, gated by silu(z)
     gated_delta_rule_decode_fused  conv step + gates + norms + recurrent step + gated norm of a layer's
-                                 decode, in two kernels (the three launchers above and the conv step, fused)
+                                 decode, in one kernel (the three launchers above and the conv step, fused)
 """
 
 from __future__ import annotations
