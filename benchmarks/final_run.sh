@@ -17,7 +17,7 @@ if [ -n "${OPS_TESTS:-}" ]; then
     grep -E "passed|failed|Error" "$OUT/ops.log" | tail -5
 fi
 if [ -n "${TUNING_TESTS:-}" ]; then  # full autotuning, every config's choice printed
-    QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/tc-tuning timeout ${TUNING_TIMEOUT:-150} \
+    QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/tc-tuning timeout ${TUNING_TIMEOUT:-300} \
         python3 -m pytest -m gpu $TUNING_TESTS -q -s --tb=short -p no:cacheprovider > "$OUT/tuning.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/tuning.log" | tail -5
 fi
