@@ -68,3 +68,27 @@ def test_kernel_trace_assigns_launches_to_the_current_operator():
         trace._hook(Launch("c"))
     assert trace.unlabelled == ["before"]
     assert [(op.kind, name) for op, name in trace.launches()] == [("outer", "a"), ("inner", "b"), ("outer", "c")]
+
+
+def test_the_profile_reports_the_autotuned_configs_that_ran(monkeypatch):
+    import triton
+
+    from qwen_triton.benchmark.profile import format_profile
+    from qwen_triton.operators.common import autotune_choices
+    from qwen_triton.operators.linear import gemm
+
+    config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 4}, num_warps=4,
+                           num_stages=3)
+    monkeypatch.setattr(gemm._gemm_split, "cache", {(128, 1024, 3584, "torch.bfloat16"): config})
+    choices = autotune_choices()
+    expected = dict(kernel="linear.gemm:_gemm_split", key=["128", "1024", "3584", "torch.bfloat16"],
+                    config=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=4), num_warps=4,
+                    num_stages=3)
+    assert expected in choices
+    assert sum(choice["kernel"] == "linear.gemm:_gemm_split" for choice in choices) == 1
+    empty = dict(span_us=0.0, kernel_count=0, kernel_us=0.0, gap_us=0.0, floor_us=0.0, pct_of_floor=0.0, by_kind=[],
+                 timeline="host")
+    report = dict(device="cpu", hbm_copy_TBps=1.0, matmul_TFLOPs=1.0, decode=dict(empty, context=5),
+                  prefill=dict(empty, tokens=8), autotune_choices=choices)
+    assert ("| linear.gemm:_gemm_split | 128, 1024, 3584, torch.bfloat16 | BLOCK_M 64, BLOCK_N 64, BLOCK_K 128, "
+            "GROUP_M 8, SPLIT_K 4, 4 warps, 3 stages |") in format_profile(report)

@@ -11,6 +11,9 @@ CUPTI) as the engine runs it: replaying its CUDA graphs (decode, and a prefill w
 Kernel i of the timeline is launch i of the trace (their names are checked to agree). The profiler's
 own cost is small per kernel but not zero: compare the step time here with `qwen-triton bench`.
 
+The report ends with the config each autotuned kernel ran with, per tuning key (operators.common.
+autotune_choices): which tiles and splits the autotuner picked for the shapes of this run.
+
 On a CPU (the interpreter, which calls no launch hooks) each operator is timed on the host as a whole:
 the same report, without kernel names or gaps, so that CI runs the command end to end.
 """
@@ -193,8 +196,11 @@ def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 
     decode = profile_decode(model, context, steps, hbm, matmul)
     log("profiling a prefill")
     prefill = profile_prefill(model, prefill_tokens, max(2, steps // 4), hbm, matmul)
+    from ..operators.common import autotune_choices
+
     return dict(preset=preset, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, decode=decode, prefill=prefill)
+                hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, decode=decode, prefill=prefill,
+                autotune_choices=autotune_choices())
 
 
 def format_profile(report: dict) -> str:
@@ -213,5 +219,13 @@ def format_profile(report: dict) -> str:
             lines.append(f"| {row['kind']} | {row['count']} | {row['kernels']} | {row['us']:.1f} | "
                          f"{row['gap_before_us']:.1f} | {row['bytes'] / 1e6:.1f} | {row['floor_us']:.1f} | "
                          f"{row['pct_of_floor']:.0f}% |")
+    choices = report.get("autotune_choices") or []
+    if choices:
+        lines += ["", "autotuned configs that ran (kernel, its tuning key, the config chosen):", "",
+                  "| kernel | key | config |", "|---|---|---|"]
+        for choice in choices:
+            config = ", ".join(f"{name} {value}" for name, value in choice["config"].items())
+            lines.append(f"| {choice['kernel']} | {', '.join(choice['key'])} | {config}, "
+                         f"{choice['num_warps']} warps, {choice['num_stages']} stages |")
     return "\n".join(lines)
 

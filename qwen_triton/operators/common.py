@@ -120,3 +120,28 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     """Block until the previous kernel in the stream has completed and its writes are visible."""
     if USE_PDL:
         gdc_wait()
+
+
+def autotune_choices() -> list[dict]:
+    """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
+    here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages}], so a
+    profile can say which tiles ran. Empty under the interpreter, which tunes nothing."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.autotuner import Autotuner
+
+    from .. import operators
+
+    choices, seen = [], set()
+    for info in pkgutil.walk_packages(operators.__path__, operators.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for name, value in sorted(vars(module).items()):
+            if not isinstance(value, Autotuner) or id(value) in seen:
+                continue
+            seen.add(id(value))
+            kernel = f"{info.name.removeprefix(operators.__name__ + '.')}:{name}"
+            for key, config in value.cache.items():
+                choices.append(dict(kernel=kernel, key=[str(part) for part in key], config=dict(config.kwargs),
+                                    num_warps=config.num_warps, num_stages=config.num_stages))
+    return choices
