@@ -4,7 +4,7 @@ Variants (the names of the JSON rows):
   transformers               transformers' Qwen3_5ForCausalLM, bf16, what users run today
   reference                  this package's PyTorch model, eager
   reference+torch.compile    its decode step under torch.compile(mode="max-autotune") (CUDA graphs);
-                             no prefill (not compiled, see EngineRunner._compiled)
+                             no prefill (not compiled, see EngineRunner._compiled_decode)
   triton                     the Triton kernels, no split-K, no CUDA graph
   triton+split_k             with split-K GEMVs
   triton+split_k+cuda_graph  with the decode step captured in a CUDA graph
@@ -150,27 +150,23 @@ class EngineRunner:
             self.llm = random_llm(preset, "reference", device=device, dtype=dtype, max_length=max_length)
         self.model = self.llm.model
         self.variant = variant
-        self.compiled: dict = {}
+        self.compiled_decode = None
 
-    def _compiled(self, name: str):
+    def _compiled_decode(self):
         """The reference's decode under torch.compile(mode="max-autotune"): Inductor's kernels, autotuned
         GEMMs and CUDA graphs (the caches and weights are marked static, so the graphs may update the caches
         in place). Prefill is not compiled: max-autotune tunes every GEMM shape of the chunked delta rule,
         and that alone took over two minutes for a 128-token prefill on the H200."""
-        if name not in self.compiled:
-            for tensor in self._static_tensors():
+        if self.compiled_decode is None:
+            state = self.model.cache
+            static = [*self.model.w.values(), self.model.cos, self.model.sin]
+            for tensors in (state.key, state.value, state.conv, state.recurrent):
+                static += tensors.values()
+            for tensor in static:
                 torch._dynamo.mark_static_address(tensor)
-            self.compiled[name] = torch.compile(getattr(self.model, name), mode="max-autotune", fullgraph=True,
-                                                dynamic=False)
-        return self.compiled[name]
-
-    def _static_tensors(self):
-        state = self.model.cache
-        yield from self.model.w.values()
-        for tensors in (state.key, state.value, state.conv, state.recurrent):
-            yield from tensors.values()
-        yield self.model.cos
-        yield self.model.sin
+            self.compiled_decode = torch.compile(self.model.decode, mode="max-autotune", fullgraph=True,
+                                                 dynamic=False)
+        return self.compiled_decode
 
     def prefill(self, token_ids: torch.Tensor) -> None:
         self.model.reset(0)
@@ -192,7 +188,7 @@ class EngineRunner:
                 state["position"] += 1
                 state["steps"] += 1
             return step
-        decode = self._compiled("decode") if self.variant == "reference+torch.compile" else self.model.decode
+        decode = self._compiled_decode() if self.variant == "reference+torch.compile" else self.model.decode
         return lambda: decode(token, position)
 
     def close(self) -> None:
@@ -269,7 +265,7 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
         notes[variant] = getattr(runner, "note", "")
         for length in prefill_lengths:
             if variant == "reference+torch.compile":
-                notes[variant] = "decode only: the prefill is not compiled (see EngineRunner._compiled)"
+                notes[variant] = "decode only: the prefill is not compiled (see EngineRunner._compiled_decode)"
                 break
             token_ids = torch.randint(0, config.vocab_size, (length,), generator=generator).to(device)
             prefill_steps = max(3, steps // 20) if length > 1024 else max(5, steps // 10)

@@ -156,3 +156,35 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         acc = acc + residual.to(tl.float32)
     out_rows = offs_m.to(tl.int64) * stride_om
     tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_split_output(acc, acc_up, partial_ptr, counter_ptr, split_index, out_ptr, stride_om, residual_ptr,
+                       stride_rm, offs_m, offs_n, M, N,
+                       SPLIT_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """`store_output` for a tile whose K is split over SPLIT_K programs (GEMV and GEMM): this program's
+    float32 partials go to partial_ptr [MAX_SPLIT_K, 2, M, N] (gate and up accumulators with swiglu, else
+    the first), it counts its arrival on the tile's int32 counter, and the last of the tile's programs to
+    arrive sums the partials in split order (the same sum whichever arrives last), stores the output and
+    resets the counter, so a CUDA graph can replay the launch."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile_offsets = offs_m[:, None] * N + offs_n[None, :]
+    tl.store(partial_ptr + (2 * split_index) * M * N + tile_offsets, acc, mask=mask)
+    if ACTIVATION == SWIGLU:
+        tl.store(partial_ptr + (2 * split_index + 1) * M * N + tile_offsets, acc_up, mask=mask)
+    # every thread's partial stores precede the release of the arrival count
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros_like(acc)
+        total_up = tl.zeros_like(acc)
+        for split in tl.static_range(SPLIT_K):
+            # .cg: read the other programs' partials from L2, never a stale L1 line
+            total += tl.load(partial_ptr + (2 * split) * M * N + tile_offsets, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+            if ACTIVATION == SWIGLU:
+                total_up += tl.load(partial_ptr + (2 * split + 1) * M * N + tile_offsets, mask=mask, other=0.0,
+                                    cache_modifier=".cg")
+        store_output(total, total_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                     ACTIVATION, HAS_RESIDUAL)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..common import autotune_configs
-from .fusion import SWIGLU, accumulate, row_rstd, store_output
+from .fusion import SWIGLU, accumulate, row_rstd, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -125,29 +125,8 @@ def _gemm_kernel(
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
     else:
-        # partial_ptr: [MAX_SPLIT_K, 2, M, N] float32 (gate and up accumulators with swiglu, else the first)
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tile_offsets = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + (2 * pid_k) * M * N + tile_offsets, acc, mask=mask)
-        if ACTIVATION == SWIGLU:
-            tl.store(partial_ptr + (2 * pid_k + 1) * M * N + tile_offsets, acc_up, mask=mask)
-        # every thread's partial stores precede the release of the arrival count
-        tl.debug_barrier()
-        counter = counter_ptr + pid
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                # .cg: read the other programs' partials from L2, never a stale L1 line
-                total += tl.load(partial_ptr + (2 * split) * M * N + tile_offsets, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-                if ACTIVATION == SWIGLU:
-                    total_up += tl.load(partial_ptr + (2 * split + 1) * M * N + tile_offsets, mask=mask,
-                                        other=0.0, cache_modifier=".cg")
-            store_output(total, total_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                         ACTIVATION, HAS_RESIDUAL)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        store_split_output(acc, acc_up, partial_ptr, counter_ptr + pid, pid_k, out_ptr, stride_om, residual_ptr,
+                           stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL)
 
 
 _KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "SPLIT_ALLOWED"]
