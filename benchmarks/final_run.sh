@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the engine's and the changed operators' GPU tests (untuned kernels: correctness
-# needs no tuning), then `qwen-triton bench` over $BENCH_VARIANTS. Few files under $OUT (the device returns 8).
+# needs no tuning), the profile, fully tuned tests (TUNING_CACHE=$PWD/.tc shares the profile's tunings), then
+# `qwen-triton bench` over $BENCH_VARIANTS. Few files under $OUT (the device returns 8).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/out}
@@ -16,8 +17,13 @@ if [ -n "${OPS_TESTS:-}" ]; then
         $OPS_TESTS -q --tb=short -p no:cacheprovider > "$OUT/ops.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/ops.log" | tail -5
 fi
+if [ -n "${PROFILE:-}" ]; then  # tuned kernels (their picks at the report's end; tuning times in err.log)
+    TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.tc timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli \
+        profile --out "$OUT/profile.json" > "$OUT/profile.md" 2>> "$OUT/err.log"; echo "profile rc $?"
+    head -3 "$OUT/profile.md"
+fi
 if [ -n "${TUNING_TESTS:-}" ]; then  # full autotuning, every config's choice printed
-    QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/tc-tuning timeout ${TUNING_TIMEOUT:-300} \
+    QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=${TUNING_CACHE:-/tmp/tc-tuning} timeout ${TUNING_TIMEOUT:-300} \
         python3 -m pytest -m gpu $TUNING_TESTS -q -s --tb=short -p no:cacheprovider > "$OUT/tuning.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/tuning.log" | tail -5
 fi
@@ -31,10 +37,6 @@ if [ -n "${TUNED_TESTS:-}" ]; then  # the kernels with the configs the bench tun
     TRITON_CACHE_DIR=$PWD/.tc timeout ${TUNED_TIMEOUT:-150} python3 -m pytest -m gpu $TUNED_TESTS -q -s --tb=short \
         -p no:cacheprovider > "$OUT/tuned.log" 2>&1
     grep -E "passed|failed|bf16 vs|Error" "$OUT/tuned.log" | tail -5
-fi
-if [ -n "${PROFILE:-}" ]; then
-    TRITON_CACHE_DIR=$PWD/.tc timeout 200 python3 -m qwen_triton.cli profile --out "$OUT/profile.json" \
-        > "$OUT/profile.md" 2>> "$OUT/err.log"; echo "profile rc $?"; head -3 "$OUT/profile.md"
 fi
 if [ -n "${OPS_BENCH:-}" ]; then
     TRITON_CACHE_DIR=$PWD/.tc timeout ${OPS_BENCH_TIMEOUT:-120} python3 -m qwen_triton.cli bench --ops --out "$OUT" \
