@@ -1,6 +1,7 @@
 """The pieces a projection kernel fuses around its dot products, shared by the GEMV, the GEMM and the LM head.
 
-Prologues (applied to each x tile as it is loaded, so the transformed x never goes to memory):
+Prologues (the GEMV and the LM head apply them to each x tile as it is loaded, so the transformed x never
+goes to memory; the GEMM applies them in a pass of their own before its main loop, see gemm.py):
 - norm: x <- rms_norm(x) * (1 + w), Qwen3.5's zero-centred RMSNorm over the whole row of K, in float32,
   rounded to x's dtype exactly where the reference rounds it. The row's 1/rms comes from `row_rstd`, a
   first pass over the row (K = 1024 elements: 2 KB from L2 per row, next to the 2*N*K bytes of weights).
@@ -59,14 +60,16 @@ def prologue(x, offs_m, offs_k, mask, K, gate_ptr, stride_gm, norm_ptr, rstd,
 
 @triton.jit
 def accumulate(
-    x_ptr, stride_xm, w_ptr, stride_wn, up_offset, gate_ptr, stride_gm, norm_ptr, rstd,
-    offs_m, offs_n, M, N, K, k_start, k_end,
-    PAIR: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, stride_xm, w_ptr, stride_wn, up_offset, offs_m, offs_n, M, N, k_start, k_end,
+    PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32 on the tensor cores (BLOCK_M >= 16):
     [BLOCK_M, BLOCK_N]. One token uses `accumulate_row` instead.
 
+    Both tiles go from memory straight to the dot, so the compiler pipelines their loads (num_stages
+    buffers in shared memory); a prologue that transformed x here would take x through registers every step
+    and, on the H200, made the projections 1.6-2.6x slower (benchmarks/gemm_sweep.py): the GEMM's prologue
+    runs as its own pass (gemm.py).
     PAIR: also accumulate the rows offs_n + up_offset / stride_wn (the up half of a gate_up weight)
     from the same x tiles; returns (acc, acc_up), acc_up = acc when not PAIR.
     """
@@ -79,9 +82,7 @@ def accumulate(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
-        x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         # the weight tile is loaded K-major ([BLOCK_K, BLOCK_N] view of row-major [N, K])
         w_mask = k_mask[:, None] & n_mask[None, :]
         w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)

@@ -2,9 +2,15 @@
 
 Each program computes one [BLOCK_M, BLOCK_N] output tile on the tensor cores, walking K in BLOCK_K steps
 (software-pipelined over num_stages buffers); programs are ordered in groups of GROUP_M row-blocks so
-that concurrently running programs share weight tiles in L2. The prologues (zero-centred RMSNorm of x,
-attention output gate) transform each x tile after its load; the epilogues (SwiGLU of paired gate/up
+that concurrently running programs share weight tiles in L2. The epilogues (SwiGLU of paired gate/up
 accumulators, residual add) run on the float32 accumulators before the single store (see fusion.py).
+
+The prologues (zero-centred RMSNorm of x, attention output gate) run first as a pass of their own,
+`_prologue_kernel`: one program per row writes prologue(x) (fusion.prologue, the same rounding as the
+GEMV's fused prologue) to a workspace, 2*M*K*2 bytes more (1 MB at M = 256, 17 MB at M = 4096: 4 us).
+Applied inside the main loop instead, the transform takes every x tile through registers and the
+projections ran 1.6-2.6x slower on the H200 (benchmarks/gemm_sweep.py, 2026-11-29: the DeltaNet
+in-projection at M = 4096 in 262 us fused against 132 us for the same tiles without it).
 
 Floor for a prefill of M = 4096 tokens of Qwen3.5-0.8B (bf16; H200 ~ 990 TFLOP/s dense bf16, 4.8 TB/s):
 
@@ -37,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..common import autotune_configs
-from .fusion import SWIGLU, accumulate, row_rstd, store_output, store_split_output
+from .fusion import SWIGLU, accumulate, prologue, row_rstd, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -87,13 +93,30 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _prologue_kernel(x_ptr, gate_ptr, norm_ptr, out_ptr, M, K, stride_xm, stride_gm, stride_om, eps,
+                     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[row] = prologue(x[row]): the normalised (rstd * (1 + w)) or gated (sigmoid(gate)) row the GEMM
+    multiplies, rounded to x's dtype. One program per row; bytes 2*K*2 (+ K*2 of gate) per row."""
+    row = tl.program_id(0)
+    offs_m = row + tl.arange(0, 1)
+    if HAS_NORM:
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
+    else:
+        rstd = tl.zeros([1], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_k < K)[None, :]
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+        x = prologue(x, offs_m, offs_k, mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+        tl.store(out_ptr + row.to(tl.int64) * stride_om + offs_k[None, :], x, mask=mask)
+
+
+@triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, residual_ptr, gate_ptr, norm_ptr, partial_ptr, counter_ptr,
+    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
     M, N, K, M_BUCKET,
-    stride_xm, stride_wn, stride_om, stride_rm, stride_gm,
-    eps,
-    ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    SPLIT_ALLOWED: tl.constexpr,
+    stride_xm, stride_wn, stride_om, stride_rm,
+    ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
@@ -109,18 +132,11 @@ def _gemm_kernel(
     pid_n = (pid % in_group) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_NORM:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc, acc_up = accumulate(
-        x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, gate_ptr, stride_gm, norm_ptr, rstd,
-        offs_m, offs_n, M, N, K, k_start, k_end,
-        ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
+    acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N, k_start, k_end,
+                             ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
@@ -129,7 +145,7 @@ def _gemm_kernel(
                            stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL)
 
 
-_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "HAS_GATE", "HAS_NORM", "SPLIT_ALLOWED"]
+_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED"]
 # (a single config, as under the interpreter, is not pruned: the split list's first config then splits K
 # at any M, and the launcher gives it a workspace)
 _gemm_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
@@ -138,6 +154,7 @@ _gemm_no_split = triton.autotune(configs=NO_SPLIT_CONFIGS, key=_KEY, prune_confi
                                  restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_prologue_outputs: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(device: torch.device, rows: int, N: int):
@@ -152,9 +169,29 @@ def _workspace(device: torch.device, rows: int, N: int):
     return _workspaces[key]
 
 
+def _apply_prologue(x, gate, norm_weight, eps):
+    """prologue(x) [M, K] in a workspace per (device, dtype, bucket of M, K), which the GEMM reads at once
+    (calls on one stream may share it, calls on concurrent streams must not)."""
+    M, K = x.shape
+    key = (x.device, x.dtype, triton.next_power_of_2(M), K)
+    if key not in _prologue_outputs:
+        _prologue_outputs[key] = torch.empty(key[2], K, dtype=x.dtype, device=x.device)
+    out = _prologue_outputs[key][:M]
+    _prologue_kernel[(M,)](
+        x, x if gate is None else gate, x if norm_weight is None else norm_weight, out,
+        M, K, x.stride(0), 0 if gate is None else gate.stride(0), out.stride(0), eps,
+        HAS_GATE=gate is not None, HAS_NORM=norm_weight is not None, BLOCK_K=min(triton.next_power_of_2(K), 1024),
+        num_warps=4,
+    )
+    return out
+
+
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True):
-    """Launch the GEMM on checked arguments (see linear.linear, which checks them). split_k: allow splits
-    of K for M <= MAX_SPLIT_ROWS (the autotuner chooses)."""
+    """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
+    linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
+    chooses)."""
+    if gate is not None or norm_weight is not None:
+        x = _apply_prologue(x, gate, norm_weight, eps)
     M, K = x.shape
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
@@ -169,17 +206,9 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     kernel[grid](
-        x, weight, out,
-        out if residual is None else residual,
-        x if gate is None else gate,
-        x if norm_weight is None else norm_weight,
-        partial, counters,
+        x, weight, out, out if residual is None else residual, partial, counters,
         M, N, K, bucket,
-        x.stride(0), weight.stride(0), out.stride(0),
-        0 if residual is None else residual.stride(0),
-        0 if gate is None else gate.stride(0),
-        eps,
-        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        HAS_NORM=norm_weight is not None, SPLIT_ALLOWED=split_allowed,
+        x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
+        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
     )
     return out
