@@ -21,12 +21,14 @@ class Operator:
 
 LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
 LINEAR_DECODE = "linear.gemv:_gemv_kernel"
+PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a row pass before it
 
 OPERATORS: tuple[Operator, ...] = (
     Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
              ("embedding.embedding:_embedding_kernel",)),
     Operator("2", "fused input projections (attention gate|q|k|v; DeltaNet qkv|z|b|a)",
-             (LINEAR_PREFILL,), (LINEAR_DECODE,), "weights concatenated at load; input RMSNorm in the prologue"),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
+             "weights concatenated at load; input RMSNorm: the GEMV's prologue (decode), a row pass (prefill)"),
     Operator("3-4", "per-head q/k RMSNorm + partial RoPE, k and v written to the KV cache",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",)),
@@ -35,13 +37,15 @@ OPERATORS: tuple[Operator, ...] = (
              ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
              "prefill: flash (online softmax); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
-             (LINEAR_PREFILL,), (LINEAR_DECODE,), "gate in the prologue, residual in the epilogue"),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
+             "gate: the GEMV's prologue (decode), a row pass (prefill); residual in the epilogue"),
     Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
-             (LINEAR_PREFILL,), (LINEAR_DECODE,), "norm in the prologue, SwiGLU in the epilogue"),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
+             "norm: the GEMV's prologue (decode), a row pass (prefill); SwiGLU in the epilogue"),
     Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (LINEAR_DECODE,),
              "residual in the epilogue"),
     Operator("14-15", "RMSNorm with (1 + w) weights, fused with the residual add",
-             (LINEAR_PREFILL,), (LINEAR_DECODE,),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
              "the add is the previous projection's epilogue, the norm the next projection's prologue"),
     Operator("16-17", "LM head (tied embedding) and argmax",
              (LINEAR_PREFILL, LINEAR_DECODE),
@@ -68,8 +72,9 @@ OPERATORS: tuple[Operator, ...] = (
              ("gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",),
              ("gated_delta_rule.fused_decode:_fused_step_kernel",),
              "decode: by the last program of each head, inside the fused step"),
-    Operator("26", "final RMSNorm", (LINEAR_PREFILL, LINEAR_DECODE), ("lm_head.argmax:_lm_head_argmax_kernel",),
-             "the LM head's prologue (standalone: norm.rms_norm:_rms_norm_kernel)"),
+    Operator("26", "final RMSNorm", (PROLOGUE_PREFILL, LINEAR_DECODE), ("lm_head.argmax:_lm_head_argmax_kernel",),
+             "the LM head's prologue, or its row pass when it projects more than 16 rows "
+             "(standalone: norm.rms_norm:_rms_norm_kernel)"),
     Operator("27", "sampling: temperature, top-k, top-p, seeded",
              ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
              ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
