@@ -43,11 +43,15 @@ def _prefill_configs():
     ])
 
 
-@triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH"], restore_value=["state_ptr"], cache_results=True)
+# length_bucket (the prompt length rounded up to a power of two, at most 4096) keys the tuning only: a
+# 4096-token prompt gets its own tiles rather than those tuned on the first (short) prompt. Each output
+# element is the same 4-tap sum in the same order whatever the tiles: no result depends on the bucket.
+@triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH", "length_bucket"], restore_value=["state_ptr"],
+                 cache_results=True)
 @triton.jit
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, state_ptr, out_ptr,
-    length, channels, stride_xt, stride_wc, stride_sc, stride_ot,
+    length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     time_block = tl.program_id(0)
@@ -171,6 +175,7 @@ def causal_conv1d(
     _causal_conv1d_kernel[grid](
         x, weight, conv_state, out,
         length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0),
+        min(triton.next_power_of_2(length), 4096),
         WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
     )
     return out
