@@ -384,3 +384,25 @@ def test_prefill_gemm_splits_k_only_for_short_prompts():
     assert kept(512, True) == [(64, 1)]  # a long prompt has enough tiles: no split
     assert kept(128, False) == [(64, 1)]  # the caller's split_k=False
     assert kept(4096, True, [config(64, 4)]) == [(64, 1)]  # nothing left: the first config, unsplit
+
+
+def test_prefill_gemm_keeps_the_in_graph_winner_for_short_prompts():
+    import triton
+
+    from qwen_triton.operators.linear import gemm
+
+    def config(block_n, block_k, split):
+        return triton.Config({"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "SPLIT_K": split},
+                             num_warps=4)
+
+    configs = [config(128, 64, 1), config(64, 64, 1), config(64, 128, 4), config(128, 64, 2)]
+
+    def kept(bucket, K, allowed=True, candidates=configs):
+        pruned = gemm._prune(candidates, {"M_BUCKET": bucket, "K": K}, ACTIVATION=0, SPLIT_ALLOWED=allowed)
+        return [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]) for c in pruned]
+
+    assert kept(128, 1024) == [(64, 64, 1)]
+    assert kept(256, 3584) == [(64, 128, 4)]
+    assert kept(128, 2048, allowed=False) == [(128, 64, 1), (64, 64, 1)]  # the winner's split not allowed
+    assert kept(4096, 1024) == [(128, 64, 1), (64, 64, 1)]  # long prompts: the autotuner chooses
+    assert kept(128, 1024, candidates=[configs[0], configs[3]]) == [(128, 64, 1), (128, 64, 2)]  # not among them

@@ -75,9 +75,24 @@ NO_SPLIT_CONFIGS = _configs(split=False)
 MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS)
 
 
+# The configs that were fastest for a 128-token prompt in the prefill's own setting (benchmarks/gemm_sweep.py
+# on the H200, 2026-11-29, commit 23ea421: back to back in a CUDA graph on distinct weights): for K <= 1024
+# (the in-projections and gate/up) one 64 x 64 tile per program; for larger K (the out-projections,
+# down) 64 x 64 tiles with K split in four. The autotuner, timing one launch at a time, picked others up
+# to 1.6x slower (the out-projection: 12.9 us against 7.9), and not the same ones from run to run, so for
+# prompts of up to MAX_SPLIT_ROWS tokens the preferred config is the only candidate where it is allowed.
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by the largest K it serves
+PREFERRED_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))
+
+
+def _preferred(K: int) -> tuple[int, int, int, int]:
+    return next(choice for limit, choice in PREFERRED_BY_K if limit is None or K <= limit)
+
+
 def _prune(configs, named_args, **kwargs):
     """Drop tiles taller than the bucket of M, accumulators over 128 float32 registers per thread, and
-    splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False)."""
+    splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
+    keep the in-graph winner for this K where it is among them (see PREFERRED_BY_K)."""
     bucket = named_args["M_BUCKET"]
     accumulators = 2 if kwargs["ACTIVATION"] == 1 else 1
     split_allowed = kwargs["SPLIT_ALLOWED"] and bucket <= MAX_SPLIT_ROWS
@@ -87,6 +102,11 @@ def _prune(configs, named_args, **kwargs):
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
     ]
+    if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
+        tiles = _preferred(named_args["K"])
+        fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
+        preferred = [c for c in kept if tuple(c.kwargs[field] for field in fields) == tiles]
+        kept = preferred or kept
     if kept:
         return kept
     first = configs[0]
