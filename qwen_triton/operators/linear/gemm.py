@@ -32,8 +32,9 @@ tile, and the last to arrive sums the partials in split order (deterministic whi
 applies the epilogue, stores and resets the counter (so a CUDA graph can replay it): the GEMV's scheme.
 
 Autotuning: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages per (bucket of M = next power of two, N,
-K, fusions, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps
-the choice in Triton's cache directory across processes (see linear.py).
+K, epilogues, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps
+the choice in Triton's cache directory across processes (see linear.py). For prompts of up to
+MAX_SPLIT_ROWS tokens the config measured fastest in a CUDA graph is the only candidate (PREFERRED_BY_K).
 """
 
 from __future__ import annotations
