@@ -26,3 +26,8 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert (tmp_path / "latest.png").stat().st_size > 0
     table = capsys.readouterr().out
     assert "| triton |" in table and "decode @12 (us)" in table
+    # the floors' byte and FLOP counts are printed, as the JSON holds them
+    decode_bytes = {r["context"]: r["bytes"] for r in rows if r["phase"] == "decode"}
+    assert f"Bytes per decode token: @4: {decode_bytes[4]:,}; @12: {decode_bytes[12]:,}." in table
+    prefill_flops = next(r["flops"] for r in rows if r["phase"] == "prefill")
+    assert f"FLOPs per prefill: 8 tokens: {prefill_flops:,}." in table

@@ -346,6 +346,13 @@ def format_table(report: dict) -> str:
     lines.append("")
     lines.append("Percentages: decode = bytes that must move / time, of the measured HBM copy bandwidth; "
                  "prefill = FLOPs / time, of the measured bf16 matmul rate.")
+    # the floors' counts (benchmark/floor.py, from the config): the same for every variant
+    moved = {r["context"]: r["bytes"] for r in rows if r["phase"] == "decode"}
+    work = {r["context"]: r["flops"] for r in rows if r["phase"] == "prefill"}
+    if moved:
+        lines.append("Bytes per decode token: " + "; ".join(f"@{c}: {b:,}" for c, b in sorted(moved.items())) + ".")
+    if work:
+        lines.append("FLOPs per prefill: " + "; ".join(f"{c} tokens: {f:,}" for c, f in sorted(work.items())) + ".")
     return "\n".join(lines)
 
 
