@@ -5,6 +5,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/out}
+CACHE=${CACHE:-$PWD/.tc}  # the Triton cache (compiled kernels, autotuning) of the bench, profile and tuned tests
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 if [ -n "${ENGINE_TESTS:-}" ]; then
@@ -17,10 +18,15 @@ if [ -n "${OPS_TESTS:-}" ]; then
         $OPS_TESTS -q --tb=short -p no:cacheprovider > "$OUT/ops.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/ops.log" | tail -5
 fi
+# PROFILE: "1" profiles a decode step at context 128 and a 128-token prefill (profile.json, .md); a list
+# of lengths ("128 4096") profiles each at that context and prefill length (profile-<n>.json, .md)
 if [ -n "${PROFILE:-}" ]; then  # tuned kernels (their picks at the report's end; tuning times in err.log)
-    TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.tc timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli \
-        profile --out "$OUT/profile.json" > "$OUT/profile.md" 2>> "$OUT/err.log"; echo "profile rc $?"
-    head -3 "$OUT/profile.md"
+    for n in $PROFILE; do
+        if [ "$n" = 1 ]; then args=""; name=profile; else args="--prefill $n --context $n"; name=profile-$n; fi
+        TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=$CACHE timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli \
+            profile $args --out "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/err.log"; echo "$name rc $?"
+        grep -E "^(decode step|prefill of)" "$OUT/$name.md"
+    done
 fi
 if [ -n "${TUNING_TESTS:-}" ]; then  # full autotuning, every config's choice printed
     QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=${TUNING_CACHE:-/tmp/tc-tuning} timeout ${TUNING_TIMEOUT:-300} \
@@ -28,17 +34,17 @@ if [ -n "${TUNING_TESTS:-}" ]; then  # full autotuning, every config's choice pr
     grep -E "passed|failed|Error" "$OUT/tuning.log" | tail -5
 fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then
-    TRITON_CACHE_DIR=$PWD/.tc timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
+    TRITON_CACHE_DIR=$CACHE timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
         --out "$OUT/bench" ${BENCH_ARGS:-} > "$OUT/bench.md" 2>> "$OUT/err.log"; echo "bench rc $?"
     cat "$OUT/bench.md"; tail -3 "$OUT/err.log"
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 fi
 if [ -n "${TUNED_TESTS:-}" ]; then  # the kernels with the configs the bench tuned (its cache)
-    TRITON_CACHE_DIR=$PWD/.tc timeout ${TUNED_TIMEOUT:-150} python3 -m pytest -m gpu $TUNED_TESTS -q -s --tb=short \
+    TRITON_CACHE_DIR=$CACHE timeout ${TUNED_TIMEOUT:-150} python3 -m pytest -m gpu $TUNED_TESTS -q -s --tb=short \
         -p no:cacheprovider > "$OUT/tuned.log" 2>&1
     grep -E "passed|failed|bf16 vs|Error" "$OUT/tuned.log" | tail -5
 fi
 if [ -n "${OPS_BENCH:-}" ]; then
-    TRITON_CACHE_DIR=$PWD/.tc timeout ${OPS_BENCH_TIMEOUT:-120} python3 -m qwen_triton.cli bench --ops --out "$OUT" \
+    TRITON_CACHE_DIR=$CACHE timeout ${OPS_BENCH_TIMEOUT:-120} python3 -m qwen_triton.cli bench --ops --out "$OUT" \
         > "$OUT/ops-bench.md" 2>> "$OUT/err.log"; echo "ops bench rc $?"
 fi

@@ -15,7 +15,7 @@ started=$(date +%s)
 ) > "$OUT/gpu0.txt" 2>&1 &
 (
     export CUDA_VISIBLE_DEVICES=1
-    ENGINE_TESTS= OPS_TESTS= TUNING_TESTS= PROFILE=1 BENCH_VARIANTS= OUT=$OUT/profile bash benchmarks/final_run.sh
+    ENGINE_TESTS= OPS_TESTS= TUNING_TESTS= PROFILE=1 BENCH_VARIANTS= CACHE=$PWD/.tc OUT=$OUT/profile bash benchmarks/final_run.sh
     for sweep in ${SWEEPS:-}; do
         name=$(basename "$sweep" .py)
         timeout ${SWEEP_TIMEOUT:-240} python3 "$sweep" --out "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/profile/err.log"
