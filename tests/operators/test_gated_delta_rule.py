@@ -23,8 +23,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from qwen_triton.operators.conv import causal_conv1d_step
+from qwen_triton.operators.gated_delta_rule import chunk as chunk_module
 from qwen_triton.operators.gated_delta_rule import (
     benchmark_cases,
     gated_delta_rule_chunked,
@@ -185,6 +188,73 @@ def test_chunked_precision_options(device, precision):
     out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
     torch.testing.assert_close(out.float(), ref_out.float(), **TOLERANCE[torch.float16])
     torch.testing.assert_close(state, ref_state, rtol=1e-3, atol=1e-4)
+
+
+# ---- the chunk's (I + A)^-1 ---------------------------------------------------------------------
+
+
+@triton.jit
+def _invert_blocks_kernel(a_ptr, x_ptr, BLOCKS: tl.constexpr, SIZE: tl.constexpr):
+    index = (tl.arange(0, BLOCKS)[:, None, None] * SIZE + tl.arange(0, SIZE)[None, :, None]) * SIZE
+    index += tl.arange(0, SIZE)[None, None, :]
+    tl.store(x_ptr + index, chunk_module._invert_unit_lower(tl.load(a_ptr + index)))
+
+
+@triton.jit
+def _invert_chunk_kernel(a_ptr, x_ptr, SIZE: tl.constexpr):
+    index = tl.arange(0, SIZE)[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
+    tl.store(x_ptr + index, chunk_module._invert_chunk(tl.load(a_ptr + index)))
+
+
+def chunk_systems(blocks, size, correlation, seed):
+    """A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) [blocks, size, size] float64 as a chunk forms it,
+    from unit keys around a shared direction (correlation 1: all equal, |A_ij| up to ~1), beta in
+    [0.5, 1] and slow decays; above the diagonal, garbage the inversion must ignore."""
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randn(blocks, 1, 64, generator=generator, dtype=torch.float64)
+    keys = correlation * shared + (1 - correlation) * torch.randn(blocks, size, 64, generator=generator,
+                                                                  dtype=torch.float64)
+    keys = keys / keys.norm(dim=-1, keepdim=True)
+    beta = 0.5 + 0.5 * torch.rand(blocks, size, generator=generator, dtype=torch.float64)
+    decay = -(0.05 * torch.rand(blocks, size, generator=generator, dtype=torch.float64)).cumsum(-1)
+    system = beta[..., None] * (keys @ keys.transpose(-1, -2)) * (decay[..., :, None] - decay[..., None, :]).exp()
+    lower = torch.ones(size, size, dtype=torch.bool).tril(-1)
+    garbage = 100 * torch.randn(blocks, size, size, generator=generator, dtype=torch.float64)
+    return torch.where(lower, system, garbage)
+
+
+def inverse_error(x, system):
+    """max |X - (I + strictly-lower(A))^-1| / max |(I + ...)^-1|, the exact inverse of the float32 A in float64."""
+    size = system.shape[-1]
+    exact = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + system.float().double().tril(-1))
+    return float(((x.double() - exact).abs().amax((-1, -2)) / exact.abs().amax((-1, -2))).max())
+
+
+# the doubling reaches 2e-7 on these (float32 forward substitution: 1e-7 to 4e-7 on such systems); the product
+# form (I - N)(I + N^2)(I + N^4)(I + N^8) 3e-5 on the correlated 16 x 16 blocks (its powers of N cancel); a
+# skipped doubling step or merge gives errors of order 1
+INVERSE_TOLERANCE = 3e-6
+
+
+@pytest.mark.parametrize("blocks, size", [(4, 16), (2, 32)])
+@pytest.mark.parametrize("correlation", [0.0, 0.9, 1.0])
+def test_invert_unit_lower(device, blocks, size, correlation):
+    system = chunk_systems(blocks, size, correlation, seed=size)
+    x = torch.empty(blocks, size, size, device=device)
+    _invert_blocks_kernel[(1,)](system.float().to(device), x, BLOCKS=blocks, SIZE=size)
+    assert inverse_error(x.cpu(), system) < INVERSE_TOLERANCE
+
+
+@pytest.mark.parametrize("correlation", [0.0, 0.9, 1.0])
+def test_invert_chunk(device, correlation):
+    """The chunk's whole inverse as _chunk_prepare_kernel forms it: doubling inside the 16 x 16 blocks, then
+    the merges into 32 x 32 and 64 x 64."""
+    size = chunk_module.CHUNK
+    system = chunk_systems(3, size, correlation, seed=1)
+    for a in system:
+        x = torch.empty(size, size, device=device)
+        _invert_chunk_kernel[(1,)](a.float().to(device), x, SIZE=size)
+        assert inverse_error(x.cpu(), a) < INVERSE_TOLERANCE
 
 
 # ---- recurrent decode ----------------------------------------------------------------------------

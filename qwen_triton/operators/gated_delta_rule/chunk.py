@@ -15,20 +15,27 @@ float32 [Hv]; state [Hv, Dk, Dv] float32: the initial state in, the final state 
 o [T, Hv, Dv] in v's dtype.
 
 Two kernels:
-1. `_chunk_prepare_kernel`, grid (chunks, Hv), fully parallel: gates and their cumulative sum, the L2
-   norms, A and the intra-chunk attention Q K^T (stored, causal-masked and decayed), and (I + A)^-1,
-   built from four 16 x 16 diagonal blocks inverted by forward substitution and merged by block
-   back-substitution (X_ij = -D_i sum_{j<=m<i} A_im X_mj), then W and U. These only depend on the chunk.
+1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one
+   stores the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, A
+   (one [C, C] product), (I + A)^-1 and W, U (one [C, C] x [C, D] product each). These only depend on the
+   chunk. The inverse by recursive doubling: a unit lower triangular [[I + A0, 0], [B, I + A1]] has the
+   inverse [[X0, 0], [-X1 B X0, X1]], so the inverses of the 2 x 2 diagonal blocks (no product) give
+   those of the 4 x 4, 8 x 8 and 16 x 16 blocks (the four 16 x 16 blocks at once, [4, 16, 16] products),
+   then of the two 32 x 32 blocks and of the whole: 10 small products in a chain of 10, where forward
+   substitution takes a dependent step of cross-thread reductions per row. It is as accurate (max
+   error / max |X| ~3e-7 in float32 for 16 x 16 and 64 x 64 blocks of strongly correlated keys); the
+   product form (I - N)(I + N^2)(I + N^4)(I + N^8), N = strictly-lower A, is not (7e-4 there: the powers
+   of N cancel).
 2. `_chunk_recurrence_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part. A program carries the
    [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32), re-reading and
    re-normalising the chunk's raw q and k (cheaper than storing decayed copies), and writes O as it goes.
    Its critical path is two dependent matmuls per chunk (W S, then K^T V').
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
-is formed with float32 ("ieee") 16 x 16 products: it is reused by all 64 rows and errors there are
-systematic. For 16-bit activations the other chunk-local products of kernel 1 (K K^T, Q K^T, W, U) use
-tf32 operands, and the recurrence's products take 16-bit operands (the state and V' rounded to the
-activation dtype, float32 accumulation), the choice of flash-linear-attention; U stays float32 because
+is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
+there are systematic. For 16-bit activations the other chunk-local products of kernel 1 (K K^T, Q K^T,
+W, U) use tf32 operands, and the recurrence's products take 16-bit operands (the state and V' rounded to
+the activation dtype, float32 accumulation), the choice of flash-linear-attention; U stays float32 because
 V' = U - W S can cancel. `dot_precision="tf32"` or `"ieee"` makes every product take float32 operands
 at that precision. float32 activations use "ieee" throughout.
 
@@ -36,10 +43,13 @@ Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, bf16), per token: q, k, v
 o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128. The
 scratch (W bf16, U fp32, Q K^T bf16: ~14 KiB per token) is written once and re-read from L2.
 ~10 MFLOP per 64-token chunk and head (K K^T and Q K^T 1.3M, W and U 1.3M, the recurrence's
-W S, Q S, K^T V' 6.3M and (Q K^T) V' 1M): ~10.7 GFLOP for T = 4096.
+W S, Q S, K^T V' 6.3M and (Q K^T) V' 1M): ~10.7 GFLOP for T = 4096. (Kernel 1 forms K K^T and Q K^T
+whole, upper halves included, as one tensor-core product each: 0.8M more.)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,15 +59,17 @@ from ..common import autotune_configs, check_same_device, check_tensor
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 
 CHUNK = 64
-SUB = 16  # the inverse is built from CHUNK / SUB = 4 diagonal blocks
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _load_rows(base, rows, length, stride_row, cols, width):
+def _load_rows(base, rows, length, stride_row, cols, width, TO_FLOAT: tl.constexpr = True):
     mask = (rows[:, None] < length) & (cols[None, :] < width)
-    return tl.load(base + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(base + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
+    if TO_FLOAT:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -67,53 +79,105 @@ def _mm(a, b, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _gates(a_base, b_base, rows, length, stride_a, stride_b, a_log, dt_bias, BETA_DTYPE: tl.constexpr):
-    """g, beta of SUB rows; zero past the sequence's end (no decay, no write: the reference's padding)."""
+def _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt):
+    """G (the cumulative log-decay from the chunk's start) and beta of a chunk's rows; past the sequence's end
+    g = beta = 0 (no decay, no write: the reference's padding)."""
     mask = rows < length
-    a = tl.load(a_base + rows * stride_a, mask=mask, other=0.0)
-    b = tl.load(b_base + rows * stride_b, mask=mask, other=0.0)
-    g, beta = gate_and_beta(a, b, a_log, dt_bias, BETA_DTYPE)
-    return tl.where(mask, g, 0.0), tl.where(mask, beta, 0.0)
+    a = tl.load(a_ptr + head + rows * stride_at, mask=mask, other=0.0)
+    b = tl.load(b_ptr + head + rows * stride_bt, mask=mask, other=0.0)
+    g, beta = gate_and_beta(a, b, tl.load(a_log_ptr + head), tl.load(dt_bias_ptr + head), b_ptr.dtype.element_ty)
+    return tl.cumsum(tl.where(mask, g, 0.0), 0), tl.where(mask, beta, 0.0)
 
 
 @triton.jit
-def _decayed_block(left, right, decay_left, decay_right, DIAGONAL: tl.constexpr, STRICT: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """(left right^T) * exp(G_i - G_j) for one [SUB, SUB] block; causal-masked when on the diagonal."""
+def _decayed_scores(left, right, decay, PRECISION: tl.constexpr, STRICT: tl.constexpr):
+    """(left right^T) * exp(G_i - G_j) for a chunk's rows, causal: j <= i (j < i if STRICT), zero elsewhere."""
     scores = tl.dot(left, tl.trans(right), input_precision=PRECISION)
-    exponent = decay_left[:, None] - decay_right[None, :]
-    if DIAGONAL:
-        i = tl.arange(0, left.shape[0])[:, None]
-        j = tl.arange(0, right.shape[0])[None, :]
-        if STRICT:
-            keep = i > j
-        else:
-            keep = i >= j
-        # masked entries would take exp of a positive exponent: zero the exponent first
-        return tl.where(keep, scores * tl.exp(tl.where(keep, exponent, 0.0)), 0.0)
-    return scores * tl.exp(exponent)
+    i = tl.arange(0, left.shape[0])[:, None]
+    j = tl.arange(0, right.shape[0])[None, :]
+    if STRICT:
+        keep = i > j
+    else:
+        keep = i >= j
+    # masked entries would take exp of a positive exponent: zero the exponent first
+    exponent = tl.where(keep, decay[:, None] - decay[None, :], 0.0)
+    return tl.where(keep, scores * tl.exp(exponent), 0.0)
 
 
 @triton.jit
-def _invert_unit_lower(a0, a1, a2, a3):
-    """(I + a)^-1 of four [SUB, SUB] strictly lower triangular blocks at once, by forward substitution.
+def _double_inverse(x, a, LEVEL: tl.constexpr):
+    """One doubling step of the inverse of a batch [B, n, n] of unit lower triangular matrices I + a.
 
-    Row i of an inverse X is e_i - sum_{m<i} a[i, m] X[m, :], and rows m < i are final when it is formed.
-    The blocks are stacked as one [SUB, SUB, 2, 2] tile so that each step is one set of tile operations.
+    x = (I + a)^-1 on each diagonal block of size s = 2^LEVEL (zero elsewhere) becomes the inverse on the
+    diagonal blocks of size 2s: such a block of I + a is [[I + a0, 0], [c, I + a1]], whose inverse is
+    [[X0, 0], [-X1 c X0, X1]] = x - x e x, with e = a's lower-left s x s block in each 2s block.
+    float32 "ieee" products.
     """
-    size: tl.constexpr = a0.shape[0]
-    a = tl.join(tl.join(a0, a1), tl.join(a2, a3))
-    rows = tl.arange(0, size)[:, None, None, None]
-    cols = tl.arange(0, size)[None, :, None, None]
-    inverse = tl.where(rows == cols, 1.0, tl.zeros_like(a))
-    for i in tl.static_range(1, size):
-        a_row = tl.sum(tl.where(rows == i, a, 0.0), axis=0)  # [m, 2, 2]: a[i, m] of each block
-        correction = tl.sum(a_row[:, None, :, :] * inverse, axis=0)
-        inverse = tl.where(rows == i, inverse - correction[None, :, :, :], inverse)
-    x01, x23 = tl.split(inverse)
-    x0, x1 = tl.split(x01)
-    x2, x3 = tl.split(x23)
-    return x0, x1, x2, x3
+    n: tl.constexpr = x.shape[1]
+    i = tl.arange(0, n)[None, :, None]
+    j = tl.arange(0, n)[None, None, :]
+    e = tl.where(((i >> (LEVEL + 1)) == (j >> (LEVEL + 1))) & ((i >> LEVEL) > (j >> LEVEL)), a, 0.0)
+    return tl.dot(-x, tl.dot(e, x, input_precision="ieee"), acc=x, input_precision="ieee")
+
+
+@triton.jit
+def _invert_unit_lower(a):
+    """(I + a)^-1 of a batch of strictly lower triangular blocks a [B, n, n] (entries on and above the
+    diagonal are ignored), n a power of two from 16 (tl.dot's minimum) to 256, by recursive doubling:
+    log2(n) - 1 steps of two batched products each (`_double_inverse`), as accurate as forward
+    substitution (unlike the product form (I - N)(I + N^2)(I + N^4)..., whose powers of N cancel)."""
+    n: tl.constexpr = a.shape[1]
+    i = tl.arange(0, n)[None, :, None]
+    j = tl.arange(0, n)[None, None, :]
+    # the 2 x 2 blocks need no product: [[1, 0], [c, 1]]^-1 = [[1, 0], [-c, 1]]
+    x = tl.where(i == j, 1.0, 0.0) - tl.where(((i >> 1) == (j >> 1)) & (i > j), a, 0.0)
+    for level in tl.static_range(1, 8):
+        if (2 << level) <= n:
+            x = _double_inverse(x, a, level)
+    return x
+
+
+@triton.jit
+def _merge_inverses(x, a):
+    """(I + a)^-1 for a batch a [B, 2n, 2n] of strictly lower triangular matrices, from x [2B, n, n], the
+    inverses of their diagonal n x n blocks (x[2t] the upper-left one of a[t], x[2t + 1] the lower-right):
+    I + a = [[I + a0, 0], [c, I + a1]] has the inverse [[X0, 0], [-X1 c X0, X1]]. float32 "ieee" products."""
+    batch: tl.constexpr = a.shape[0]
+    n: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, (batch, 2, n, n))
+    half = tl.arange(0, 2)[None, :, None, None]
+    upper = tl.sum(tl.where(half == 0, x, 0.0), axis=1)
+    lower = tl.sum(tl.where(half == 1, x, 0.0), axis=1)
+    a = tl.reshape(a, (batch, 2, n, 2, n))
+    row = tl.arange(0, 2)[None, :, None, None, None]  # block row, block column
+    col = tl.arange(0, 2)[None, None, None, :, None]
+    corner = tl.sum(tl.sum(tl.where((row == 1) & (col == 0), a, 0.0), axis=3), axis=1)  # c [B, n, n]
+    corner = -tl.dot(lower, tl.dot(corner, upper, input_precision="ieee"), input_precision="ieee")
+    merged = tl.where((row == 1) & (col == 0), corner[:, None, :, None, :], 0.0)
+    merged = tl.where(row == col, x[:, :, :, None, :], merged)
+    return tl.reshape(merged, (batch, 2 * n, 2 * n))
+
+
+@triton.jit
+def _diagonal_blocks(m, COUNT: tl.constexpr):
+    """The COUNT diagonal blocks [COUNT, n, n] of a square m [COUNT n, COUNT n]."""
+    n: tl.constexpr = m.shape[0] // COUNT
+    m = tl.reshape(m, (COUNT, n, COUNT, n))
+    row = tl.arange(0, COUNT)[:, None, None, None]
+    col = tl.arange(0, COUNT)[None, None, :, None]
+    return tl.sum(tl.where(row == col, m, 0.0), axis=2)
+
+
+@triton.jit
+def _invert_chunk(system):
+    """(I + A)^-1 [C, C] of a strictly lower triangular A [C, C] (entries on and above the diagonal are
+    ignored; C a power of two >= 64): recursive doubling inside the four C/4 diagonal blocks, batched,
+    then two merges of two blocks."""
+    size: tl.constexpr = system.shape[0]
+    inverse = _invert_unit_lower(_diagonal_blocks(system, 4))
+    inverse = _merge_inverses(inverse, _diagonal_blocks(system, 2))
+    inverse = _merge_inverses(inverse, tl.reshape(system, (1, size, size)))
+    return tl.reshape(inverse, (size, size))
 
 
 @triton.jit
@@ -122,146 +186,69 @@ def _store_rows(base, rows, length, stride_row, cols, width, value):
     tl.store(base + rows[:, None] * stride_row + cols[None, :], value.to(base.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _store_block(base, block_row: tl.constexpr, block_col: tl.constexpr, value):
-    """One [SUB, SUB] block of a chunk's [CHUNK, CHUNK] row-major matrix."""
-    size: tl.constexpr = value.shape[0]
-    i = block_row * size + tl.arange(0, size)[:, None]
-    j = block_col * size + tl.arange(0, size)[None, :]
-    tl.store(base + i * (4 * size) + j, value.to(base.dtype.element_ty))
-
-
 def _prepare_configs():
     return autotune_configs([
-        triton.Config({}, num_warps=4),
         triton.Config({}, num_warps=8),
-        triton.Config({}, num_warps=2),
+        triton.Config({}, num_warps=4),
     ])
 
 
-@triton.autotune(configs=_prepare_configs(), key=["K_DIM", "V_DIM", "PRECISION"], cache_results=True)
-@triton.jit
+def _prune_prepare(configs, named_args, **kwargs):
+    """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the kernel
+    at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned."""
+    if kwargs["PRECISION"] == "ieee":
+        return [c for c in configs if c.num_warps >= 8] or configs[:1]
+    return configs
+
+
+@triton.autotune(configs=_prepare_configs(), key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION"],
+                 prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
+@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
     w_ptr, u_ptr, qk_ptr, decay_ptr,
-    length, scale,
+    length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SUB_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
+    h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
-    rows0 = chunk * (4 * SUB_ROWS) + tl.arange(0, SUB_ROWS)
-    rows1 = rows0 + SUB_ROWS
-    rows2 = rows1 + SUB_ROWS
-    rows3 = rows2 + SUB_ROWS
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
-    values = tl.arange(0, BLOCK_V)
-
-    # gates, and their cumulative sum over the chunk: G, the log-decay from the chunk's start
-    a_log = tl.load(a_log_ptr + head)
-    dt_bias = tl.load(dt_bias_ptr + head)
-    beta_dtype = b_ptr.dtype.element_ty
-    g0, beta0 = _gates(a_ptr + head, b_ptr + head, rows0, length, stride_at, stride_bt, a_log, dt_bias, beta_dtype)
-    g1, beta1 = _gates(a_ptr + head, b_ptr + head, rows1, length, stride_at, stride_bt, a_log, dt_bias, beta_dtype)
-    g2, beta2 = _gates(a_ptr + head, b_ptr + head, rows2, length, stride_at, stride_bt, a_log, dt_bias, beta_dtype)
-    g3, beta3 = _gates(a_ptr + head, b_ptr + head, rows3, length, stride_at, stride_bt, a_log, dt_bias, beta_dtype)
-    decay0 = tl.cumsum(g0, 0)
-    total = tl.sum(g0, 0)
-    decay1 = tl.cumsum(g1, 0) + total
-    total += tl.sum(g1, 0)
-    decay2 = tl.cumsum(g2, 0) + total
-    total += tl.sum(g2, 0)
-    decay3 = tl.cumsum(g3, 0) + total
-    decay_base = decay_ptr + head * length
-    tl.store(decay_base + rows0, decay0, mask=rows0 < length)
-    tl.store(decay_base + rows1, decay1, mask=rows1 < length)
-    tl.store(decay_base + rows2, decay2, mask=rows2 < length)
-    tl.store(decay_base + rows3, decay3, mask=rows3 < length)
-
     k_base = k_ptr + key_head * stride_kh
-    k0 = l2_normalize_rows(_load_rows(k_base, rows0, length, stride_kt, keys, K_DIM), 1.0)
-    k1 = l2_normalize_rows(_load_rows(k_base, rows1, length, stride_kt, keys, K_DIM), 1.0)
-    k2 = l2_normalize_rows(_load_rows(k_base, rows2, length, stride_kt, keys, K_DIM), 1.0)
-    k3 = l2_normalize_rows(_load_rows(k_base, rows3, length, stride_kt, keys, K_DIM), 1.0)
+    # each program issues its loads first, so that their latencies overlap
+    if tl.program_id(2) == 0:
+        # the intra-chunk attention, causal (the upper triangle is never read)
+        q = _load_rows(q_ptr + key_head * stride_qh, rows, length, stride_qt, keys, K_DIM, False)
+        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+        decay, _ = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        q = l2_normalize_rows(q.to(tl.float32), scale)
+        k = l2_normalize_rows(k.to(tl.float32), 1.0)
+        qk = _decayed_scores(q, k, decay, PRECISION, False)
+        offsets = tl.arange(0, CHUNK_ROWS)
+        tl.store(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS
+                 + offsets[None, :], qk.to(qk_ptr.dtype.element_ty), mask=offsets[:, None] >= offsets[None, :])
+    else:
+        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+        values = tl.arange(0, BLOCK_V)
+        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
+        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
+        k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
-    # the intra-chunk attention Q K^T * exp(G_i - G_j), causal: the lower blocks (the rest is never read)
-    qk_base = qk_ptr + (chunk * V_HEADS + head) * (16 * SUB_ROWS * SUB_ROWS)
-    q_base = q_ptr + key_head * stride_qh
-    q = l2_normalize_rows(_load_rows(q_base, rows0, length, stride_qt, keys, K_DIM), scale)
-    _store_block(qk_base, 0, 0, _decayed_block(q, k0, decay0, decay0, True, False, PRECISION))
-    q = l2_normalize_rows(_load_rows(q_base, rows1, length, stride_qt, keys, K_DIM), scale)
-    _store_block(qk_base, 1, 0, _decayed_block(q, k0, decay1, decay0, False, False, PRECISION))
-    _store_block(qk_base, 1, 1, _decayed_block(q, k1, decay1, decay1, True, False, PRECISION))
-    q = l2_normalize_rows(_load_rows(q_base, rows2, length, stride_qt, keys, K_DIM), scale)
-    _store_block(qk_base, 2, 0, _decayed_block(q, k0, decay2, decay0, False, False, PRECISION))
-    _store_block(qk_base, 2, 1, _decayed_block(q, k1, decay2, decay1, False, False, PRECISION))
-    _store_block(qk_base, 2, 2, _decayed_block(q, k2, decay2, decay2, True, False, PRECISION))
-    q = l2_normalize_rows(_load_rows(q_base, rows3, length, stride_qt, keys, K_DIM), scale)
-    _store_block(qk_base, 3, 0, _decayed_block(q, k0, decay3, decay0, False, False, PRECISION))
-    _store_block(qk_base, 3, 1, _decayed_block(q, k1, decay3, decay1, False, False, PRECISION))
-    _store_block(qk_base, 3, 2, _decayed_block(q, k2, decay3, decay2, False, False, PRECISION))
-    _store_block(qk_base, 3, 3, _decayed_block(q, k3, decay3, decay3, True, False, PRECISION))
+        # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
+        # inverse is reused by every row)
+        inverse = _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True))
 
-    # A = strictly-lower(diag(beta) K K^T * decay), block by block
-    a00 = _decayed_block(k0 * beta0[:, None], k0, decay0, decay0, True, True, PRECISION)
-    a10 = _decayed_block(k1 * beta1[:, None], k0, decay1, decay0, False, True, PRECISION)
-    a11 = _decayed_block(k1 * beta1[:, None], k1, decay1, decay1, True, True, PRECISION)
-    a20 = _decayed_block(k2 * beta2[:, None], k0, decay2, decay0, False, True, PRECISION)
-    a21 = _decayed_block(k2 * beta2[:, None], k1, decay2, decay1, False, True, PRECISION)
-    a22 = _decayed_block(k2 * beta2[:, None], k2, decay2, decay2, True, True, PRECISION)
-    a30 = _decayed_block(k3 * beta3[:, None], k0, decay3, decay0, False, True, PRECISION)
-    a31 = _decayed_block(k3 * beta3[:, None], k1, decay3, decay1, False, True, PRECISION)
-    a32 = _decayed_block(k3 * beta3[:, None], k2, decay3, decay2, False, True, PRECISION)
-    a33 = _decayed_block(k3 * beta3[:, None], k3, decay3, decay3, True, True, PRECISION)
-
-    # X = (I + A)^-1: diagonal blocks by substitution, then X_ij = -D_i sum_{j<=m<i} A_im X_mj
-    x00, x11, x22, x33 = _invert_unit_lower(a00, a11, a22, a33)
-    # (float32 "ieee" products: the inverse is reused by every row of the chunk)
-    x10 = -tl.dot(x11, tl.dot(a10, x00, input_precision="ieee"), input_precision="ieee")
-    x21 = -tl.dot(x22, tl.dot(a21, x11, input_precision="ieee"), input_precision="ieee")
-    x32 = -tl.dot(x33, tl.dot(a32, x22, input_precision="ieee"), input_precision="ieee")
-    x20 = tl.dot(a20, x00, input_precision="ieee")
-    x20 = -tl.dot(x22, tl.dot(a21, x10, acc=x20, input_precision="ieee"), input_precision="ieee")
-    x31 = tl.dot(a31, x11, input_precision="ieee")
-    x31 = -tl.dot(x33, tl.dot(a32, x21, acc=x31, input_precision="ieee"), input_precision="ieee")
-    x30 = tl.dot(a30, x00, input_precision="ieee")
-    x30 = tl.dot(a31, x10, acc=x30, input_precision="ieee")
-    x30 = -tl.dot(x33, tl.dot(a32, x20, acc=x30, input_precision="ieee"), input_precision="ieee")
-
-    # W = X diag(beta exp(G)) K
-    k0 = k0 * (beta0 * tl.exp(decay0))[:, None]
-    k1 = k1 * (beta1 * tl.exp(decay1))[:, None]
-    k2 = k2 * (beta2 * tl.exp(decay2))[:, None]
-    k3 = k3 * (beta3 * tl.exp(decay3))[:, None]
-    w_base = w_ptr + head * length * K_DIM
-    _store_rows(w_base, rows0, length, K_DIM, keys, K_DIM, tl.dot(x00, k0, input_precision=PRECISION))
-    _store_rows(w_base, rows1, length, K_DIM, keys, K_DIM,
-                tl.dot(x10, k0, input_precision=PRECISION) + tl.dot(x11, k1, input_precision=PRECISION))
-    _store_rows(w_base, rows2, length, K_DIM, keys, K_DIM,
-                tl.dot(x20, k0, input_precision=PRECISION) + tl.dot(x21, k1, input_precision=PRECISION)
-                + tl.dot(x22, k2, input_precision=PRECISION))
-    _store_rows(w_base, rows3, length, K_DIM, keys, K_DIM,
-                tl.dot(x30, k0, input_precision=PRECISION) + tl.dot(x31, k1, input_precision=PRECISION)
-                + tl.dot(x32, k2, input_precision=PRECISION) + tl.dot(x33, k3, input_precision=PRECISION))
-
-    # U = X diag(beta) V
-    v_base = v_ptr + head * stride_vh
-    v0 = _load_rows(v_base, rows0, length, stride_vt, values, V_DIM) * beta0[:, None]
-    v1 = _load_rows(v_base, rows1, length, stride_vt, values, V_DIM) * beta1[:, None]
-    v2 = _load_rows(v_base, rows2, length, stride_vt, values, V_DIM) * beta2[:, None]
-    v3 = _load_rows(v_base, rows3, length, stride_vt, values, V_DIM) * beta3[:, None]
-    u_base = u_ptr + head * length * V_DIM
-    _store_rows(u_base, rows0, length, V_DIM, values, V_DIM, tl.dot(x00, v0, input_precision=PRECISION))
-    _store_rows(u_base, rows1, length, V_DIM, values, V_DIM,
-                tl.dot(x10, v0, input_precision=PRECISION) + tl.dot(x11, v1, input_precision=PRECISION))
-    _store_rows(u_base, rows2, length, V_DIM, values, V_DIM,
-                tl.dot(x20, v0, input_precision=PRECISION) + tl.dot(x21, v1, input_precision=PRECISION)
-                + tl.dot(x22, v2, input_precision=PRECISION))
-    _store_rows(u_base, rows3, length, V_DIM, values, V_DIM,
-                tl.dot(x30, v0, input_precision=PRECISION) + tl.dot(x31, v1, input_precision=PRECISION)
-                + tl.dot(x32, v2, input_precision=PRECISION) + tl.dot(x33, v3, input_precision=PRECISION))
+        # W = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V
+        w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
+        _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
+        u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+        _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
 def _recurrence_configs():
@@ -367,40 +354,68 @@ def gated_delta_rule_chunked(
     if length == 0:
         return out
 
+    scratch = _scratch(q, v, dot_precision)
+    _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+    _launch_recurrence(q, k, state, out, scratch)
+    return out
+
+
+class _Scratch(NamedTuple):
+    """What kernel 1 writes for kernel 2, and the precisions of the two."""
+    prepare_precision: str
+    dot_dtype: torch.dtype  # the recurrence's operands, W's and Q K^T's dtype
+    recurrence_precision: str
+    w: torch.Tensor  # [Hv, T, Dk]
+    u: torch.Tensor  # [Hv, T, Dv] float32
+    qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
+    decay: torch.Tensor  # [Hv, T] float32, G
+
+
+def _scratch(q, v, dot_precision) -> _Scratch:
     if v.dtype == torch.float32 or dot_precision == "ieee":
         prepare_precision, dot_dtype, recurrence_precision = "ieee", torch.float32, "ieee"
     elif dot_precision == "tf32":
         prepare_precision, dot_dtype, recurrence_precision = "tf32", torch.float32, "tf32"
     else:
         prepare_precision, dot_dtype, recurrence_precision = "tf32", v.dtype, "tf32"
-
+    (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunks = triton.cdiv(length, CHUNK)
-    device = v.device
-    w = torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype)
-    u = torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32)
-    qk = torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype)
-    decay = torch.empty(value_heads, length, device=device, dtype=torch.float32)
-    block_k = max(16, triton.next_power_of_2(key_dim))
-    group = value_heads // key_heads
-    scale = key_dim**-0.5
-
-    _chunk_prepare_kernel[(chunks, value_heads)](
-        q, k, v, a, b, A_log, dt_bias, w, u, qk, decay,
-        length, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        V_HEADS=value_heads, GROUP=group, K_DIM=key_dim, V_DIM=value_dim,
-        BLOCK_K=block_k, BLOCK_V=max(16, triton.next_power_of_2(value_dim)), SUB_ROWS=SUB,
-        PRECISION=prepare_precision,
+    return _Scratch(
+        prepare_precision, dot_dtype, recurrence_precision,
+        w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
+        u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
+        qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
+        decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
     )
+
+
+def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+    """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
+    (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
+    chunks = triton.cdiv(length, CHUNK)
+    _chunk_prepare_kernel[(chunks, value_heads, 2)](
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
+        BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
+        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision,
+    )
+
+
+def _launch_recurrence(q, k, state, out, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, o written into out."""
+    (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
+    chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_recurrence_kernel[grid](
-        q, k, w, u, qk, decay, state, out,
-        length, chunks, triton.next_power_of_2(chunks), scale,
+        q, k, scratch.w, scratch.u, scratch.qk, scratch.decay, state, out,
+        length, chunks, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-        V_HEADS=value_heads, GROUP=group, K_DIM=key_dim, V_DIM=value_dim,
-        CHUNK_ROWS=CHUNK, BLOCK_K=block_k, DOT_DTYPE=TORCH_TO_TRITON[dot_dtype], PRECISION=recurrence_precision,
+        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
+        CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.recurrence_precision,
     )
-    return out
 
 
 def gated_delta_rule_chunked_cost(length, key_heads, value_heads, key_dim, value_dim, element_size=2):

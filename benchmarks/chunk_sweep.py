@@ -1,0 +1,237 @@
+"""Each config of the chunked delta rule's two kernels timed, and its real-shape GPU test, in one run.
+
+The chunked gated delta rule (prefill) at Qwen3.5-0.8B's shape: every config of its two kernels, timed as a
+prefill runs them, and the correctness check of test_gpu_chunked.
+
+Inputs as the model feeds them: Hk = Hv = 16, Dk = Dv = 128, bf16 q, k, v, z, b, a as strided views of
+one fused row (tests/operators/test_gated_delta_rule.py's make_inputs), transformers-like A_log and
+dt_bias. Each time is per call, from a CUDA graph of `copies` back-to-back calls on as many distinct
+inputs and states (18 for short prompts, as the 18 DeltaNet layers of a prefill), replayed:
+- `call`: gated_delta_rule_chunked with the autotuner's picks;
+- `prepare`: kernel 1 (`_chunk_prepare_kernel`) alone, at each of its configs;
+- `recurrence`: kernel 2 (`_chunk_recurrence_kernel`) alone, at each of its configs.
+Then the checks of test_gpu_chunked: errors against the float32 torch reference (Frobenius and max of o
+relative to the reference, Frobenius of the final state) for the default precision mix and the "tf32" and
+"ieee" options, within the test's bounds, and a bit-identical repeat of the default call. The options run
+each kernel at its first config (no tuning: they are accuracy options).
+
+--baseline REV_OR_FILE also times another version of chunk.py (a git revision, or a copy of the file) as
+`baseline call`: its prepare kernel tuned over its own configs, its recurrence pinned to this version's
+pick, so that the difference of the two calls is the prepare kernel's (its compilation adds ~40 s).
+
+    python3 benchmarks/chunk_sweep.py [--tokens 128,4096] [--out chunk.json] [--baseline REV_OR_FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from qwen_triton.benchmark.harness import time_graph
+from qwen_triton.operators.gated_delta_rule import chunk
+from qwen_triton.reference import functional as fn
+
+HEADS, DIM = 16, 128
+DEVICE, DTYPE = "cuda", torch.bfloat16
+# test_gpu_chunked's bounds: (o Frobenius, o max, state Frobenius) relative errors; None: not checked
+BOUNDS = {None: (1.5e-2, 2e-2, 1e-2), "tf32": (1e-2, None, 5e-3), "ieee": (1e-2, None, 5e-3)}
+
+
+def make_inputs(rows: int, seed: int) -> dict:
+    """test_gated_delta_rule.make_inputs at the real shapes, bf16 on the GPU."""
+    generator = torch.Generator().manual_seed(seed)
+    width = HEADS * DIM
+    widths = [width, width, width, width, HEADS, HEADS, 3]
+    fused = torch.randn(rows, sum(widths), generator=generator).to(device=DEVICE, dtype=DTYPE)
+    q, k, v, z, b, a, _ = fused.split(widths, dim=1)
+    A_log = torch.empty(HEADS).uniform_(1, 16, generator=generator).log().to(DEVICE)
+    dt = torch.exp(torch.empty(HEADS).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+    dt_bias = (dt + torch.log(-torch.expm1(-dt))).to(DEVICE)
+    a = a.mul_(3.0)
+    return dict(q=q.view(rows, HEADS, DIM), k=k.view(rows, HEADS, DIM), v=v.view(rows, HEADS, DIM), b=b, a=a,
+                A_log=A_log, dt_bias=dt_bias)
+
+
+def initial_state(seed: int = 1) -> torch.Tensor:
+    """test_gpu_chunked's initial state: random_state(...) * 0.2."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(HEADS, DIM, DIM, generator=generator) * 0.5).to(DEVICE) * 0.2
+
+
+def arguments(inputs: dict) -> list:
+    return [inputs[name] for name in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
+
+
+def relative_errors(out, state, ref_out, ref_state) -> tuple[float, float, float]:
+    out, ref_out = out.float(), ref_out.float()
+    return (float((out - ref_out).norm() / ref_out.norm()),
+            float((out - ref_out).abs().max() / ref_out.abs().max()),
+            float((state - ref_state).norm() / ref_state.norm()))
+
+
+def short(config) -> str:
+    meta = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
+    return f"{meta} warps={config.num_warps} stages={config.num_stages}".strip()
+
+
+def with_configs(autotuner, configs) -> None:
+    autotuner.configs = configs
+    autotuner.cache = {}
+
+
+def graph_us(launch, count: int) -> float:
+    """Time per call of a CUDA graph of `count` calls launch(0), ..., launch(count - 1), replayed."""
+    calls = iter(range(10**9))
+    return time_graph(lambda: launch(next(calls) % count), calls=count, replays=20) * 1e3
+
+
+def check(length: int) -> list[dict]:
+    """test_gpu_chunked at this length: the default mix (autotuned), then the tf32 and ieee options."""
+    inputs = make_inputs(length, seed=20)
+    initial = initial_state()
+    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
+    g, beta = fn.gating(float_inputs["a"], float_inputs["b"], float_inputs["A_log"], float_inputs["dt_bias"])
+    ref_out, ref_state = fn.gated_delta_rule_chunked(float_inputs["q"], float_inputs["k"], float_inputs["v"], g, beta,
+                                                     initial.clone())
+    rows = []
+    kernels = (chunk._chunk_prepare_kernel, chunk._chunk_recurrence_kernel)
+    all_configs = [list(kernel.configs) for kernel in kernels]
+    for precision, bounds in BOUNDS.items():
+        if precision is not None:
+            for kernel, configs in zip(kernels, all_configs):
+                with_configs(kernel, configs[:1])
+        started = time.perf_counter()
+        state = initial.clone()
+        out = chunk.gated_delta_rule_chunked(*arguments(inputs), state, dot_precision=precision)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started  # compilation and tuning included
+        errors = relative_errors(out, state, ref_out, ref_state)
+        row = dict(T=length, precision=precision or "default", out_frobenius=errors[0], out_max=errors[1],
+                   state_frobenius=errors[2], bounds=bounds, first_call_s=seconds)
+        passed = all(bound is None or error < bound for error, bound in zip(errors, bounds))
+        if precision is None:
+            again = initial.clone()
+            repeat = chunk.gated_delta_rule_chunked(*arguments(inputs), again)
+            row["bit_identical_repeat"] = bool(torch.equal(repeat, out) and torch.equal(again, state))
+            passed = passed and row["bit_identical_repeat"]
+        row["passed"] = passed
+        rows.append(row)
+    for kernel, configs in zip(kernels, all_configs):
+        with_configs(kernel, configs)
+    return rows
+
+
+def load_baseline(where: str):
+    """chunk.py of a git revision, or a copy of it at a path, as a module of the same package."""
+    if os.path.isfile(where):
+        with open(where) as f:
+            source = f.read()
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        source = subprocess.run(["git", "show", f"{where}:qwen_triton/operators/gated_delta_rule/chunk.py"],
+                                cwd=root, capture_output=True, text=True, check=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "chunk_baseline.py")  # kept: Triton reads the kernels' source
+    with open(path, "w") as f:
+        f.write(source)
+    name = "qwen_triton.operators.gated_delta_rule.chunk_baseline"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep(length: int, baseline=None) -> list[dict]:
+    copies = 18 if length <= 256 else 2
+    sets = [make_inputs(length, seed=100 + i) for i in range(copies)]
+    states = [initial_state(seed=200 + i) for i in range(copies)]
+    outs = [torch.empty(length, HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
+    prepare, recurrence = chunk._chunk_prepare_kernel, chunk._chunk_recurrence_kernel
+    rows = []
+
+    def call(i):
+        chunk.gated_delta_rule_chunked(*arguments(sets[i]), states[i], out=outs[i])
+
+    call(0)  # the autotuner's picks (tuned by check() already)
+    picks = {"prepare": short(prepare.best_config), "recurrence": short(recurrence.best_config)}
+    rows.append(dict(T=length, kernel="call", config=f"prepare {picks['prepare']}; recurrence {picks['recurrence']}",
+                     us=graph_us(call, copies), autotuner_pick=True))
+
+    if baseline is not None:
+        recurrence_pick = recurrence.best_config
+        with_configs(baseline._chunk_recurrence_kernel, [recurrence_pick])
+
+        def baseline_call(i):
+            baseline.gated_delta_rule_chunked(*arguments(sets[i]), states[i], out=outs[i])
+
+        baseline_call(0)  # tunes its prepare kernel
+        config = f"prepare {short(baseline._chunk_prepare_kernel.best_config)}; recurrence {short(recurrence_pick)}"
+        rows.append(dict(T=length, kernel="baseline call", config=config, us=graph_us(baseline_call, copies),
+                         autotuner_pick=True))
+
+    # each copy its own W, U, Q K^T, G: the recurrence replays a consistent (bounded) update of its state
+    scratches = [chunk._scratch(inputs["q"], inputs["v"], None) for inputs in sets]
+
+    def prepare_only(i):
+        chunk._launch_prepare(*arguments(sets[i]), scratches[i])
+
+    def recurrence_only(i):
+        chunk._launch_recurrence(sets[i]["q"], sets[i]["k"], states[i], outs[i], scratches[i])
+
+    for name, kernel, launch in (("prepare", prepare, prepare_only), ("recurrence", recurrence, recurrence_only)):
+        all_configs = list(kernel.configs)
+        for config in all_configs:
+            with_configs(kernel, [config])
+            for i in range(copies):  # compiles; the recurrence's inputs
+                prepare_only(i)
+            rows.append(dict(T=length, kernel=name, config=short(config), us=graph_us(launch, copies),
+                             autotuner_pick=short(config) == picks[name]))
+        with_configs(kernel, all_configs)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="128,4096")
+    parser.add_argument("--out")
+    parser.add_argument("--baseline", help="a git revision or a file: another chunk.py to time the call of")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    checks, rows = [], []
+    for length in (int(t) for t in args.tokens.split(",")):
+        checks += check(length)
+        rows += sweep(length, baseline)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), checks=checks, rows=rows), f, indent=1)
+    print(f"{torch.cuda.get_device_name()}: us per call, back to back in a CUDA graph ({time.perf_counter() - started:.0f} s "
+          "in all, compilation included); * the autotuner's pick")
+    for length in dict.fromkeys(r["T"] for r in rows):
+        mine = [r for r in rows if r["T"] == length]
+        print(f"T={length}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
+        for r in (r for r in mine if r["kernel"] == "baseline call"):
+            print(f"  baseline call {r['us']:.1f} us ({r['config']})")
+        for name in ("prepare", "recurrence"):
+            timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
+            print(f"  {name:10s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
+                                              for r in timed))
+        for c in (c for c in checks if c["T"] == length):
+            bounds = ", ".join("-" if b is None else f"{b:.0e}" for b in c["bounds"])
+            repeat = f", bit-identical repeat {c['bit_identical_repeat']}" if "bit_identical_repeat" in c else ""
+            print(f"  check {c['precision']:7s} o frob {c['out_frobenius']:.2e} max {c['out_max']:.2e}, state frob "
+                  f"{c['state_frobenius']:.2e} (bounds {bounds}){repeat}: {'PASS' if c['passed'] else 'FAIL'} "
+                  f"(first call {c['first_call_s']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
