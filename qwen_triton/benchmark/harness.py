@@ -374,6 +374,7 @@ def plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     rows = report["results"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -387,8 +388,13 @@ def plot(report: dict, path: Path) -> None:
     right.legend(fontsize=7)
     prefill = [(r["variant"], r["ms"]) for r in rows if r["phase"] == "prefill" and r["context"] == 128]
     if prefill:
-        left.barh([v for v, _ in prefill], [ms for _, ms in prefill])
+        bars = left.barh([v for v, _ in prefill], [ms for _, ms in prefill])
+        left.bar_label(bars, labels=[f"{ms:.3g} ms" for _, ms in prefill], padding=3, fontsize=8)
         left.set(xscale="log", xlabel="prefill of 128 tokens (ms)", title="prefill latency")
+        left.set_xlim(right=max(ms for _, ms in prefill) * 4)  # room for the labels
+    for axes in (left, right):  # the log axes' minor ticks unlabelled: their labels overlap
+        axes.xaxis.set_minor_formatter(NullFormatter())
+        axes.yaxis.set_minor_formatter(NullFormatter())
     figure.suptitle(f"Qwen3.5-0.8B shape, bf16, {report['gpu']}, {report['date']}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
