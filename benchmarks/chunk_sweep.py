@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import subprocess
 import sys
@@ -38,7 +37,11 @@ import torch
 
 from qwen_triton.benchmark.harness import time_graph
 from qwen_triton.operators.gated_delta_rule import chunk
-from qwen_triton.reference import functional as fn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from tests.operators import test_gated_delta_rule as test_helpers  # noqa: E402  (the test's inputs and checks)
+
+kernel_arguments = test_helpers.kernel_arguments
 
 HEADS, DIM = 16, 128
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -47,35 +50,13 @@ BOUNDS = {None: (1.5e-2, 2e-2, 1e-2), "tf32": (1e-2, None, 5e-3), "ieee": (1e-2,
 
 
 def make_inputs(rows: int, seed: int) -> dict:
-    """test_gated_delta_rule.make_inputs at the real shapes, bf16 on the GPU."""
-    generator = torch.Generator().manual_seed(seed)
-    width = HEADS * DIM
-    widths = [width, width, width, width, HEADS, HEADS, 3]
-    fused = torch.randn(rows, sum(widths), generator=generator).to(device=DEVICE, dtype=DTYPE)
-    q, k, v, z, b, a, _ = fused.split(widths, dim=1)
-    A_log = torch.empty(HEADS).uniform_(1, 16, generator=generator).log().to(DEVICE)
-    dt = torch.exp(torch.empty(HEADS).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
-    dt_bias = (dt + torch.log(-torch.expm1(-dt))).to(DEVICE)
-    a = a.mul_(3.0)
-    return dict(q=q.view(rows, HEADS, DIM), k=k.view(rows, HEADS, DIM), v=v.view(rows, HEADS, DIM), b=b, a=a,
-                A_log=A_log, dt_bias=dt_bias)
+    """The test's inputs (test_gated_delta_rule.make_inputs) at the real shapes, bf16 on the GPU."""
+    return test_helpers.make_inputs(rows, HEADS, HEADS, DIM, DIM, DTYPE, DEVICE, seed=seed)
 
 
 def initial_state(seed: int = 1) -> torch.Tensor:
-    """test_gpu_chunked's initial state: random_state(...) * 0.2."""
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(HEADS, DIM, DIM, generator=generator) * 0.5).to(DEVICE) * 0.2
-
-
-def arguments(inputs: dict) -> list:
-    return [inputs[name] for name in ("q", "k", "v", "a", "b", "A_log", "dt_bias")]
-
-
-def relative_errors(out, state, ref_out, ref_state) -> tuple[float, float, float]:
-    out, ref_out = out.float(), ref_out.float()
-    return (float((out - ref_out).norm() / ref_out.norm()),
-            float((out - ref_out).abs().max() / ref_out.abs().max()),
-            float((state - ref_state).norm() / ref_state.norm()))
+    """test_gpu_chunked's initial state."""
+    return test_helpers.random_state((HEADS, DIM, DIM), DEVICE, seed=seed) * 0.2
 
 
 def short(config) -> str:
@@ -99,9 +80,7 @@ def check(length: int) -> list[dict]:
     inputs = make_inputs(length, seed=20)
     initial = initial_state()
     float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
-    g, beta = fn.gating(float_inputs["a"], float_inputs["b"], float_inputs["A_log"], float_inputs["dt_bias"])
-    ref_out, ref_state = fn.gated_delta_rule_chunked(float_inputs["q"], float_inputs["k"], float_inputs["v"], g, beta,
-                                                     initial.clone())
+    ref_out, ref_state = test_helpers.reference_chunked(float_inputs, initial.clone())
     rows = []
     kernels = (chunk._chunk_prepare_kernel, chunk._chunk_recurrence_kernel)
     all_configs = [list(kernel.configs) for kernel in kernels]
@@ -111,16 +90,17 @@ def check(length: int) -> list[dict]:
                 with_configs(kernel, configs[:1])
         started = time.perf_counter()
         state = initial.clone()
-        out = chunk.gated_delta_rule_chunked(*arguments(inputs), state, dot_precision=precision)
+        out = chunk.gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started  # compilation and tuning included
-        errors = relative_errors(out, state, ref_out, ref_state)
+        errors = (test_helpers.frobenius_error(out, ref_out), test_helpers.max_error(out, ref_out),
+                  test_helpers.frobenius_error(state, ref_state))
         row = dict(T=length, precision=precision or "default", out_frobenius=errors[0], out_max=errors[1],
                    state_frobenius=errors[2], bounds=bounds, first_call_s=seconds)
         passed = all(bound is None or error < bound for error, bound in zip(errors, bounds))
         if precision is None:
             again = initial.clone()
-            repeat = chunk.gated_delta_rule_chunked(*arguments(inputs), again)
+            repeat = chunk.gated_delta_rule_chunked(*kernel_arguments(inputs), again)
             row["bit_identical_repeat"] = bool(torch.equal(repeat, out) and torch.equal(again, state))
             passed = passed and row["bit_identical_repeat"]
         row["passed"] = passed
@@ -159,7 +139,7 @@ def sweep(length: int, baseline=None) -> list[dict]:
     rows = []
 
     def call(i):
-        chunk.gated_delta_rule_chunked(*arguments(sets[i]), states[i], out=outs[i])
+        chunk.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
     call(0)  # the autotuner's picks (tuned by check() already)
     picks = {"prepare": short(prepare.best_config), "recurrence": short(recurrence.best_config)}
@@ -171,7 +151,7 @@ def sweep(length: int, baseline=None) -> list[dict]:
         with_configs(baseline._chunk_recurrence_kernel, [recurrence_pick])
 
         def baseline_call(i):
-            baseline.gated_delta_rule_chunked(*arguments(sets[i]), states[i], out=outs[i])
+            baseline.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
         baseline_call(0)  # tunes its prepare kernel
         config = f"prepare {short(baseline._chunk_prepare_kernel.best_config)}; recurrence {short(recurrence_pick)}"
@@ -182,7 +162,7 @@ def sweep(length: int, baseline=None) -> list[dict]:
     scratches = [chunk._scratch(inputs["q"], inputs["v"], None) for inputs in sets]
 
     def prepare_only(i):
-        chunk._launch_prepare(*arguments(sets[i]), scratches[i])
+        chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
 
     def recurrence_only(i):
         chunk._launch_recurrence(sets[i]["q"], sets[i]["k"], states[i], outs[i], scratches[i])
