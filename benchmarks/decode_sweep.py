@@ -22,8 +22,8 @@ from qwen_triton.operators.gated_delta_rule.fused_decode import gated_delta_rule
 from qwen_triton.operators.linear import gemv
 from qwen_triton.operators.linear.linear import linear
 
-SHAPES = [  # name, weight rows, K, options
-    ("deltanet in-projection", 10304, 1024, dict(norm=True)),
+SHAPES = [  # name, weight rows, K, options (gemm_sweep.py uses them too)
+    ("deltanet in-projection", 8224, 1024, dict(norm=True)),
     ("attention in-projection", 5120, 1024, dict(norm=True)),
     ("mlp gate/up + swiglu", 7168, 1024, dict(norm=True, activation="swiglu")),
     ("mlp down + residual", 1024, 3584, dict(residual=True)),

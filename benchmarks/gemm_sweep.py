@@ -27,14 +27,8 @@ from qwen_triton.benchmark.harness import measure_hbm_bandwidth, measure_matmul_
 from qwen_triton.operators.linear import gemm
 from qwen_triton.operators.linear.linear import linear
 
-SHAPES = [  # name, weight rows, K, options
-    ("deltanet in-projection", 8224, 1024, dict(norm=True)),
-    ("attention in-projection", 5120, 1024, dict(norm=True)),
-    ("mlp gate/up + swiglu", 7168, 1024, dict(norm=True, activation="swiglu")),
-    ("mlp down + residual", 1024, 3584, dict(residual=True)),
-    ("out-projection + residual", 1024, 2048, dict(residual=True)),
-    ("attention gate + out-projection", 1024, 2048, dict(residual=True, gate=True)),
-]
+from decode_sweep import SHAPES  # every projection of a layer (this script's folder is on sys.path)
+
 L2_BYTES = 60 * 2**20
 
 

@@ -190,7 +190,7 @@ def test_linear_rejects_overlapping_out():
 HIDDEN = 1024
 # (name, N rows of the weight, K, fusions) of every projection of a layer
 PROJECTIONS = [
-    ("deltanet_in_proj", 10304, HIDDEN, ("norm",)),
+    ("deltanet_in_proj", 8224, HIDDEN, ("norm",)),
     ("attention_in_proj", 5120, HIDDEN, ("norm",)),
     ("mlp_gate_up", 7168, HIDDEN, ("norm", "swiglu")),
     ("mlp_down", HIDDEN, 3584, ("residual",)),

@@ -11,7 +11,7 @@ __all__ = ["linear", "benchmark_cases"]
 HIDDEN = 1024
 # (name, weight rows, K, fusions): every projection of a Qwen3.5-0.8B layer
 PROJECTIONS = [
-    ("deltanet_in_proj+norm", 10304, HIDDEN, dict(norm=True)),
+    ("deltanet_in_proj+norm", 8224, HIDDEN, dict(norm=True)),
     ("attention_in_proj+norm", 5120, HIDDEN, dict(norm=True)),
     ("mlp_gate_up+norm+swiglu", 7168, HIDDEN, dict(norm=True, swiglu=True)),
     ("mlp_down+residual", HIDDEN, 3584, dict(residual=True)),

@@ -15,7 +15,7 @@ in-projection at M = 4096 in 262 us fused against 132 us for the same tiles with
 Floor for a prefill of M = 4096 tokens of Qwen3.5-0.8B (bf16; H200 ~ 990 TFLOP/s dense bf16, 4.8 TB/s):
 
     projection                       N x K          FLOPs 2*M*N*K   bytes (W + x + out)   compute floor
-    Gated DeltaNet in-proj           10304 x 1024   86.4 G          21.1 + 8.4 + 84.4 MB  87 us
+    Gated DeltaNet in-proj            8224 x 1024   69.0 G          16.8 + 8.4 + 67.4 MB  70 us
     attention in-proj                 5120 x 1024   42.9 G          10.5 + 8.4 + 41.9 MB  43 us
     MLP gate+up (swiglu, out 3584)    7168 x 1024   60.1 G          14.7 + 8.4 + 29.4 MB  61 us
     MLP down (+residual)              1024 x 3584   30.1 G           7.3 + 29.4 + 16.8 MB 30 us

@@ -4,7 +4,7 @@ A decode step is memory-bound: every weight byte is read once and used M times, 
 weight bytes over HBM bandwidth (about 4.8 TB/s on an H200). Qwen3.5-0.8B's projections (bf16, M = 1):
 
     projection                        N x K                 weight bytes   FLOPs (2*M*N*K)   floor
-    Gated DeltaNet in-proj (+z,b,a)   10304 x 1024          21.1 MB        21.1 M            4.4 us
+    Gated DeltaNet in-proj (+z,b,a)    8224 x 1024          16.8 MB        16.8 M            3.5 us
     attention in-proj (q+gate,k,v)     5120 x 1024          10.5 MB        10.5 M            2.2 us
     MLP gate+up (swiglu)               7168 x 1024          14.7 MB        14.7 M            3.1 us
     MLP down (+residual)               1024 x 3584           7.3 MB         7.3 M            1.5 us
