@@ -15,6 +15,7 @@ Epilogues (applied to the float32 accumulators before the one store):
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -189,3 +190,15 @@ def store_split_output(acc, acc_up, partial_ptr, counter_ptr, split_index, out_p
         store_output(total, total_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+def split_workspace(cache: dict, device: torch.device, split_k: int, rows: int, N: int, tiles: int):
+    """What `store_split_output` needs for up to `rows` x N outputs split over at most split_k programs:
+    float32 partials [split_k, 2, rows, N] and `tiles` zeroed int32 arrival counters (one per output tile,
+    which the last program of each tile resets). Allocated once per (device, rows, N) in `cache`: calls on
+    one stream may share it, calls on concurrent streams must not."""
+    key = (device, rows, N)
+    if key not in cache:
+        cache[key] = (torch.empty(split_k * 2 * rows * N, dtype=torch.float32, device=device),
+                      torch.zeros(tiles, dtype=torch.int32, device=device))
+    return cache[key]

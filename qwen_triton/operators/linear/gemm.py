@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..common import autotune_configs
-from .fusion import SWIGLU, accumulate, prologue, row_rstd, store_output, store_split_output
+from .fusion import SWIGLU, accumulate, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -180,15 +180,10 @@ _prologue_outputs: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(device: torch.device, rows: int, N: int):
-    """Float32 partials [MAX_SPLIT_K, 2, rows, N] and zeroed int32 arrival counters, one per output tile,
-    for M <= rows (a power of two: one workspace per bucket of M)."""
-    key = (device, rows, N)
-    if key not in _workspaces:
-        partial = torch.empty(MAX_SPLIT_K * 2 * rows * N, dtype=torch.float32, device=device)
-        counters = torch.zeros(triton.cdiv(rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK), dtype=torch.int32,
-                               device=device)
-        _workspaces[key] = (partial, counters)
-    return _workspaces[key]
+    """The split-K partials and arrival counters for M <= rows (a power of two: one workspace per bucket of
+    M; fusion.split_workspace)."""
+    tiles = triton.cdiv(rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK)
+    return split_workspace(_workspaces, device, MAX_SPLIT_K, rows, N, tiles)
 
 
 def _apply_prologue(x, gate, norm_weight, eps):

@@ -44,7 +44,15 @@ import triton
 import triton.language as tl
 
 from ..common import allow_next_kernel, autotune_configs, interpreting, launch_options, wait_for_previous_kernel
-from .fusion import SWIGLU, accumulate_row, load_weight_tile, row_rstd, store_output, store_split_output
+from .fusion import (
+    SWIGLU,
+    accumulate_row,
+    load_weight_tile,
+    row_rstd,
+    split_workspace,
+    store_output,
+    store_split_output,
+)
 
 MAX_ROWS = 16  # the GEMV serves M <= 16 (one tensor-core tile of tokens)
 INTERPRETER_WIDE_N = 4096
@@ -165,13 +173,8 @@ _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, M: int, N: int):
-    """Float32 partials [MAX_SPLIT_K, 2, M, N] and zeroed int32 arrival counters, one per output tile."""
-    key = (device, M, N)
-    if key not in _workspaces:
-        partial = torch.empty(MAX_SPLIT_K * 2 * M * N, dtype=torch.float32, device=device)
-        counters = torch.zeros(M * triton.cdiv(N, MIN_BLOCK_N), dtype=torch.int32, device=device)
-        _workspaces[key] = (partial, counters)
-    return _workspaces[key]
+    """The split-K partials and arrival counters of M rows (fusion.split_workspace)."""
+    return split_workspace(_workspaces, device, MAX_SPLIT_K, M, N, M * triton.cdiv(N, MIN_BLOCK_N))
 
 
 def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
