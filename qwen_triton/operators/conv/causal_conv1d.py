@@ -48,7 +48,7 @@ def _prefill_configs():
 # element is the same 4-tap sum in the same order whatever the tiles: no result depends on the bucket.
 @triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH", "length_bucket"], restore_value=["state_ptr"],
                  cache_results=True)
-@triton.jit
+@triton.jit(do_not_specialize=["length_bucket"])  # a tuning key only: no recompilation per bucket
 def _causal_conv1d_kernel(
     x_ptr, weight_ptr, state_ptr, out_ptr,
     length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
