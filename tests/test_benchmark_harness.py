@@ -31,3 +31,5 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert f"Bytes per decode token: @4: {decode_bytes[4]:,}; @12: {decode_bytes[12]:,}." in table
     prefill_flops = next(r["flops"] for r in rows if r["phase"] == "prefill")
     assert f"FLOPs per prefill: 8 tokens: {prefill_flops:,}." in table
+    # whether transformers ran with flash-linear-attention's kernels is said in the output, not only the JSON
+    assert f"transformers: {report['notes']['transformers']}." in table and "flash-linear-attention" in table

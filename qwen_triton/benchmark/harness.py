@@ -353,6 +353,7 @@ def format_table(report: dict) -> str:
         lines.append("Bytes per decode token: " + "; ".join(f"@{c}: {b:,}" for c, b in sorted(moved.items())) + ".")
     if work:
         lines.append("FLOPs per prefill: " + "; ".join(f"{c} tokens: {f:,}" for c, f in sorted(work.items())) + ".")
+    lines += [f"{variant}: {note}." for variant, note in report.get("notes", {}).items() if note]
     return "\n".join(lines)
 
 
