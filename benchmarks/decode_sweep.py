@@ -6,7 +6,7 @@ on as many distinct weights (or states): more bytes than the 60 MB L2, so each l
 in the model, and each launch overlaps its neighbours as in the model. Prints, per shape, every config's
 time per launch and its share of the copy bandwidth, and the autotuner's own pick.
 
-    python3 benchmarks/decode_sweep.py [--out sweep.json]
+    python3 benchmarks/decode_sweep.py [--parts gemv,step] [--pdl on|off|both] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
     for config in all_configs:
         with_configs(fused_decode._fused_step_kernel, [config])
         us = graph_time_us(launch, layers)
-        rows.append(dict(shape="deltanet step (2 kernels)", config=str(config), us=us,
+        rows.append(dict(shape="deltanet step (fused kernel)", config=str(config), us=us,
                          pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12), autotuner_pick=str(config) == str(pick),
                          pdl=pdl))
     with_configs(fused_decode._fused_step_kernel, all_configs)
@@ -111,18 +111,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--out")
+    parser.add_argument("--parts", default="gemv,step", help="gemv, step or both (comma-separated)")
+    parser.add_argument("--pdl", choices=("on", "off", "both"), default="both")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"gemv", "step"}:
+        parser.error(f"--parts: gemv and/or step, got {args.parts!r}")
     hbm = measure_hbm_bandwidth()
     rows = []
-    for pdl in (True, False):
-        rows += sweep_gemv(args.layers, hbm, pdl)
-        rows += sweep_delta_step(18, hbm, pdl)
+    for pdl in {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]:
+        if "gemv" in parts:
+            rows += sweep_gemv(args.layers, hbm, pdl)
+        if "step" in parts:
+            rows += sweep_delta_step(18, hbm, pdl)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(hbm_copy_TBps=hbm, rows=rows), f, indent=2)
     print(f"HBM copy {hbm:.2f} TB/s; time per launch in a graph of back-to-back launches on distinct weights")
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        for pdl in (True, False):
+        for pdl in dict.fromkeys(r["pdl"] for r in rows):
             mine = sorted((r for r in rows if r["shape"] == shape and r["pdl"] == pdl), key=lambda r: r["us"])
             pick = next((r for r in mine if r["autotuner_pick"]), None)
             best = mine[0]

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from qwen_triton.operators.conv import causal_conv1d_step
 from qwen_triton.operators.gated_delta_rule import chunk as chunk_module
+from qwen_triton.operators.gated_delta_rule import fused_decode as fused_decode_module
 from qwen_triton.operators.gated_delta_rule import (
     benchmark_cases,
     gated_delta_rule_chunked,
@@ -371,6 +372,25 @@ def test_fused_decode_matches_unfused_and_reference(device, batch, dtype):
     assert torch.equal(layer["conv_state"], unfused["conv_state"])
 
 
+@pytest.mark.parametrize("heads", [(3, 3, 24, 16), (2, 2, 16, 40)], ids=["whole-head", "split-group-1"])
+def test_fused_decode_ways(device, heads):
+    # Hk = Hv: Dv <= BLOCK_V (the interpreter's 16) takes the whole-head way, a larger Dv the split way
+    layer = make_decode_layer(2, *heads, 4, torch.float16, device, seed=7)
+    ref_out, ref_conv_state, ref_state = reference_decode(clone_states(layer))
+    for _ in range(2):  # the second step runs on the first one's conv state and state
+        unfused = clone_states(layer)
+        unfused_out = unfused_decode(unfused)
+        out = fused_decode(layer)
+        assert torch.equal(out, unfused_out)
+        assert torch.equal(layer["conv_state"], unfused["conv_state"])
+        assert torch.equal(layer["state"], unfused["state"])
+        if ref_out is not None:
+            torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+            assert torch.equal(layer["conv_state"], ref_conv_state)
+            torch.testing.assert_close(layer["state"], ref_state, rtol=1e-2, atol=3e-3)
+            ref_out = None
+
+
 def test_fused_decode_width_two_and_argument_errors(device):
     layer = make_decode_layer(2, 1, 2, 16, 24, 2, torch.float32, device, seed=5)
     unfused = clone_states(layer)
@@ -545,6 +565,27 @@ def test_gpu_fused_decode(batch):
     assert frobenius_error(out, unfused_out) < 2e-3
     assert torch.equal(layer["conv_state"], unfused["conv_state"])
     assert frobenius_error(layer["state"], unfused["state"]) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_fused_decode_every_config():
+    # the whole-head way (BLOCK_V 128) and the split way against the unfused chain, each config pinned
+    kernel = fused_decode_module._fused_step_kernel
+    configs = list(kernel.configs)
+    assert any(c.kwargs["BLOCK_V"] >= DIM for c in configs) and any(c.kwargs["BLOCK_V"] < DIM for c in configs)
+    layer = make_decode_layer(1, HEADS, HEADS, DIM, DIM, 4, torch.bfloat16, "cuda", seed=27)
+    unfused = clone_states(layer)
+    unfused_out = unfused_decode(unfused)
+    try:
+        for config in configs:
+            kernel.configs, kernel.cache = [config], {}
+            pinned = clone_states(layer)
+            out = fused_decode(pinned)
+            assert frobenius_error(out, unfused_out) < 2e-3, config
+            assert torch.equal(pinned["conv_state"], unfused["conv_state"]), config
+            assert frobenius_error(pinned["state"], unfused["state"]) < 1e-3, config
+    finally:
+        kernel.configs, kernel.cache = configs, {}
 
 
 @pytest.mark.gpu

@@ -93,18 +93,35 @@ def _causal_conv1d_kernel(
 
 
 @triton.jit
+def conv_step_operands(weight_ptr, state_row, cols, col_mask, stride_wc, stride_sc,
+                       WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The stored inputs [C, BLOCK_W] (slots 0..W-2, the rest zero) and the weights [C, BLOCK_W] of one
+    sequence's channels `cols`: what `conv_step_output` combines with the new input (loaded apart, so a
+    caller can load them before waiting for the kernel that writes the input)."""
+    slot = tl.arange(0, BLOCK_W)
+    old = tl.load(state_row + cols[:, None] * stride_sc + slot[None, :],
+                  mask=col_mask[:, None] & (slot[None, :] < WIDTH - 1), other=0.0)
+    weight = tl.load(weight_ptr + cols[:, None] * stride_wc + slot[None, :],
+                     mask=col_mask[:, None] & (slot[None, :] < WIDTH), other=0.0)
+    return old, weight
+
+
+@triton.jit
+def conv_step_output(x, old, weight, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """silu(conv) in float32 of the channels whose new input is x and `conv_step_operands` (old, weight)."""
+    slot = tl.arange(0, BLOCK_W)
+    # window [C, W]: the W-1 stored inputs, then x
+    window = tl.where(slot[None, :] == WIDTH - 1, x.to(tl.float32)[:, None], old.to(tl.float32))
+    acc = tl.sum(window * weight.to(tl.float32), axis=1)
+    return acc / (1.0 + tl.exp(-acc))
+
+
+@triton.jit
 def conv_step_channels(x, weight_ptr, state_row, cols, col_mask, stride_wc, stride_sc,
                        WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     """silu(conv) in float32 of one sequence's channels `cols`, from their new input x and conv state."""
-    slot = tl.arange(0, BLOCK_W)
-    # window [C, W]: the W-1 stored inputs, then x
-    old = tl.load(state_row + cols[:, None] * stride_sc + slot[None, :],
-                  mask=col_mask[:, None] & (slot[None, :] < WIDTH - 1), other=0.0)
-    window = tl.where(slot[None, :] == WIDTH - 1, x.to(tl.float32)[:, None], old.to(tl.float32))
-    weight = tl.load(weight_ptr + cols[:, None] * stride_wc + slot[None, :],
-                     mask=col_mask[:, None] & (slot[None, :] < WIDTH), other=0.0)
-    acc = tl.sum(window * weight.to(tl.float32), axis=1)
-    return acc / (1.0 + tl.exp(-acc))
+    old, weight = conv_step_operands(weight_ptr, state_row, cols, col_mask, stride_wc, stride_sc, WIDTH, BLOCK_W)
+    return conv_step_output(x, old, weight, WIDTH, BLOCK_W)
 
 
 @triton.jit
