@@ -54,23 +54,23 @@ from .gating import ACTIVATION_DTYPES, check_gate_parameters
 from .recurrent import delta_rule_update, state_slab
 
 
-def _step_configs():
-    # The first is the interpreter's (its CPU tests cover both ways with small heads). BLOCK_V 16 with 2
-    # warps (256 programs at B = 1, the split way) was the fastest of 10 split configs back to back in a
-    # CUDA graph on the H200 (benchmarks/decode_sweep.py, 2026-11-29); BLOCK_V 128 is the whole-head way
-    # at the real shape (16 programs of 64 KiB slabs)
-    return autotune_configs([
-        triton.Config({"BLOCK_V": 16}, num_warps=2),
-        triton.Config({"BLOCK_V": 16}, num_warps=4),
-        triton.Config({"BLOCK_V": 8}, num_warps=2),
-        triton.Config({"BLOCK_V": 32}, num_warps=4),
-        triton.Config({"BLOCK_V": 128}, num_warps=4),
-        triton.Config({"BLOCK_V": 128}, num_warps=8),
-        triton.Config({"BLOCK_V": 128}, num_warps=16),
-    ])
+# The first is the interpreter's (its CPU tests cover both ways with small heads). BLOCK_V 16 with 2 warps
+# (256 programs at B = 1, the split way) was the fastest of 10 split configs back to back in a CUDA graph on
+# the H200 (benchmarks/decode_sweep.py, 2026-11-29); BLOCK_V 128 is the whole-head way at the real shape
+# (16 programs of 64 KiB slabs)
+STEP_CONFIGS = [
+    triton.Config({"BLOCK_V": 16}, num_warps=2),
+    triton.Config({"BLOCK_V": 16}, num_warps=4),
+    triton.Config({"BLOCK_V": 8}, num_warps=2),
+    triton.Config({"BLOCK_V": 32}, num_warps=4),
+    triton.Config({"BLOCK_V": 128}, num_warps=4),
+    triton.Config({"BLOCK_V": 128}, num_warps=8),
+    triton.Config({"BLOCK_V": 128}, num_warps=16),
+]
 
 
-@triton.autotune(configs=_step_configs(), key=["batch", "K_HEADS", "V_HEADS", "K_DIM", "V_DIM", "WIDTH"],
+@triton.autotune(configs=autotune_configs(STEP_CONFIGS),
+                 key=["batch", "K_HEADS", "V_HEADS", "K_DIM", "V_DIM", "WIDTH"],
                  restore_value=["conv_state_ptr", "state_ptr"], cache_results=True)
 @triton.jit
 def _fused_step_kernel(
