@@ -43,7 +43,8 @@ from ..operators.gated_delta_rule import (
     gated_rms_norm,
 )
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
-from ..operators.linear import linear
+from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
+from ..operators.linear.gemv import MAX_ROWS
 from ..operators.sampling import feed_back, sample
 from ..state import ModelState
 from ..progress import progress_printer
@@ -100,6 +101,7 @@ class TritonModel:
         split_k: bool = True,
         cuda_graph: bool = True,
         fused_delta_decode: bool = True,
+        persistent_mlp: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -111,6 +113,8 @@ class TritonModel:
         self.split_k = split_k
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.fused_delta_decode = fused_delta_decode
+        # a decode step's out-projection + residual and MLP in one persistent kernel (out_projection_mlp.py)
+        self.persistent_mlp = persistent_mlp
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -197,7 +201,8 @@ class TritonModel:
             return linear(x, weight, out=out, split_k=self.split_k, pdl=pdl, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
-    def _attention(self, i, w: AttentionWeights, x, positions, slots, attend, scratch=None, pdl=False):
+    def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, positions, slots, attend, scratch=None,
+                   pdl=False):
         c = self.config
         qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
                            out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
@@ -213,8 +218,8 @@ class TritonModel:
             )
         attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
-        return self._linear("attention gate + out-projection", i, attended.view(attended.shape[0], -1), w.out,
-                            gate=gate, residual=x, out=x, pdl=pdl)
+        return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
+                                x, mlp, scratch, gate=gate, pdl=pdl)
 
     def _split_projection(self, projection):
         c = self.config
@@ -239,6 +244,23 @@ class TritonModel:
         recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
         conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * self.embed.element_size()
         return 2 * rows * (recurrent + conv)
+
+    def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
+                    pdl=False):
+        """x + out-projection(attended) (+ residual), then + MLP: one persistent kernel in a decode step of up to
+        16 rows (persistent_mlp), else the out-projection's and the MLP's three projections."""
+        c = self.config
+        if scratch is not None and self.persistent_mlp and x.shape[0] <= MAX_ROWS:
+            def cost():
+                return out_projection_mlp_cost(x.shape[0], c.hidden_size, attended.shape[1], c.intermediate_size,
+                                               gate=gate is not None, element_size=x.element_size())
+
+            with self._operator(f"{kind} + residual + MLP (one persistent kernel)", i, cost):
+                return out_projection_mlp(attended, out_weight, x, mlp.input_norm, mlp.gate_up, mlp.down,
+                                          c.rms_norm_eps, gate=gate, act=scratch["mlp_hidden"], pdl=pdl)
+        x = self._linear(kind + (" + residual" if gate is None else ""), i, attended, out_weight, gate=gate,
+                         residual=x, out=x, pdl=pdl)
+        return self._mlp(i, mlp, x, scratch, pdl=pdl)
 
     def _mlp(self, i, w: MLPWeights, x, scratch=None, pdl=False):
         c = self.config
@@ -307,7 +329,7 @@ class TritonModel:
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, x, positions, slots, attend)
+                x = self._attention(i, w, mlp, x, positions, slots, attend)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                           eps=c.rms_norm_eps)
@@ -328,8 +350,7 @@ class TritonModel:
                     out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot])
                 with self._operator("gated rms norm", i, lambda: (3 * tokens * c.linear_value_dim * element, 0)):
                     out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
-                x = self._linear("deltanet out-projection + residual", i, out, w.out, residual=x, out=x)
-            x = self._mlp(i, mlp, x)
+                x = self._layer_tail(i, "deltanet out-projection", out, w.out, x, mlp)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         self._layer_done = None
@@ -368,7 +389,7 @@ class TritonModel:
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
+                x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                           eps=c.rms_norm_eps, out=buffers.scratch["delta_projection"], pdl=pdl)
@@ -393,8 +414,7 @@ class TritonModel:
                         out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state,
                                                          out=buffers.scratch["delta_out"])
                         out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=buffers.scratch["delta_normed"])
-                x = self._linear("deltanet out-projection + residual", i, out, w.out, residual=x, out=x, pdl=pdl)
-            x = self._mlp(i, mlp, x, buffers.scratch, pdl=pdl)
+                x = self._layer_tail(i, "deltanet out-projection", out, w.out, x, mlp, buffers.scratch, pdl=pdl)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl)

@@ -21,6 +21,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_SM_COUNTS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (132 on an H200); 8 off a GPU and under the interpreter, where
+    it only shapes grids."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return 8
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
 def autotune_configs(configs: list) -> list:
     """The autotune search space: all configs on a GPU, the first alone under the interpreter or when
     QWEN_TRITON_AUTOTUNE=first (correctness runs on a GPU, which need no tuning); QWEN_TRITON_AUTOTUNE=N

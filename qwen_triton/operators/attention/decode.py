@@ -38,8 +38,8 @@ from ..common import (
     autotune_configs,
     check_same_device,
     check_tensor,
-    interpreting,
     launch_options,
+    sm_count,
     wait_for_previous_kernel,
 )
 from .prefill import online_softmax_step
@@ -178,16 +178,7 @@ def _decode_merge_kernel(
              result.to(out.dtype.element_ty), mask=in_head)
 
 
-_SM_COUNTS: dict = {}
 _WORKSPACES: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda" or interpreting():
-        return 8
-    if device not in _SM_COUNTS:
-        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNTS[device]
 
 
 def decode_splits(
@@ -198,7 +189,7 @@ def decode_splits(
     Host-only: S depends on the shapes and the device, never on the current lengths.
     """
     device = torch.device(device)
-    wanted = triton.cdiv(2 * _sm_count(device), max(1, batch * num_kv_heads))
+    wanted = triton.cdiv(2 * sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(max_length, split_align)))
 
 

@@ -9,22 +9,17 @@ but launches one kernel instead of three and never writes `mixed`.
 `_fused_step_kernel`, grid (B x Hv, Dv / BLOCK_V), the recurrent kernel's blocking: a program runs the
 conv step of the channels it needs (its key head's q and k, recomputed by each of the head's programs from
 cached bytes, and its BLOCK_V channels of v), rounds them to the activation dtype as the unfused chain
-stores them, then gates, normalises and updates its [Dk, BLOCK_V] state slab (recurrent.py). Before its
-PDL wait it loads everything that no kernel of the step writes: the state slab (the largest read), the
-conv state and the conv weights; after it, x, z, a and b. Two things need a whole key head: the gated
-RMSNorm (over each value head's Dv outputs) and the shift of the q and k channels' conv state (read by
-every program of the key head). Two ways to get them:
-- whole head (BLOCK_V >= Dv and Hv = Hk, the real model's case at BLOCK_V = 128): the program owns its
-  value head and its key head, normalises o in registers (rounded to the activation dtype first, exactly
-  as the other way stores and reloads it) and shifts all its channels' conv state; B x Hv programs each
-  stream a 64 KiB slab in and out, with no cross-program step;
-- split (otherwise): the program writes its slice of o, shifts its v channels' conv state and arrives at
-  an int32 counter of its (sequence, key head); the last of the head's programs to arrive (its count is
-  acquired after every other program's stores and reads were released) applies the gated RMSNorm to the
-  key head's value heads, shifts their q and k conv state and resets the counter, so a CUDA graph can
-  replay the launch. Whichever program is last, it computes the same values: deterministic.
-Both run the same float32 operations on the same rounded values (identical under the interpreter); on a
-GPU the sums over Dk may associate differently with the blocking.
+stores them, then gates, normalises and updates its [Dk, BLOCK_V] state slab (recurrent.py), writing its
+slice of o. Before its PDL wait it loads everything that no kernel of the step writes: the state slab (the
+largest read), the conv state and the conv weights; after it, x, z, a and b. It shifts the conv state of
+its v channels, which no other program reads. Two things need a whole key head: the gated RMSNorm (over
+each value head's Dv outputs) and the shift of the q and k channels' conv state (read by every program of
+the key head). So each program then arrives at an int32 counter of its (sequence, key head); the last of
+the head's programs to arrive (its count is acquired after every other program's stores and reads were
+released) applies the gated RMSNorm to the key head's value heads, shifts their q and k conv state and
+resets the counter, so a CUDA graph can replay the launch. Whichever program is last, it computes the same
+values: the results are deterministic. (One program per whole head, which needs no counter, measured
+slower: 16 programs stream the 2 MiB of state at a fraction of the bandwidth; docs/perf-notes.md.)
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, C = 6144, W = 4, bf16), per sequence: the 1 MiB
 float32 state read and written (2 MiB), x, z and y (~16 KiB), the conv state read and written (72 KiB)
@@ -49,23 +44,18 @@ from ..common import (
     wait_for_previous_kernel,
 )
 from ..conv.causal_conv1d import MAX_WIDTH, conv_step_operands, conv_step_output, shift_conv_state
-from .gated_rms_norm import gated_rms_norm_heads, gated_rms_norm_values
+from .gated_rms_norm import gated_rms_norm_heads
 from .gating import ACTIVATION_DTYPES, check_gate_parameters
 from .recurrent import delta_rule_update, state_slab
 
 
-# The first is the interpreter's (its CPU tests cover both ways with small heads). BLOCK_V 16 with 2 warps
-# (256 programs at B = 1, the split way) was the fastest of 10 split configs back to back in a CUDA graph on
-# the H200 (benchmarks/decode_sweep.py, 2026-11-29); BLOCK_V 128 is the whole-head way at the real shape
-# (16 programs of 64 KiB slabs)
+# BLOCK_V 16 with 2 warps (256 programs at B = 1) was the fastest back to back in a CUDA graph on the
+# H200 (benchmarks/decode_sweep.py --parts step, 2026-11-29: 4.52 us; BLOCK_V 32: 4.84, 128: 6.53)
 STEP_CONFIGS = [
     triton.Config({"BLOCK_V": 16}, num_warps=2),
     triton.Config({"BLOCK_V": 16}, num_warps=4),
     triton.Config({"BLOCK_V": 8}, num_warps=2),
     triton.Config({"BLOCK_V": 32}, num_warps=4),
-    triton.Config({"BLOCK_V": 128}, num_warps=4),
-    triton.Config({"BLOCK_V": 128}, num_warps=8),
-    triton.Config({"BLOCK_V": 128}, num_warps=16),
 ]
 
 
@@ -122,35 +112,21 @@ def _fused_step_kernel(
         q.to(dtype).to(tl.float32), k.to(dtype).to(tl.float32), v.to(dtype).to(tl.float32), a, b,
         a_log_ptr + head, dt_bias_ptr + head, old, slab, slab_mask, scale,
     )
-    if BLOCK_V >= V_DIM and GROUP == 1:
-        # the program owns its value head and its key head: it normalises o in registers and shifts the
-        # q, k and v conv state itself (o, rounded to its dtype as the split path stores it, is not stored)
-        channel = head * V_DIM + values
-        z = tl.load(z_ptr + sequence * stride_zb + channel, mask=value_mask, other=0.0).to(tl.float32)
-        weight = tl.load(norm_weight_ptr + values, mask=value_mask, other=0.0).to(tl.float32)
-        y = gated_rms_norm_values(out.to(dtype).to(tl.float32)[None, :], z[None, :], weight, eps, V_DIM,
-                                  ROUND_PRODUCT, dtype)
-        tl.store(out_ptr + sequence * stride_yb + channel[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=value_mask[None, :])
+    shift_conv_state(x_v, conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
+    tl.store(o_ptr + sequence * stride_ob + head * stride_oh + values, out.to(dtype), mask=value_mask)
+    # every thread's o stores and conv state reads precede the release of the arrival count
+    tl.debug_barrier()
+    counter = counter_ptr + sequence * K_HEADS + key_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == GROUP * tl.num_programs(1) - 1:  # the key head's last program
+        member = tl.arange(0, BLOCK_G)
+        heads = tl.where(member < GROUP, key_head * GROUP + member, V_HEADS)  # V_HEADS: masked off
+        gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
+                             norm_weight_ptr, out_ptr + sequence * stride_yb, heads, eps,
+                             V_HEADS, V_DIM, ROUND_PRODUCT, BLOCK_D, True)
         shift_conv_state(x_q, conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
         shift_conv_state(x_k, conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
-        shift_conv_state(x_v, conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
-    else:
-        shift_conv_state(x_v, conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
-        tl.store(o_ptr + sequence * stride_ob + head * stride_oh + values, out.to(dtype), mask=value_mask)
-        # every thread's o stores and conv state reads precede the release of the arrival count
-        tl.debug_barrier()
-        counter = counter_ptr + sequence * K_HEADS + key_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == GROUP * tl.num_programs(1) - 1:  # the key head's last program
-            member = tl.arange(0, BLOCK_G)
-            heads = tl.where(member < GROUP, key_head * GROUP + member, V_HEADS)  # V_HEADS: masked off
-            gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
-                                 norm_weight_ptr, out_ptr + sequence * stride_yb, heads, eps,
-                                 V_HEADS, V_DIM, ROUND_PRODUCT, BLOCK_D, True)
-            shift_conv_state(x_q, conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
-            shift_conv_state(x_k, conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 _counters: dict[tuple, torch.Tensor] = {}
@@ -184,8 +160,7 @@ def gated_delta_rule_decode_fused(
 
     x [B, C] the pre-conv q | k | v columns (C = 2 Hk Dk + Hv Dv); z [B, Hv*Dv]; a, b [B, Hv] (all strided
     row views of the fused projection); conv_weight [C, W]; conv_state [B, C, W-1] and state
-    [B, Hv, Dk, Dv] float32, both updated in place; norm_weight [Dv]. delta_out [B, Hv, Dv]: o's buffer (the split way's; see
-    the module docstring).
+    [B, Hv, Dk, Dv] float32, both updated in place; norm_weight [Dv]. delta_out [B, Hv, Dv]: o's buffer.
     pdl: launch with programmatic dependent launch (Hopper; operators/common.py). The kernel then reads
     `state` before waiting for the previous kernel, so no kernel launched since the last
     launch without PDL may write `state` (the engine's decode step starts with the embedding, launched

@@ -1,12 +1,14 @@
-"""Projections: the split-K GEMV (decode), the tiled GEMM (prefill) and the `linear` launcher over both."""
+"""Projections: the split-K GEMV (decode), the tiled GEMM (prefill) and the `linear` launcher over both; and
+`out_projection_mlp`, a decode layer's out-projection and MLP in one persistent kernel."""
 
 from __future__ import annotations
 
 import torch
 
 from .linear import linear
+from .out_projection_mlp import out_projection_mlp, out_projection_mlp_cost
 
-__all__ = ["linear", "benchmark_cases"]
+__all__ = ["linear", "out_projection_mlp", "out_projection_mlp_cost", "benchmark_cases"]
 
 HIDDEN = 1024
 # (name, weight rows, K, fusions): every projection of a Qwen3.5-0.8B layer

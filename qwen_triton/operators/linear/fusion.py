@@ -33,14 +33,17 @@ def dot(a, b, acc):
 
 
 @triton.jit
-def row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of rows offs_m of x [M, K], in float32: [BLOCK_M]."""
+def row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+             CACHE: tl.constexpr = ""):
+    """1 / sqrt(mean(x^2) + eps) of rows offs_m of x [M, K], in float32: [BLOCK_M]. CACHE: the loads' cache
+    modifier (".cg": from L2, for an x that other programs of the same launch wrote)."""
     rows = offs_m.to(tl.int64) * stride_xm
     squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] + offs_k[None, :], mask=mask, other=0.0,
+                    cache_modifier=CACHE).to(tl.float32)
         squares += x * x
     return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
 
@@ -114,7 +117,7 @@ def accumulate_row(
     x_ptr, x_row, w_ptr, w_rows, up_offset, n_mask, gate_ptr, stride_gm, norm_ptr, rstd,
     offs_m, K, k_start, k_end, w, w_up,
     PAIR: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr = "",
 ):
     """One token's x[k_start:k_end] (the row at offset x_row; offs_m = [its row index]) against BLOCK_N weight
     rows, on the CUDA cores: (acc, acc_up) [1, BLOCK_N] float32, acc_up = acc when not PAIR.
@@ -122,14 +125,14 @@ def accumulate_row(
     A padded tensor-core dot would waste 15/16 of its work at one token, so each step multiplies and adds
     into a [BLOCK_N, BLOCK_K] accumulator reduced once at the end. w, w_up: the first tile, which the caller
     loads with `load_weight_tile` (before its PDL wait, so the weights stream while the previous kernel
-    drains); each step loads the next tile one step ahead.
+    drains); each step loads the next tile one step ahead. X_CACHE: the x loads' cache modifier (see row_rstd).
     """
     wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     wide_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_ptr + x_row + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + x_row + offs_k[None, :], mask=k_mask[None, :], other=0.0, cache_modifier=X_CACHE)
         x = prologue(x, offs_m, offs_k, k_mask[None, :], K, gate_ptr, stride_gm, norm_ptr, rstd,
                      HAS_GATE, HAS_NORM).to(tl.float32)
         w_next, w_up_next = load_weight_tile(w_ptr, w_rows, up_offset, n_mask, offs_k + BLOCK_K, k_end, PAIR)

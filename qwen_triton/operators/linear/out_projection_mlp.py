@@ -1,0 +1,253 @@
+"""The second half of a decode layer in one persistent kernel: out-projection + residual, then the MLP.
+
+For the M <= 16 rows of a decode step (h: the residual stream [M, H], x: the attention or delta-rule
+output [M, A], gate: the attention output gate [M, A] or none):
+    phase 1   h = h + x' @ W_o^T                       x' = x, or (x * sigmoid(gate)) rounded (fusion.prologue)
+    phase 2   a = swiglu(rms_norm(h) (1 + w) @ W_gu^T)  the GEMV's norm prologue and swiglu epilogue
+    phase 3   h = h + a @ W_d^T
+the same operations and roundings as the three `linear` calls they replace (out-projection + residual,
+norm + gate/up + swiglu, down + residual), in one launch instead of three.
+
+Why: a decode step is ~130 small kernels, and each kernel boundary leaves the memory system partly idle
+while the last programs drain and the next kernel's first loads come back: in the H200 profile the three
+projections take 12.7 us of a DeltaNet layer's span for a 6.2 us floor (docs/perf-notes.md). Here P
+programs (one per SM) stay resident across the three phases and meet at a grid-wide barrier between them
+(an int32 arrival counter: each program adds one with release semantics and polls with acquire until all
+P have arrived); before each barrier a program loads the first weight tile of its next phase, so the
+weights keep streaming while the slowest program finishes. Each phase splits its output rows evenly over
+the P programs (ceil(N / P) rows each, one [BLOCK_N, BLOCK_K] tile per K step, the next tile loaded one
+step ahead; no split of K), and rows of a phase that other programs wrote are read from L2 (".cg").
+
+Deadlock freedom: a barrier needs all P programs resident at once. P is at most the SM count and a
+program fits an SM alone, so the programs are resident once the kernels before them drain; and the kernel
+lets the next one launch (PDL) only after its last barrier, so no later kernel can hold an SM a program
+waits for. Under the interpreter (which runs programs one after another) and with `one_launch=False` the
+three phases run as three launches of the same kernel, without barriers: same results (tests).
+
+The counter returns to zero at the end of every launch (the last program through the final count resets
+it), so CUDA graph replays need no memset; launches on one stream may share it, concurrent streams not.
+
+Floor at the real shapes (H 1024, A 2048, I 3584, bf16, M = 1): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB
+(~6.2 us at the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import (
+    allow_next_kernel,
+    check_same_device,
+    check_tensor,
+    interpreting,
+    launch_options,
+    sm_count,
+    wait_for_previous_kernel,
+)
+from .fusion import NO_ACTIVATION, SWIGLU, accumulate_row, load_weight_tile, row_rstd, store_output
+
+WARPS = 8
+TILE_ELEMENTS = 16384  # weight elements per program and K step (32 KiB of bf16; gate and up: twice that)
+
+
+@triton.jit
+def _grid_barrier(counter_ptr, target):
+    """Wait until the counter reaches target: every program of the launch has arrived (see the docstring)."""
+    tl.debug_barrier()  # this program's stores precede its arrival
+    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while count < target:
+        count = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _program_rows(N, BLOCK_N: tl.constexpr):
+    """This program's share of N output rows: (offsets [BLOCK_N], end), ceil(N / programs) rows from
+    program * that (offsets past `end` are masked)."""
+    share = tl.cdiv(N, tl.num_programs(0))
+    start = tl.program_id(0) * share
+    return start + tl.arange(0, BLOCK_N), tl.minimum(start + share, N)
+
+
+@triton.jit
+def _first_tile(w_ptr, N, K, PAIR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first [BLOCK_N, BLOCK_K] weight tile of this program's rows (and with PAIR, of their up rows)."""
+    offs_n, end = _program_rows(N, BLOCK_N)
+    return load_weight_tile(w_ptr, offs_n.to(tl.int64) * K, N * K, offs_n < end, tl.arange(0, BLOCK_K), K, PAIR)
+
+
+@triton.jit
+def _phase(x_ptr, stride_xm, w_ptr, out_ptr, stride_om, residual_ptr, stride_rm, gate_ptr, stride_gm,
+           norm_ptr, eps, M, N, K, w, w_up,
+           ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
+           HAS_NORM: tl.constexpr, X_CACHE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[:, rows] = prologue(x) @ W[rows]^T with its epilogue, for this program's rows, each of the M
+    rows of x in turn (weights re-read from L2 after the first: a row's sums do not depend on M); w, w_up:
+    the first tile, loaded by `_first_tile`."""
+    offs_n, end = _program_rows(N, BLOCK_N)
+    n_mask = offs_n < end
+    w_rows = offs_n.to(tl.int64) * K
+    for row in range(M):
+        offs_m = row + tl.arange(0, 1)
+        if row > 0:
+            w, w_up = load_weight_tile(w_ptr, w_rows, N * K, n_mask, tl.arange(0, BLOCK_K), K, ACTIVATION == SWIGLU)
+        if HAS_NORM:
+            rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K, X_CACHE)
+        else:
+            rstd = tl.zeros([1], dtype=tl.float32)
+        acc, acc_up = accumulate_row(
+            x_ptr, row * stride_xm, w_ptr, w_rows, N * K, n_mask, gate_ptr, stride_gm, norm_ptr, rstd,
+            offs_m, K, 0, K, w, w_up, ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_N, BLOCK_K, X_CACHE,
+        )
+        # `end` as the row bound: rows past this program's share belong to the next program
+        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, end,
+                     ACTIVATION, HAS_RESIDUAL)
+
+
+@triton.jit
+def _out_projection_mlp_kernel(
+    x_ptr, gate_ptr, out_weight_ptr, hidden_ptr, norm_ptr, gate_up_ptr, down_ptr, act_ptr, counter_ptr,
+    M, eps, stride_xm, stride_gm, stride_hm, stride_am,
+    HIDDEN: tl.constexpr, ATTENDED: tl.constexpr, INTERMEDIATE: tl.constexpr, HAS_GATE: tl.constexpr,
+    FIRST_PHASE: tl.constexpr, LAST_PHASE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N_OUT: tl.constexpr, BLOCK_K_OUT: tl.constexpr, BLOCK_N_UP: tl.constexpr, BLOCK_K_UP: tl.constexpr,
+    BLOCK_N_DOWN: tl.constexpr, BLOCK_K_DOWN: tl.constexpr,
+):
+    # phases FIRST_PHASE..LAST_PHASE of the docstring, a grid barrier between consecutive ones
+    programs = tl.num_programs(0)
+    if FIRST_PHASE == 1:
+        w, w_up = _first_tile(out_weight_ptr, HIDDEN, ATTENDED, False, BLOCK_N_OUT, BLOCK_K_OUT)
+    elif FIRST_PHASE == 2:
+        w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
+    else:
+        w, w_up = _first_tile(down_ptr, HIDDEN, INTERMEDIATE, False, BLOCK_N_DOWN, BLOCK_K_DOWN)
+    wait_for_previous_kernel(USE_PDL)
+    if FIRST_PHASE == LAST_PHASE:  # no barrier: the next kernel may launch at once
+        allow_next_kernel(USE_PDL)
+    if FIRST_PHASE == 1:
+        _phase(x_ptr, stride_xm, out_weight_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
+               norm_ptr, eps, M, HIDDEN, ATTENDED, w, w_up, NO_ACTIVATION, True, HAS_GATE, False, "",
+               BLOCK_N_OUT, BLOCK_K_OUT)
+        if LAST_PHASE >= 2:
+            w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
+            _grid_barrier(counter_ptr, programs)
+    if FIRST_PHASE <= 2 and LAST_PHASE >= 2:
+        _phase(hidden_ptr, stride_hm, gate_up_ptr, act_ptr, stride_am, act_ptr, stride_am, gate_ptr, stride_gm,
+               norm_ptr, eps, M, INTERMEDIATE, HIDDEN, w, w_up, SWIGLU, False, False, True, ".cg",
+               BLOCK_N_UP, BLOCK_K_UP)
+        if LAST_PHASE == 3:
+            w, w_up = _first_tile(down_ptr, HIDDEN, INTERMEDIATE, False, BLOCK_N_DOWN, BLOCK_K_DOWN)
+            _grid_barrier(counter_ptr, (3 - FIRST_PHASE) * programs)
+    if LAST_PHASE == 3:
+        if FIRST_PHASE < LAST_PHASE:  # past the last barrier: every program is resident
+            allow_next_kernel(USE_PDL)
+        _phase(act_ptr, stride_am, down_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
+               norm_ptr, eps, M, HIDDEN, INTERMEDIATE, w, w_up, NO_ACTIVATION, True, False, False, ".cg",
+               BLOCK_N_DOWN, BLOCK_K_DOWN)
+    if FIRST_PHASE < LAST_PHASE:
+        # the last program through this count resets the counter: every other program is past its last
+        # barrier, so none polls it again in this launch
+        final = (LAST_PHASE - FIRST_PHASE + 1) * programs
+        if tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") == final - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+_counters: dict = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 barrier counter of a device (each launch leaves it zero)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def _tile(N: int, K: int, programs: int, pair: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a phase: BLOCK_N covers a program's ceil(N / P) rows; BLOCK_K makes the tile
+    about TILE_ELEMENTS weights (both halves of a pair), at least 64 and at most K's power of two."""
+    block_n = triton.next_power_of_2(triton.cdiv(N, programs))
+    block_k = TILE_ELEMENTS // (block_n * (2 if pair else 1))
+    return block_n, max(64, min(triton.next_power_of_2(K), triton.next_power_of_2(block_k)))
+
+
+def out_projection_mlp(
+    x: torch.Tensor,
+    out_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    act: torch.Tensor | None = None,
+    pdl: bool = False,
+    programs: int | None = None,
+    one_launch: bool | None = None,
+) -> torch.Tensor:
+    """hidden += out-projection of x (gated by sigmoid(gate) if given), then hidden += MLP(hidden); in place.
+
+    x [M, A] (unit last stride); out_weight [H, A]; hidden [M, H] (the residual stream, updated in place);
+    norm_weight [H] (the MLP's zero-centred RMSNorm: x (1 + w)); gate_up_weight [2I, H] (gate rows, then
+    up rows); down_weight [H, I]; gate [M, A] or None; act [M, I]: the swiglu activations' buffer
+    (allocated when None). Returns hidden. programs: the persistent grid (default: one per SM; at most the
+    SM count, so that every program is resident). one_launch: the three phases in one launch with grid
+    barriers (default: on a GPU) or as three launches (the interpreter's way). pdl: programmatic dependent
+    launch (Hopper; see the module docstring for when it lets the next kernel launch).
+    """
+    check_tensor("x", x, shape=(None, None), dtype=(torch.bfloat16, torch.float16, torch.float32))
+    rows, attended = x.shape
+    check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
+    size = out_weight.shape[0]
+    check_tensor("hidden", hidden, shape=(rows, size), dtype=x.dtype)
+    check_tensor("norm_weight", norm_weight, shape=(size,), dtype=x.dtype, contiguous=True)
+    check_tensor("gate_up_weight", gate_up_weight, shape=(None, size), dtype=x.dtype, contiguous=True)
+    if gate_up_weight.shape[0] % 2:
+        raise ValueError(f"gate_up_weight has {gate_up_weight.shape[0]} rows, not gate and up rows of one width")
+    intermediate = gate_up_weight.shape[0] // 2
+    check_tensor("down_weight", down_weight, shape=(size, intermediate), dtype=x.dtype, contiguous=True)
+    if gate is not None:
+        check_tensor("gate", gate, shape=(rows, attended), dtype=x.dtype)
+    if act is None:
+        act = torch.empty(rows, intermediate, device=x.device, dtype=x.dtype)
+    check_tensor("act", act, shape=(rows, intermediate), dtype=x.dtype)
+    for name, tensor in (("x", x), ("hidden", hidden), ("act", act)) + ((("gate", gate),) if gate is not None else ()):
+        if tensor.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dimension, got strides {tuple(tensor.stride())}")
+    check_same_device(x=x, out_weight=out_weight, hidden=hidden, norm_weight=norm_weight,
+                      gate_up_weight=gate_up_weight, down_weight=down_weight, act=act,
+                      **({"gate": gate} if gate is not None else {}))
+    if rows == 0:
+        return hidden
+    available = sm_count(x.device)
+    programs = available if programs is None else programs
+    if not 1 <= programs <= available:
+        raise ValueError(f"programs must be 1 to {available} (the SM count: all must be resident), got {programs}")
+    if one_launch is None:
+        one_launch = not interpreting()
+    if one_launch and interpreting():
+        raise ValueError("one_launch needs a GPU: the interpreter runs programs one at a time, so a grid barrier "
+                         "would wait forever")
+    block_n_out, block_k_out = _tile(size, attended, programs, pair=False)
+    block_n_up, block_k_up = _tile(intermediate, size, programs, pair=True)
+    block_n_down, block_k_down = _tile(size, intermediate, programs, pair=False)
+    for first, last in ([(1, 3)] if one_launch else [(1, 1), (2, 2), (3, 3)]):
+        _out_projection_mlp_kernel[(programs,)](
+            x, x if gate is None else gate, out_weight, hidden, norm_weight, gate_up_weight, down_weight, act,
+            _counter(x.device),
+            rows, eps, x.stride(0), 0 if gate is None else gate.stride(0), hidden.stride(0), act.stride(0),
+            HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate, HAS_GATE=gate is not None,
+            FIRST_PHASE=first, LAST_PHASE=last, USE_PDL=pdl,
+            BLOCK_N_OUT=block_n_out, BLOCK_K_OUT=block_k_out, BLOCK_N_UP=block_n_up, BLOCK_K_UP=block_k_up,
+            BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down,
+            num_warps=WARPS, num_stages=1, **launch_options(pdl),
+        )
+    return hidden
+
+
+def out_projection_mlp_cost(rows, size, attended, intermediate, gate=False, element_size=2):
+    """(bytes, FLOPs) of the floor: the three weights once; x (and gate), hidden in and out, the
+    activations written and read."""
+    weights = size * attended + 3 * size * intermediate
+    activations = rows * (attended * (2 if gate else 1) + 2 * size + 2 * intermediate)
+    return element_size * (weights + activations), 2 * rows * weights

@@ -1,0 +1,166 @@
+"""`out_projection_mlp`: a decode layer's out-projection + residual and MLP in one persistent kernel.
+
+CPU (interpreter, the three phases as three launches): float32 and float16 against the three `linear`
+calls it replaces and against the float64 math, sizes that no program count divides, M = 1 and 3, with and
+without the attention's output gate, and every argument check.
+GPU (bfloat16, Qwen3.5-0.8B's shapes): the one-launch kernel (grid barriers) equals the three-launch one
+bit for bit, matches the `linear` chain, and replays in a CUDA graph with PDL (its counter reset each time).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen_triton.operators.linear import linear
+from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
+from qwen_triton.reference import functional as fn
+
+EPS = 1e-6
+
+
+def make(shape, dtype, device, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+def make_block(rows, size, attended, intermediate, dtype, device, gated, seed=0):
+    block = dict(
+        x=make((rows, attended), dtype, device, seed),
+        out_weight=make((size, attended), dtype, device, seed + 1, scale=attended ** -0.5),
+        hidden=make((rows, size), dtype, device, seed + 2),
+        norm_weight=make((size,), dtype, device, seed + 3, scale=0.3),
+        gate_up_weight=make((2 * intermediate, size), dtype, device, seed + 4, scale=size ** -0.5),
+        down_weight=make((size, intermediate), dtype, device, seed + 5, scale=intermediate ** -0.5),
+    )
+    if gated:  # a strided row view, as the engine passes the gate columns of the attention in-projection
+        block["gate"] = make((rows, attended + 5), dtype, device, seed + 6, scale=2.0)[:, 5:]
+    return block
+
+
+def run(block, **options):
+    hidden = block["hidden"].clone()
+    names = ("x", "out_weight", "hidden", "norm_weight", "gate_up_weight", "down_weight")
+    arguments = [hidden if name == "hidden" else block[name] for name in names]
+    assert out_projection_mlp(*arguments, EPS, gate=block.get("gate"), **options) is hidden
+    return hidden
+
+
+def linear_chain(block):
+    """The three projections as the engine ran them before (GEMV path)."""
+    hidden = block["hidden"].clone()
+    hidden = linear(block["x"], block["out_weight"], gate=block.get("gate"), residual=hidden, out=hidden)
+    act = linear(hidden, block["gate_up_weight"], norm_weight=block["norm_weight"], eps=EPS, activation="swiglu")
+    return linear(act, block["down_weight"], residual=hidden, out=hidden)
+
+
+def reference(block):
+    """float64 math, rounded to the activation dtype where the engine stores a tensor."""
+    dtype = block["x"].dtype
+    x = block["x"]
+    if "gate" in block:
+        x = (x.double() * torch.sigmoid(block["gate"].double())).to(dtype)
+    hidden = (block["hidden"].double() + x.double() @ block["out_weight"].double().T).to(dtype)
+    normed = fn.rms_norm(hidden, block["norm_weight"], EPS)
+    gate_up = normed.double() @ block["gate_up_weight"].double().T
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).to(dtype)
+    return hidden.double() + act.double() @ block["down_weight"].double().T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, gated", [(1, False), (1, True), (3, True)])
+def test_matches_linear_chain_and_reference(device, dtype, rows, gated):
+    # 8 programs under the interpreter: 40 hidden rows are 5 per program, 52 intermediate rows 7 (the last
+    # program gets 3); attended 72 and intermediate 52 are no multiple of any tile
+    block = make_block(rows, 40, 72, 52, dtype, device, gated, seed=rows)
+    out = run(block)
+    chain = linear_chain(block)
+    ref = reference(block)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, chain, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    else:  # a last-bit difference in a rounded intermediate can move an output by an ulp or two
+        torch.testing.assert_close(out, chain, rtol=4e-3, atol=4e-3)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_rows_are_batch_invariant(device):
+    block = make_block(3, 40, 72, 52, torch.float32, device, gated=True, seed=9)
+    together = run(block)
+    for row in range(3):
+        alone = {name: tensor[row:row + 1] if name in ("x", "hidden", "gate") else tensor
+                 for name, tensor in block.items()}
+        assert torch.equal(run(alone), together[row:row + 1])
+
+
+def test_fewer_programs(device):
+    block = make_block(2, 40, 72, 52, torch.float32, device, gated=False, seed=3)
+    torch.testing.assert_close(run(block, programs=3), run(block), rtol=1e-6, atol=1e-6)
+
+
+def test_argument_errors(device):
+    block = make_block(1, 40, 72, 52, torch.float32, device, gated=True)
+    with pytest.raises(ValueError, match="programs"):
+        run(block, programs=10_000)
+    with pytest.raises(ValueError, match="programs"):
+        run(block, programs=0)
+    with pytest.raises(ValueError, match="out_weight"):  # x's width is A: the out-projection must match it
+        run(dict(block, x=block["x"][:, :-1]))
+    with pytest.raises(ValueError, match="^x "):
+        run(dict(block, x=block["x"].double()))
+    with pytest.raises(ValueError, match="gate_up_weight"):
+        run(dict(block, gate_up_weight=block["gate_up_weight"][:-1]))
+    with pytest.raises(ValueError, match="down_weight"):
+        run(dict(block, down_weight=block["down_weight"][:, :-2].contiguous()))
+    with pytest.raises(ValueError, match="gate"):
+        run(dict(block, gate=block["gate"][:, :-1]))
+    with pytest.raises(ValueError, match="hidden"):
+        run(dict(block, hidden=block["hidden"].half()))
+    if device == "cpu":
+        with pytest.raises(ValueError, match="one_launch"):
+            run(block, one_launch=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_real_shape(gated):
+    block = make_block(1, 1024, 2048, 3584, torch.bfloat16, "cuda", gated, seed=11)
+    one = run(block)
+    three = run(block, one_launch=False)
+    assert torch.equal(one, three)  # the same tiles and sums; only barriers in place of launches
+    chain = linear_chain(block)
+    ref = reference(block)
+    error = ((one.double() - ref).norm() / ref.norm()).item()
+    chain_error = ((chain.double() - ref).norm() / ref.norm()).item()
+    print(f"out_projection_mlp relative error {error:.2e} (the linear chain's {chain_error:.2e})")
+    assert error < 5e-3 and error < 1.5 * chain_error + 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_with_pdl():
+    layers = [make_block(2, 1024, 2048, 3584, torch.bfloat16, "cuda", gated=i % 2 == 1, seed=20 + i) for i in range(4)]
+    hidden = layers[0]["hidden"].clone()
+    act = torch.empty(2, 3584, device="cuda", dtype=torch.bfloat16)
+
+    def step():  # four layers back to back on one residual stream, as a decode step chains them
+        for block in layers:
+            out_projection_mlp(block["x"], block["out_weight"], hidden, block["norm_weight"],
+                               block["gate_up_weight"], block["down_weight"], EPS, gate=block.get("gate"),
+                               act=act, pdl=True)
+
+    start = hidden.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = hidden.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):  # each replay from the same start must give the eager result
+        hidden.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(hidden, eager)
