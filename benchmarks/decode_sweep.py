@@ -1,4 +1,5 @@
-"""Every config of the decode GEMV and of the fused DeltaNet step, timed as the engine runs them.
+"""Every config of the decode GEMV and of the fused DeltaNet step, timed as the engine runs them; and a layer's
+out-projection + MLP as one persistent kernel against the three GEMVs it replaces (--parts tail).
 
 The autotuner times one launch at a time after flushing L2; a decode step runs them back to back inside
 a CUDA graph with programmatic dependent launch. Here each config runs as a graph of `layers` launches
@@ -6,7 +7,7 @@ on as many distinct weights (or states): more bytes than the 60 MB L2, so each l
 in the model, and each launch overlaps its neighbours as in the model. Prints, per shape, every config's
 time per launch and its share of the copy bandwidth, and the autotuner's own pick.
 
-    python3 benchmarks/decode_sweep.py [--parts gemv,step] [--pdl on|off|both] [--out sweep.json]
+    python3 benchmarks/decode_sweep.py [--parts gemv,step,tail] [--pdl on|off|both] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from qwen_triton.operators.gated_delta_rule import fused_decode
 from qwen_triton.operators.gated_delta_rule.fused_decode import gated_delta_rule_decode_fused
 from qwen_triton.operators.linear import gemv
 from qwen_triton.operators.linear.linear import linear
+from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
 
 SHAPES = [  # name, weight rows, K, options (gemm_sweep.py uses them too)
     ("deltanet in-projection", 8224, 1024, dict(norm=True)),
@@ -107,16 +109,51 @@ def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
     return rows
 
 
+def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
+    """A layer's out-projection + residual and MLP: the persistent kernel (one launch, and its three phases
+    as three launches) against the three `linear` calls it replaces, `layers` layers on distinct weights."""
+    hidden_size, attended, intermediate = 1024, 2048, 3584
+    blocks = [dict(out=torch.randn(hidden_size, attended, device="cuda", dtype=torch.bfloat16) * 0.02,
+                   norm=torch.randn(hidden_size, device="cuda", dtype=torch.bfloat16) * 0.1,
+                   gate_up=torch.randn(2 * intermediate, hidden_size, device="cuda", dtype=torch.bfloat16) * 0.02,
+                   down=torch.randn(hidden_size, intermediate, device="cuda", dtype=torch.bfloat16) * 0.02)
+              for _ in range(layers)]
+    x = torch.randn(1, attended, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(1, hidden_size, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(1, intermediate, device="cuda", dtype=torch.bfloat16)
+    moved = 2 * (hidden_size * attended + 3 * hidden_size * intermediate)
+
+    def persistent(i, one_launch=True):
+        b = blocks[i]
+        out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6, act=act, pdl=pdl,
+                           one_launch=one_launch)
+
+    def chain(i):
+        b = blocks[i]
+        linear(x, b["out"], residual=hidden, out=hidden, pdl=pdl)
+        linear(hidden, b["gate_up"], norm_weight=b["norm"], activation="swiglu", out=act, pdl=pdl)
+        linear(act, b["down"], residual=hidden, out=hidden, pdl=pdl)
+
+    rows = []
+    for name, launch in (("one persistent kernel", persistent), ("persistent kernel, 3 launches",
+                         lambda i: persistent(i, one_launch=False)), ("3 linear calls (GEMV)", chain)):
+        launch(0)  # compiles, autotunes
+        us = graph_time_us(launch, layers)
+        rows.append(dict(shape="layer tail (out-proj + MLP)", config=name, us=us,
+                         pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12), autotuner_pick=False, pdl=pdl))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--out")
-    parser.add_argument("--parts", default="gemv,step", help="gemv, step or both (comma-separated)")
+    parser.add_argument("--parts", default="gemv,step,tail", help="gemv, step, tail (comma-separated)")
     parser.add_argument("--pdl", choices=("on", "off", "both"), default="both")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts or parts - {"gemv", "step"}:
-        parser.error(f"--parts: gemv and/or step, got {args.parts!r}")
+    if not parts or parts - {"gemv", "step", "tail"}:
+        parser.error(f"--parts: gemv, step and/or tail, got {args.parts!r}")
     hbm = measure_hbm_bandwidth()
     rows = []
     for pdl in {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]:
@@ -124,6 +161,8 @@ def main() -> None:
             rows += sweep_gemv(args.layers, hbm, pdl)
         if "step" in parts:
             rows += sweep_delta_step(18, hbm, pdl)
+        if "tail" in parts:
+            rows += sweep_layer_tail(args.layers, hbm, pdl)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(hbm_copy_TBps=hbm, rows=rows), f, indent=2)
