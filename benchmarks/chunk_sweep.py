@@ -1,7 +1,7 @@
-"""Each config of the chunked delta rule's two kernels timed, and its real-shape GPU test, in one run.
+"""Each config of the chunked delta rule's three kernels timed, and its real-shape GPU test, in one run.
 
-The chunked gated delta rule (prefill) at Qwen3.5-0.8B's shape: every config of its two kernels, timed as a
-prefill runs them, and the correctness check of test_gpu_chunked.
+The chunked gated delta rule (prefill) at Qwen3.5-0.8B's shape: every config of its three kernels, timed as
+a prefill runs them, and the correctness check of test_gpu_chunked.
 
 Inputs as the model feeds them: Hk = Hv = 16, Dk = Dv = 128, bf16 q, k, v, z, b, a as strided views of
 one fused row (tests/operators/test_gated_delta_rule.py's make_inputs), transformers-like A_log and
@@ -9,15 +9,17 @@ dt_bias. Each time is per call, from a CUDA graph of `copies` back-to-back calls
 inputs and states (18 for short prompts, as the 18 DeltaNet layers of a prefill), replayed:
 - `call`: gated_delta_rule_chunked with the autotuner's picks;
 - `prepare`: kernel 1 (`_chunk_prepare_kernel`) alone, at each of its configs;
-- `recurrence`: kernel 2 (`_chunk_recurrence_kernel`) alone, at each of its configs.
+- `state`: kernel 2 (`_chunk_state_kernel`, the sequential state pass) alone, at each of its configs;
+- `output`: kernel 3 (`_chunk_output_kernel`) alone, at each of its configs.
 Then the checks of test_gpu_chunked: errors against the float32 torch reference (Frobenius and max of o
 relative to the reference, Frobenius of the final state) for the default precision mix and the "tf32" and
 "ieee" options, within the test's bounds, and a bit-identical repeat of the default call. The options run
 each kernel at its first config (no tuning: they are accuracy options).
 
 --baseline REV_OR_FILE also times another version of chunk.py (a git revision, or a copy of the file) as
-`baseline call`: its prepare kernel tuned over its own configs, its recurrence pinned to this version's
-pick, so that the difference of the two calls is the prepare kernel's (its compilation adds ~40 s).
+`baseline call`, every kernel of it tuned over its own configs (whatever kernels that version has: the
+versions before the state pass had a prepare kernel and a recurrence), so that the two calls compare the
+versions as a prefill runs them; its compilation and tuning come on top of this run's.
 
     python3 benchmarks/chunk_sweep.py [--tokens 128,4096] [--out chunk.json] [--baseline REV_OR_FILE]
 """
@@ -34,6 +36,7 @@ import tempfile
 import time
 
 import torch
+import triton
 
 from qwen_triton.benchmark.harness import time_graph
 from qwen_triton.operators.gated_delta_rule import chunk
@@ -64,6 +67,13 @@ def short(config) -> str:
     return f"{meta} warps={config.num_warps} stages={config.num_stages}".strip()
 
 
+def tuned_picks(module) -> str:
+    """The autotuner's pick for each kernel of a chunk.py module (after a call), by the kernel's name."""
+    return "; ".join(f"{name.removeprefix('_chunk_').removesuffix('_kernel')} {short(kernel.best_config)}"
+                     for name, kernel in vars(module).items()
+                     if isinstance(kernel, triton.runtime.Autotuner) and hasattr(kernel, "best_config"))
+
+
 def with_configs(autotuner, configs) -> None:
     autotuner.configs = configs
     autotuner.cache = {}
@@ -82,7 +92,7 @@ def check(length: int) -> list[dict]:
     float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
     ref_out, ref_state = test_helpers.reference_chunked(float_inputs, initial.clone())
     rows = []
-    kernels = (chunk._chunk_prepare_kernel, chunk._chunk_recurrence_kernel)
+    kernels = (chunk._chunk_prepare_kernel, chunk._chunk_state_kernel, chunk._chunk_output_kernel)
     all_configs = [list(kernel.configs) for kernel in kernels]
     for precision, bounds in BOUNDS.items():
         if precision is not None:
@@ -135,44 +145,46 @@ def sweep(length: int, baseline=None) -> list[dict]:
     sets = [make_inputs(length, seed=100 + i) for i in range(copies)]
     states = [initial_state(seed=200 + i) for i in range(copies)]
     outs = [torch.empty(length, HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
-    prepare, recurrence = chunk._chunk_prepare_kernel, chunk._chunk_recurrence_kernel
+    kernels = {"prepare": chunk._chunk_prepare_kernel, "state": chunk._chunk_state_kernel,
+               "output": chunk._chunk_output_kernel}
     rows = []
 
     def call(i):
         chunk.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
     call(0)  # the autotuner's picks (tuned by check() already)
-    picks = {"prepare": short(prepare.best_config), "recurrence": short(recurrence.best_config)}
-    rows.append(dict(T=length, kernel="call", config=f"prepare {picks['prepare']}; recurrence {picks['recurrence']}",
-                     us=graph_us(call, copies), autotuner_pick=True))
+    picks = {name: short(kernel.best_config) for name, kernel in kernels.items()}
+    rows.append(dict(T=length, kernel="call", config=tuned_picks(chunk), us=graph_us(call, copies),
+                     autotuner_pick=True))
 
     if baseline is not None:
-        recurrence_pick = recurrence.best_config
-        with_configs(baseline._chunk_recurrence_kernel, [recurrence_pick])
-
         def baseline_call(i):
             baseline.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
-        baseline_call(0)  # tunes its prepare kernel
-        config = f"prepare {short(baseline._chunk_prepare_kernel.best_config)}; recurrence {short(recurrence_pick)}"
-        rows.append(dict(T=length, kernel="baseline call", config=config, us=graph_us(baseline_call, copies),
-                         autotuner_pick=True))
+        baseline_call(0)  # tunes its kernels
+        rows.append(dict(T=length, kernel="baseline call", config=tuned_picks(baseline),
+                         us=graph_us(baseline_call, copies), autotuner_pick=True))
 
-    # each copy its own W, U, Q K^T, G: the recurrence replays a consistent (bounded) update of its state
+    # each copy its own scratch: the state pass replays a consistent (bounded) update of its state
     scratches = [chunk._scratch(inputs["q"], inputs["v"], None) for inputs in sets]
 
     def prepare_only(i):
         chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
 
-    def recurrence_only(i):
-        chunk._launch_recurrence(sets[i]["q"], sets[i]["k"], states[i], outs[i], scratches[i])
+    def state_only(i):
+        chunk._launch_state_pass(sets[i]["k"], states[i], scratches[i])
 
-    for name, kernel, launch in (("prepare", prepare, prepare_only), ("recurrence", recurrence, recurrence_only)):
+    def output_only(i):
+        chunk._launch_output(sets[i]["q"], outs[i], scratches[i])
+
+    for name, launch in (("prepare", prepare_only), ("state", state_only), ("output", output_only)):
+        kernel = kernels[name]
         all_configs = list(kernel.configs)
         for config in all_configs:
             with_configs(kernel, [config])
-            for i in range(copies):  # compiles; the recurrence's inputs
+            for i in range(copies):  # compiles; the inputs of the later kernels
                 prepare_only(i)
+                state_only(i)
             rows.append(dict(T=length, kernel=name, config=short(config), us=graph_us(launch, copies),
                              autotuner_pick=short(config) == picks[name]))
         with_configs(kernel, all_configs)
@@ -201,7 +213,7 @@ def main() -> None:
         print(f"T={length}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
-        for name in ("prepare", "recurrence"):
+        for name in ("prepare", "state", "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
             print(f"  {name:10s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
                                               for r in timed))

@@ -141,7 +141,8 @@ def test_chunked_small_heads(device, shape):
 
 
 def test_chunked_float16(device):
-    """16-bit activations: the recurrence's products take float16 operands (the default precision mix)."""
+    """16-bit activations: the state pass's and the output kernel's products take float16 operands, and the
+    chunk start states and V' pass between them in float16 (the default precision mix)."""
     inputs = make_inputs(100, 2, 4, 24, 40, torch.float16, device, seed=4)
     state = random_state((4, 24, 40), device)
     ref_out, ref_state = reference_chunked(inputs, state.clone())
@@ -179,6 +180,23 @@ def test_chunked_in_two_calls_equals_one(device):
                                       inputs["dt_bias"], split_state)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(split_state, whole_state, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_start_states_are_the_prefix_states(device):
+    """The state pass's chunk start states: chunk c's is the final state of a call on the first 64 c tokens."""
+    length, heads, key_dim, value_dim = 130, 2, 24, 40
+    inputs = make_inputs(length, 1, heads, key_dim, value_dim, torch.float32, device, seed=8)
+    initial = random_state((heads, key_dim, value_dim), device)
+    scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
+    chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
+    chunk_module._launch_state_pass(inputs["k"], initial.clone(), scratch)
+    assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
+    torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
+    for chunk in (1, 2):
+        prefix = [x[:chunk * chunk_module.CHUNK] for x in kernel_arguments(inputs)[:5]]
+        state = initial.clone()
+        gated_delta_rule_chunked(*prefix, inputs["A_log"], inputs["dt_bias"], state)
+        torch.testing.assert_close(scratch.chunk_states[chunk], state, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "ieee"])
@@ -459,17 +477,15 @@ def test_argument_errors(device):
 HEADS, DIM = 16, 128
 
 
-@pytest.mark.parametrize("block_v", [16, 32, 64])
-def test_chunked_every_value_tiling_of_the_recurrence(block_v, monkeypatch):
-    # the autotuner may pick any BLOCK_V of the chunk recurrence: each must give the same function (128
-    # tokens, two chunks; float32, so the interpreter's dots are exact)
-    import triton
-
-    from qwen_triton.operators.gated_delta_rule import chunk
-
-    kernel = chunk._chunk_recurrence_kernel
-    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
-    monkeypatch.setattr(kernel, "cache", {})
+@pytest.mark.parametrize("state_block_v, output_block_v", [(16, 128), (32, 32), (64, 16)])
+def test_chunked_every_value_tiling(state_block_v, output_block_v, monkeypatch):
+    # the autotuner picks the BLOCK_V of the state pass and of the output kernel independently: each pair
+    # must give the same function (128 tokens, two chunks, Dv = 64, so an output tile wider than a head is
+    # included; float32, so the interpreter's dots are exact)
+    for kernel, block_v in ((chunk_module._chunk_state_kernel, state_block_v),
+                            (chunk_module._chunk_output_kernel, output_block_v)):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
+        monkeypatch.setattr(kernel, "cache", {})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = make_inputs(128, 2, 2, 64, 64, torch.float32, device, seed=20)
     initial = random_state((2, 64, 64), device) * 0.2

@@ -14,7 +14,7 @@ the state S [Dk, Dv] at its start, the C rank-one updates of the recurrent form 
 float32 [Hv]; state [Hv, Dk, Dv] float32: the initial state in, the final state out, in place.
 o [T, Hv, Dv] in v's dtype.
 
-Two kernels:
+Three kernels:
 1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one
    stores the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, A
    (one [C, C] product), (I + A)^-1 and W, U (one [C, C] x [C, D] product each). These only depend on the
@@ -26,28 +26,39 @@ Two kernels:
    error / max |X| ~3e-7 in float32 for 16 x 16 and 64 x 64 blocks of strongly correlated keys); the
    product form (I - N)(I + N^2)(I + N^4)(I + N^8), N = strictly-lower A, is not (7e-4 there: the powers
    of N cancel).
-2. `_chunk_recurrence_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part. A program carries the
-   [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32), re-reading and
-   re-normalising the chunk's raw q and k (cheaper than storing decayed copies), and writes O as it goes.
-   Its critical path is two dependent matmuls per chunk (W S, then K^T V').
+2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
+   program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
+   per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
+   S = exp(G_C) S + (diag(exp(G_C - G)) K)^T V', re-reading and re-normalising the chunk's raw k rather
+   than storing a decayed copy. Its critical path is two dependent matmuls per chunk (W S, then K^T V');
+   no load depends on the state, so the software pipeliner (num_stages >= 2) prefetches the next chunk's
+   W, U, k and G behind those products.
+3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
+   O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
+   its Q K^T (kernel 1's) and q, re-read and re-normalised.
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
 there are systematic. For 16-bit activations the other chunk-local products of kernel 1 (K K^T, Q K^T,
-W, U) use tf32 operands, and the recurrence's products take 16-bit operands (the state and V' rounded to
-the activation dtype, float32 accumulation), the choice of flash-linear-attention; U stays float32 because
-V' = U - W S can cancel. `dot_precision="tf32"` or `"ieee"` makes every product take float32 operands
-at that precision. float32 activations use "ieee" throughout.
+W, U) use tf32 operands, and the products of kernels 2 and 3 take 16-bit operands (the state and V'
+rounded to the activation dtype, float32 accumulation), the choice of flash-linear-attention; the chunk
+start states and V' are stored in that dtype, the rounding the products make anyway, so that splitting
+the sequential pass from the output adds no rounding. U stays float32 because V' = U - W S can cancel.
+`dot_precision="tf32"` or `"ieee"` makes every product take float32 operands at that precision (and the
+stored states and V' float32). float32 activations use "ieee" throughout.
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, bf16), per token: q, k, v in (12 KiB), a, b in,
-o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128. The
-scratch (W bf16, U fp32, Q K^T bf16: ~14 KiB per token) is written once and re-read from L2.
-~10 MFLOP per 64-token chunk and head (K K^T and Q K^T 1.3M, W and U 1.3M, the recurrence's
-W S, Q S, K^T V' 6.3M and (Q K^T) V' 1M): ~10.7 GFLOP for T = 4096. (Kernel 1 forms K K^T and Q K^T
-whole, upper halves included, as one tensor-core product each: 0.8M more.)
-Measured on the H200 (benchmarks/chunk_sweep.py, commit cb8a1e6, back to back in a CUDA graph): T = 128,
-prepare 20.2 us and recurrence 12.8 us at the autotuner's picks (31.0 us the call); T = 4096, 166 us and
-269 us (432.6 us the call): far from the floor, the recurrence's 64 dependent chunk steps above all.
+o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128.
+Scratch beyond the floor, per call: kernel 1 writes W (bf16), U (fp32), Q K^T (bf16) and G (fp32), ~14
+KiB per token, which kernel 2 (W, U, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
+KiB per token) and the chunk start states (bf16 [Dk, Dv] per chunk and head: 512 KiB per chunk, 8 KiB per
+token; 64 x 16 x 128 x 128 x 2 B = 32 MiB at T = 4096), which kernel 3 reads once: 12 KiB per token
+more written and read (48 MiB each way at T = 4096), the price of taking Q S and (Q K^T) V' off the
+sequential path. Under the float32 options V' and the chunk states are float32: twice that.
+~10 MFLOP per 64-token chunk and head (K K^T and Q K^T 1.3M, W and U 1.3M, W S, Q S, K^T V' 6.3M and
+(Q K^T) V' 1M): ~10.7 GFLOP for T = 4096, of which kernel 2 does W S and K^T V' (4.2M per chunk and
+head) in sequence. (Kernel 1 forms K K^T and Q K^T whole, upper halves included, as one tensor-core
+product each: 0.8M more.)
 """
 
 from __future__ import annotations
@@ -254,70 +265,120 @@ def _chunk_prepare_kernel(
         _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
-def _recurrence_configs():
+def _state_configs():
+    """num_stages >= 2: the next chunk's W, U, k and G prefetched (for sm_90, Triton 3.6 compiles all four into
+    cp.async copies, without spills); 1: the reference point, no prefetch."""
     return autotune_configs([
         triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=2),
         triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=1),
-        triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=1),
+        triton.Config({"BLOCK_V": 16}, num_warps=8, num_stages=2),
         triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_V": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_V": 64}, num_warps=4, num_stages=1),
+        triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=1),
     ])
 
 
+@triton.jit
+def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values,
+                      K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the raw k [C, Dk], G [C]
+    and G_C. Rows past the sequence's end load as zeros."""
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
+    u = _load_rows(u_base, rows, length, V_DIM, values, V_DIM, False)
+    k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+    decay = tl.load(decay_base + rows, mask=rows < length, other=0.0)
+    decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
+    return w, u, k, decay, decay_last
+
+
 @triton.autotune(
-    configs=_recurrence_configs(),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: qk's dtype, in the key
+    configs=_state_configs(),
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     restore_value=["state_ptr"], cache_results=True,
 )
-@triton.jit
-def _chunk_recurrence_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, qk_ptr, decay_ptr, state_ptr, out_ptr,
-    length, chunks, chunk_bucket, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
+def _chunk_state_kernel(
+    k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    length, chunks, chunk_bucket,
+    stride_kt, stride_kh,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
+    storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
+    the final state (float32) in place."""
     head = tl.program_id(0)
-    key_head = head // GROUP
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    offsets = tl.arange(0, CHUNK_ROWS)
-    causal = offsets[:, None] >= offsets[None, :]
-    slab = state_ptr + head * (K_DIM * V_DIM) + keys[:, None] * V_DIM + values[None, :]
+    slab_offsets = keys[:, None] * V_DIM + values[None, :]
     slab_mask = (keys[:, None] < K_DIM) & (values[None, :] < V_DIM)
+    slab = state_ptr + head * (K_DIM * V_DIM) + slab_offsets
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
-    q_base = q_ptr + key_head * stride_qh
-    k_base = k_ptr + key_head * stride_kh
+    k_base = k_ptr + (head // GROUP) * stride_kh
     decay_base = decay_ptr + head * length
     w_base = w_ptr + head * length * K_DIM
     u_base = u_ptr + head * length * V_DIM
-    out_base = out_ptr + head * stride_oh
+    new_values_base = new_values_ptr + head * length * V_DIM
+    offsets = tl.arange(0, CHUNK_ROWS)
     for chunk in range(chunks):
-        rows = chunk * CHUNK_ROWS + offsets
-        row_mask = rows < length
-        decay = tl.load(decay_base + rows, mask=row_mask, other=0.0)
-        decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
-        q = l2_normalize_rows(_load_rows(q_base, rows, length, stride_qt, keys, K_DIM), scale)
-        q = q * tl.exp(decay)[:, None]
-        k = l2_normalize_rows(_load_rows(k_base, rows, length, stride_kt, keys, K_DIM), 1.0)
-        k = k * tl.exp(decay_last - decay)[:, None]
-        w = tl.load(w_base + rows[:, None] * K_DIM + keys[None, :],
-                    mask=row_mask[:, None] & (keys[None, :] < K_DIM), other=0.0)
-        u = tl.load(u_base + rows[:, None] * V_DIM + values[None, :],
-                    mask=row_mask[:, None] & (values[None, :] < V_DIM), other=0.0)
-        qk = tl.load(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
-                     + offsets[:, None] * CHUNK_ROWS + offsets[None, :], mask=causal, other=0.0)
-
+        # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
+        # tiles into shared memory (cp.async) while this chunk's products run
+        w, u, k, decay, decay_last = _state_step_tiles(
+            w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        tl.store(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM) + slab_offsets,
+                 state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
-        out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
-        tl.store(out_base + rows[:, None] * stride_ot + values[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (values[None, :] < V_DIM))
-        state = state * tl.exp(decay_last) + _mm(tl.trans(k), new_values, DOT_DTYPE, PRECISION)
+        _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
+        decayed_keys = l2_normalize_rows(k.to(tl.float32), 1.0) * tl.exp(decay_last - decay)[:, None]
+        state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
+
+
+def _output_configs():
+    return autotune_configs([
+        triton.Config({"BLOCK_V": 32}, num_warps=4),
+        triton.Config({"BLOCK_V": 64}, num_warps=4),
+        triton.Config({"BLOCK_V": 64}, num_warps=8),
+        triton.Config({"BLOCK_V": 128}, num_warps=4),
+        triton.Config({"BLOCK_V": 128}, num_warps=8),
+    ])
+
+
+@triton.autotune(configs=_output_configs(), key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],
+                 cache_results=True)
+@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
+def _chunk_output_kernel(
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr,
+    length, chunk_bucket, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    keys = tl.arange(0, BLOCK_K)
+    values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offsets = tl.arange(0, CHUNK_ROWS)
+    rows = chunk * CHUNK_ROWS + offsets
+    block = chunk * V_HEADS + head
+    state = tl.load(chunk_states_ptr + block * (K_DIM * V_DIM) + keys[:, None] * V_DIM + values[None, :],
+                    mask=(keys[:, None] < K_DIM) & (values[None, :] < V_DIM), other=0.0)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
+    qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
+                 mask=offsets[:, None] >= offsets[None, :], other=0.0)
+    decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
+    q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
+                          scale)
+    q = q * tl.exp(decay)[:, None]
+    out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
+    _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
 
 
 def gated_delta_rule_chunked(
@@ -359,36 +420,41 @@ def gated_delta_rule_chunked(
 
     scratch = _scratch(q, v, dot_precision)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_recurrence(q, k, state, out, scratch)
+    _launch_state_pass(k, state, scratch)
+    _launch_output(q, out, scratch)
     return out
 
 
 class _Scratch(NamedTuple):
-    """What kernel 1 writes for kernel 2, and the precisions of the two."""
+    """What kernel 1 writes for kernels 2 and 3, what kernel 2 writes for kernel 3, and the precisions."""
     prepare_precision: str
-    dot_dtype: torch.dtype  # the recurrence's operands, W's and Q K^T's dtype
-    recurrence_precision: str
+    dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
+    product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
     u: torch.Tensor  # [Hv, T, Dv] float32
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
+    new_values: torch.Tensor  # [Hv, T, Dv], V'
+    chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
 
 
 def _scratch(q, v, dot_precision) -> _Scratch:
     if v.dtype == torch.float32 or dot_precision == "ieee":
-        prepare_precision, dot_dtype, recurrence_precision = "ieee", torch.float32, "ieee"
+        prepare_precision, dot_dtype, product_precision = "ieee", torch.float32, "ieee"
     elif dot_precision == "tf32":
-        prepare_precision, dot_dtype, recurrence_precision = "tf32", torch.float32, "tf32"
+        prepare_precision, dot_dtype, product_precision = "tf32", torch.float32, "tf32"
     else:
-        prepare_precision, dot_dtype, recurrence_precision = "tf32", v.dtype, "tf32"
+        prepare_precision, dot_dtype, product_precision = "tf32", v.dtype, "tf32"
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunks = triton.cdiv(length, CHUNK)
     return _Scratch(
-        prepare_precision, dot_dtype, recurrence_precision,
+        prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
         qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
+        new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
+        chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
     )
 
 
@@ -406,18 +472,33 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     )
 
 
-def _launch_recurrence(q, k, state, out, scratch: _Scratch) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, o written into out."""
-    (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
+def _launch_state_pass(k, state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
+    (length, key_heads), (value_heads, key_dim, value_dim) = k.shape[:2], state.shape
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
-    _chunk_recurrence_kernel[grid](
-        q, k, scratch.w, scratch.u, scratch.qk, scratch.decay, state, out,
-        length, chunks, triton.next_power_of_2(chunks), key_dim**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+    _chunk_state_kernel[grid](
+        k, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
+        length, chunks, triton.next_power_of_2(chunks),
+        k.stride(0), k.stride(1),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.recurrence_precision,
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
+    )
+
+
+def _launch_output(q, out, scratch: _Scratch) -> None:
+    """Kernel 3: o written into out."""
+    (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
+    chunks = triton.cdiv(length, CHUNK)
+    grid = lambda meta: (chunks, value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
+    _chunk_output_kernel[grid](
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
+        CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
 
 
