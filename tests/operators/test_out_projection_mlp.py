@@ -3,17 +3,25 @@
 CPU (interpreter, the three phases as three launches): float32 and float16 against the three `linear`
 calls it replaces and against the float64 math, sizes that no program count divides, M = 1 and 3, with and
 without the attention's output gate, and every argument check.
+Also on the CPU: the kernel compiles for the H200 (sm_90, through ptxas) at the real shapes, one launch and
+each phase alone, without spilling more than a few registers (the interpreter never compiles it).
 GPU (bfloat16, Qwen3.5-0.8B's shapes): the one-launch kernel (grid barriers) equals the three-launch one
 bit for bit, matches the `linear` chain, and replays in a CUDA graph with PDL (its counter reset each time).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from qwen_triton.operators.linear import linear
 from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
+
 from qwen_triton.reference import functional as fn
 
 EPS = 1e-6
@@ -120,6 +128,46 @@ def test_argument_errors(device):
     if device == "cpu":
         with pytest.raises(ValueError, match="one_launch"):
             run(block, one_launch=True)
+
+
+COMPILE_FOR_HOPPER = """
+import importlib, json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+block = importlib.import_module("qwen_triton.operators.linear.out_projection_mlp")
+kernel = block._out_projection_mlp_kernel
+integers = ("M", "stride_xm", "stride_gm", "stride_hm", "stride_am")
+signature = {name: "*i32" if name == "counter_ptr" else "*bf16" if name.endswith("_ptr") else
+             "fp32" if name == "eps" else "i32" if name in integers else "constexpr" for name in kernel.arg_names}
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+stacks = {}
+for first, last in ((1, 3), (1, 1), (2, 2), (3, 3)):
+    constants = dict(HIDDEN=1024, ATTENDED=2048, INTERMEDIATE=3584, HAS_GATE=True, FIRST_PHASE=first,
+                     LAST_PHASE=last, USE_PDL=True)
+    for suffix, (N, K, pair) in dict(OUT=(1024, 2048, False), UP=(3584, 1024, True),
+                                     DOWN=(1024, 3584, False)).items():
+        constants["BLOCK_N_" + suffix], constants["BLOCK_K_" + suffix] = block._tile(N, K, 132, pair)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=block.WARPS, num_stages=1))
+    path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
+    open(path, "wb").write(compiled.asm["cubin"])
+    usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    stacks[f"{first}-{last}"] = int(usage.split("STACK:")[1].split()[0])
+print(json.dumps(stacks))
+"""
+
+
+def test_compiles_for_hopper():
+    # the interpreter never compiles a kernel: compile this one for sm_90 (Triton's bundled ptxas) in a
+    # process without it, and read the per-thread stack (register spills) from cuobjdump's resource usage
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stacks = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(stacks) == {"1-3", "1-1", "2-2", "3-3"}
+    assert all(stack <= 64 for stack in stacks.values()), stacks
 
 
 @pytest.mark.gpu

@@ -34,9 +34,9 @@ def dot(a, b, acc):
 
 @triton.jit
 def row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             CACHE: tl.constexpr = ""):
+             CACHE: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) of rows offs_m of x [M, K], in float32: [BLOCK_M]. CACHE: the loads' cache
-    modifier (".cg": from L2, for an x that other programs of the same launch wrote)."""
+    modifier ("" the default; ".cg": from L2, for an x that other programs of the same launch wrote)."""
     rows = offs_m.to(tl.int64) * stride_xm
     squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -117,7 +117,7 @@ def accumulate_row(
     x_ptr, x_row, w_ptr, w_rows, up_offset, n_mask, gate_ptr, stride_gm, norm_ptr, rstd,
     offs_m, K, k_start, k_end, w, w_up,
     PAIR: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr = "",
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_CACHE: tl.constexpr,
 ):
     """One token's x[k_start:k_end] (the row at offset x_row; offs_m = [its row index]) against BLOCK_N weight
     rows, on the CUDA cores: (acc, acc_up) [1, BLOCK_N] float32, acc_up = acc when not PAIR.

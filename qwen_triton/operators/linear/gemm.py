@@ -122,7 +122,7 @@ def _prologue_kernel(x_ptr, gate_ptr, norm_ptr, out_ptr, M, K, stride_xm, stride
     row = tl.program_id(0)
     offs_m = row + tl.arange(0, 1)
     if HAS_NORM:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K, "")
     else:
         rstd = tl.zeros([1], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -143,12 +143,12 @@ def _gemv_kernel(
                                ACTIVATION == SWIGLU)
     wait_for_previous_kernel(USE_PDL)
     if HAS_NORM:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K, "")
     else:
         rstd = tl.zeros([1], dtype=tl.float32)
     acc, acc_up = accumulate_row(
         x_ptr, row.to(tl.int64) * stride_xm, w_ptr, w_rows, up_offset, n_mask, gate_ptr, stride_gm, norm_ptr, rstd,
-        offs_m, K, k_start, k_end, w, w_up, ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_N, BLOCK_K,
+        offs_m, K, k_start, k_end, w, w_up, ACTIVATION == SWIGLU, HAS_GATE, HAS_NORM, BLOCK_N, BLOCK_K, "",
     )
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,

@@ -74,12 +74,12 @@ def _lm_head_argmax_kernel(
     wait_for_previous_kernel(USE_PDL)
     m_mask = offs_m < M
     if HAS_NORM:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K)
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K, "")
     else:
         rstd = tl.zeros([1], dtype=tl.float32)
     logits, _ = accumulate_row(
         x_ptr, row.to(tl.int64) * stride_xm, w_ptr, w_rows, 0, v_mask, x_ptr, 0, norm_ptr, rstd,
-        offs_m, K, 0, K, w, w, False, False, HAS_NORM, BLOCK_V, BLOCK_K,
+        offs_m, K, 0, K, w, w, False, False, HAS_NORM, BLOCK_V, BLOCK_K, "",
     )
     score = logits
     if SAMPLE:
