@@ -24,18 +24,16 @@ def test_profile_names_every_operator_of_each_layer(report):
         "attention in-projection": attention,
         "q/k norm + rotary + KV write": attention,
         "attention (split-KV decode + merge)": attention,
-        "attention gate + out-projection": attention,
+        "attention gate + out-projection + residual + MLP (one persistent kernel)": attention,
         "deltanet in-projection": delta,
         "deltanet step (conv, gating, delta rule, gated norm)": delta,
-        "deltanet out-projection + residual": delta,
-        "mlp norm + gate/up + swiglu": len(config.layer_types),
-        "mlp down-projection + residual": len(config.layer_types),
+        "deltanet out-projection + residual + MLP (one persistent kernel)": delta,
         "final norm + lm head + argmax": 1,
         "feedback: chosen ids -> next inputs": 1,
     }
     prefill_kinds = {row["kind"] for row in report["prefill"]["by_kind"]}
     assert {"attention (flash prefill)", "gated delta rule (chunked)", "deltanet conv + silu",
-            "gated rms norm"} <= prefill_kinds
+            "gated rms norm", "mlp norm + gate/up + swiglu", "mlp down-projection + residual"} <= prefill_kinds
     assert all(op["us"] > 0 for op in report["decode"]["operators"] + report["prefill"]["operators"])
     text = format_profile(report)
     assert "decode step at context 5" in text and "prefill of 8 tokens" in text

@@ -22,6 +22,8 @@ class Operator:
 LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
 LINEAR_DECODE = "linear.gemv:_gemv_kernel"
 PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a row pass before it
+# a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: one kernel
+LAYER_TAIL_DECODE = "linear.out_projection_mlp:_out_projection_mlp_kernel"
 
 OPERATORS: tuple[Operator, ...] = (
     Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
@@ -37,15 +39,16 @@ OPERATORS: tuple[Operator, ...] = (
              ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
              "prefill: flash (online softmax); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
-             "gate: the GEMV's prologue (decode), a row pass (prefill); residual in the epilogue"),
-    Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
-             "norm: the GEMV's prologue (decode), a row pass (prefill); SwiGLU in the epilogue"),
-    Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (LINEAR_DECODE,),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),
+             "gate: a prologue (decode, phase 1 of the layer's persistent tail kernel), a row pass (prefill); "
              "residual in the epilogue"),
+    Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),
+             "norm: a prologue (decode, phase 2 of the tail kernel), a row pass (prefill); SwiGLU in the epilogue"),
+    Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (LAYER_TAIL_DECODE,),
+             "residual in the epilogue (decode: phase 3 of the tail kernel)"),
     Operator("14-15", "RMSNorm with (1 + w) weights, fused with the residual add",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, LAYER_TAIL_DECODE),
              "the add is the previous projection's epilogue, the norm the next projection's prologue"),
     Operator("16-17", "LM head (tied embedding) and argmax",
              (LINEAR_PREFILL, LINEAR_DECODE),
