@@ -13,6 +13,7 @@ time per launch and its share of the copy bandwidth, and the autotuner's own pic
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -123,7 +124,7 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
     act = torch.empty(1, intermediate, device="cuda", dtype=torch.bfloat16)
     moved = 2 * (hidden_size * attended + 3 * hidden_size * intermediate)
 
-    def persistent(i, one_launch=True):
+    def persistent(i, one_launch):
         b = blocks[i]
         out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6, act=act, pdl=pdl,
                            one_launch=one_launch)
@@ -135,8 +136,9 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
         linear(act, b["down"], residual=hidden, out=hidden, pdl=pdl)
 
     rows = []
-    for name, launch in (("one persistent kernel", persistent), ("persistent kernel, 3 launches",
-                         lambda i: persistent(i, one_launch=False)), ("3 linear calls (GEMV)", chain)):
+    for name, launch in (("persistent kernel, one launch", functools.partial(persistent, one_launch=True)),
+                         ("persistent kernel, 3 launches", functools.partial(persistent, one_launch=False)),
+                         ("3 linear calls (GEMV)", chain)):
         launch(0)  # compiles, autotunes
         us = graph_time_us(launch, layers)
         rows.append(dict(shape="layer tail (out-proj + MLP)", config=name, us=us,
@@ -172,6 +174,9 @@ def main() -> None:
             mine = sorted((r for r in rows if r["shape"] == shape and r["pdl"] == pdl), key=lambda r: r["us"])
             pick = next((r for r in mine if r["autotuner_pick"]), None)
             best = mine[0]
+            if shape.startswith("layer tail"):
+                print("\n".join(f"{shape}: {r['us']:.2f} us ({r['pct_hbm']:.0f}%) {r['config']}" for r in mine))
+                continue
             print(f"{shape} (PDL {'on' if pdl else 'off'}): best {best['us']:.2f} us ({best['pct_hbm']:.0f}%) "
                   f"{best['config']}; autotuner's pick {pick['us'] if pick else float('nan'):.2f} us; "
                   f"worst {mine[-1]['us']:.2f} us")

@@ -6,7 +6,8 @@ without the attention's output gate, and every argument check.
 Also on the CPU: the kernel compiles for the H200 (sm_90, through ptxas) at the real shapes, one launch and
 each phase alone, without spilling more than a few registers (the interpreter never compiles it).
 GPU (bfloat16, Qwen3.5-0.8B's shapes): the one-launch kernel (grid barriers) equals the three-launch one
-bit for bit, matches the `linear` chain, and replays in a CUDA graph with PDL (its counter reset each time).
+bit for bit, matches the `linear` chain, and both replay in a CUDA graph with PDL (the counter reset each
+time).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def test_compiles_for_hopper():
 @pytest.mark.parametrize("gated", [False, True])
 def test_gpu_real_shape(gated):
     block = make_block(1, 1024, 2048, 3584, torch.bfloat16, "cuda", gated, seed=11)
-    one = run(block)
+    one = run(block, one_launch=True)
     three = run(block, one_launch=False)
     assert torch.equal(one, three)  # the same tiles and sums; only barriers in place of launches
     chain = linear_chain(block)
@@ -186,7 +187,8 @@ def test_gpu_real_shape(gated):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_with_pdl():
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_gpu_cuda_graph_with_pdl(one_launch):
     layers = [make_block(2, 1024, 2048, 3584, torch.bfloat16, "cuda", gated=i % 2 == 1, seed=20 + i) for i in range(4)]
     hidden = layers[0]["hidden"].clone()
     act = torch.empty(2, 3584, device="cuda", dtype=torch.bfloat16)
@@ -195,7 +197,7 @@ def test_gpu_cuda_graph_with_pdl():
         for block in layers:
             out_projection_mlp(block["x"], block["out_weight"], hidden, block["norm_weight"],
                                block["gate_up_weight"], block["down_weight"], EPS, gate=block.get("gate"),
-                               act=act, pdl=True)
+                               act=act, pdl=True, one_launch=one_launch)
 
     start = hidden.clone()
     stream = torch.cuda.Stream()

@@ -12,16 +12,16 @@ Why: a decode step is ~130 small kernels, and each kernel boundary leaves the me
 while the last programs drain and the next kernel's first loads come back: in the H200 profile the three
 projections take 12.7 us of a DeltaNet layer's span for a 6.2 us floor (docs/perf-notes.md). Here P
 programs (one per SM) stay resident across the three phases and meet at a grid-wide barrier between them
-(an int32 arrival counter: each program adds one with release semantics and polls with acquire until all
-P have arrived); before each barrier a program loads the first weight tile of its next phase, so the
+(an int32 arrival counter: each program adds one with release semantics, polls it with plain L2 reads
+until all P have arrived, then acquires once); before each barrier a program loads the first weight tile of its next phase, so the
 weights keep streaming while the slowest program finishes. Each phase splits its output rows evenly over
 the P programs (ceil(N / P) rows each, one [BLOCK_N, BLOCK_K] tile per K step, the next tile loaded one
 step ahead; no split of K), and rows of a phase that other programs wrote are read from L2 (".cg").
 
 Deadlock freedom: a barrier needs all P programs resident at once. P is at most the SM count and a
 program fits an SM alone, so the programs are resident once the kernels before them drain; and the kernel
-lets the next one launch (PDL) only after its last barrier, so no later kernel can hold an SM a program
-waits for. Under the interpreter (which runs programs one after another) and with `one_launch=False` the
+lets the next one launch (PDL) only after its first barrier (which every program has then reached, so all
+are resident), so no later kernel can hold an SM a program waits for. Under the interpreter (which runs programs one after another) and with `one_launch=False` the
 three phases run as three launches of the same kernel, without barriers: same results (tests).
 
 The counter returns to zero at the end of every launch (the last program through the final count resets
@@ -50,15 +50,21 @@ from .fusion import NO_ACTIVATION, SWIGLU, accumulate_row, load_weight_tile, row
 
 WARPS = 8
 TILE_ELEMENTS = 16384  # weight elements per program and K step (32 KiB of bf16; gate and up: twice that)
+# On a GPU: the three phases as one launch with grid barriers, or as three launches (the default, measured
+# faster on the H200: docs/perf-notes.md)
+ONE_LAUNCH = False
 
 
 @triton.jit
 def _grid_barrier(counter_ptr, target):
     """Wait until the counter reaches target: every program of the launch has arrived (see the docstring)."""
     tl.debug_barrier()  # this program's stores precede its arrival
-    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    count = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
+    # poll with plain L2 reads (atomics from every program on one address would queue behind each other),
+    # then one acquire: the other programs' stores are visible to this program's later loads
     while count < target:
-        count = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        count = tl.load(counter_ptr, volatile=True)
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
@@ -132,6 +138,7 @@ def _out_projection_mlp_kernel(
         if LAST_PHASE >= 2:
             w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
             _grid_barrier(counter_ptr, programs)
+            allow_next_kernel(USE_PDL)  # past a barrier: every program of this launch is resident
     if FIRST_PHASE <= 2 and LAST_PHASE >= 2:
         _phase(hidden_ptr, stride_hm, gate_up_ptr, act_ptr, stride_am, act_ptr, stride_am, gate_ptr, stride_gm,
                norm_ptr, eps, M, INTERMEDIATE, HIDDEN, w, w_up, SWIGLU, False, False, True, ".cg",
@@ -139,9 +146,9 @@ def _out_projection_mlp_kernel(
         if LAST_PHASE == 3:
             w, w_up = _first_tile(down_ptr, HIDDEN, INTERMEDIATE, False, BLOCK_N_DOWN, BLOCK_K_DOWN)
             _grid_barrier(counter_ptr, (3 - FIRST_PHASE) * programs)
+            if FIRST_PHASE == 2:
+                allow_next_kernel(USE_PDL)
     if LAST_PHASE == 3:
-        if FIRST_PHASE < LAST_PHASE:  # past the last barrier: every program is resident
-            allow_next_kernel(USE_PDL)
         _phase(act_ptr, stride_am, down_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
                norm_ptr, eps, M, HIDDEN, INTERMEDIATE, w, w_up, NO_ACTIVATION, True, False, False, ".cg",
                BLOCK_N_DOWN, BLOCK_K_DOWN)
@@ -192,7 +199,7 @@ def out_projection_mlp(
     up rows); down_weight [H, I]; gate [M, A] or None; act [M, I]: the swiglu activations' buffer
     (allocated when None). Returns hidden. programs: the persistent grid (default: one per SM; at most the
     SM count, so that every program is resident). one_launch: the three phases in one launch with grid
-    barriers (default: on a GPU) or as three launches (the interpreter's way). pdl: programmatic dependent
+    barriers, or as three launches (the interpreter's way; on a GPU the default is ONE_LAUNCH). pdl: programmatic dependent
     launch (Hopper; see the module docstring for when it lets the next kernel launch).
     """
     check_tensor("x", x, shape=(None, None), dtype=(torch.bfloat16, torch.float16, torch.float32))
@@ -224,7 +231,7 @@ def out_projection_mlp(
     if not 1 <= programs <= available:
         raise ValueError(f"programs must be 1 to {available} (the SM count: all must be resident), got {programs}")
     if one_launch is None:
-        one_launch = not interpreting()
+        one_launch = ONE_LAUNCH and not interpreting()
     if one_launch and interpreting():
         raise ValueError("one_launch needs a GPU: the interpreter runs programs one at a time, so a grid barrier "
                          "would wait forever")
