@@ -24,10 +24,10 @@ def test_profile_names_every_operator_of_each_layer(report):
         "attention in-projection": attention,
         "q/k norm + rotary + KV write": attention,
         "attention (split-KV decode + merge)": attention,
-        "attention gate + out-projection + residual + MLP (one persistent kernel)": attention,
+        "attention gate + out-projection + residual + MLP": attention,
         "deltanet in-projection": delta,
         "deltanet step (conv, gating, delta rule, gated norm)": delta,
-        "deltanet out-projection + residual + MLP (one persistent kernel)": delta,
+        "deltanet out-projection + residual + MLP": delta,
         "final norm + lm head + argmax": 1,
         "feedback: chosen ids -> next inputs": 1,
     }

@@ -101,7 +101,7 @@ class TritonModel:
         split_k: bool = True,
         cuda_graph: bool = True,
         fused_delta_decode: bool = True,
-        persistent_mlp: bool = True,
+        out_projection_mlp: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -113,8 +113,8 @@ class TritonModel:
         self.split_k = split_k
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self.fused_delta_decode = fused_delta_decode
-        # a decode step's out-projection + residual and MLP in one persistent kernel (out_projection_mlp.py)
-        self.persistent_mlp = persistent_mlp
+        # a decode step's out-projection + residual and MLP by out_projection_mlp.py (one program per SM)
+        self.out_projection_mlp = out_projection_mlp
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -247,15 +247,15 @@ class TritonModel:
 
     def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
                     pdl=False):
-        """x + out-projection(attended) (+ residual), then + MLP: one persistent kernel in a decode step of up to
-        16 rows (persistent_mlp), else the out-projection's and the MLP's three projections."""
+        """x + out-projection(attended) (+ residual), then + MLP: `out_projection_mlp` (one program per SM per
+        phase) in a decode step of up to 16 rows (option out_projection_mlp), else the three `linear` projections."""
         c = self.config
-        if scratch is not None and self.persistent_mlp and x.shape[0] <= MAX_ROWS:
+        if scratch is not None and self.out_projection_mlp and x.shape[0] <= MAX_ROWS:
             def cost():
                 return out_projection_mlp_cost(x.shape[0], c.hidden_size, attended.shape[1], c.intermediate_size,
                                                gate=gate is not None, element_size=x.element_size())
 
-            with self._operator(f"{kind} + residual + MLP (one persistent kernel)", i, cost):
+            with self._operator(f"{kind} + residual + MLP", i, cost):
                 return out_projection_mlp(attended, out_weight, x, mlp.input_norm, mlp.gate_up, mlp.down,
                                           c.rms_norm_eps, gate=gate, act=scratch["mlp_hidden"], pdl=pdl)
         x = self._linear(kind + (" + residual" if gate is None else ""), i, attended, out_weight, gate=gate,

@@ -22,7 +22,8 @@ class Operator:
 LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
 LINEAR_DECODE = "linear.gemv:_gemv_kernel"
 PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a row pass before it
-# a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: one kernel
+# a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: three phases of
+# one kernel, one program per SM
 LAYER_TAIL_DECODE = "linear.out_projection_mlp:_out_projection_mlp_kernel"
 
 OPERATORS: tuple[Operator, ...] = (
@@ -40,7 +41,7 @@ OPERATORS: tuple[Operator, ...] = (
              "prefill: flash (online softmax); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
              (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),
-             "gate: a prologue (decode, phase 1 of the layer's persistent tail kernel), a row pass (prefill); "
+             "gate: a prologue (decode, phase 1 of the layer's out_projection_mlp kernel), a row pass (prefill); "
              "residual in the epilogue"),
     Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
              (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),

@@ -1,5 +1,5 @@
 """Projections: the split-K GEMV (decode), the tiled GEMM (prefill) and the `linear` launcher over both; and
-`out_projection_mlp`, a decode layer's out-projection and MLP in one persistent kernel."""
+`out_projection_mlp`, a decode layer's out-projection and MLP, one program per SM."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The second half of a decode layer in one persistent kernel: out-projection + residual, then the MLP.
+"""The second half of a decode layer: out-projection + residual, then the MLP, one program per SM.
 
 For the M <= 16 rows of a decode step (h: the residual stream [M, H], x: the attention or delta-rule
 output [M, A], gate: the attention output gate [M, A] or none):
@@ -6,23 +6,29 @@ output [M, A], gate: the attention output gate [M, A] or none):
     phase 2   a = swiglu(rms_norm(h) (1 + w) @ W_gu^T)  the GEMV's norm prologue and swiglu epilogue
     phase 3   h = h + a @ W_d^T
 the same operations and roundings as the three `linear` calls they replace (out-projection + residual,
-norm + gate/up + swiglu, down + residual), in one launch instead of three.
+norm + gate/up + swiglu, down + residual).
 
-Why: a decode step is ~130 small kernels, and each kernel boundary leaves the memory system partly idle
-while the last programs drain and the next kernel's first loads come back: in the H200 profile the three
-projections take 12.7 us of a DeltaNet layer's span for a 6.2 us floor (docs/perf-notes.md). Here P
-programs (one per SM) stay resident across the three phases and meet at a grid-wide barrier between them
-(an int32 arrival counter: each program adds one with release semantics, polls it with plain L2 reads
-until all P have arrived, then acquires once); before each barrier a program loads the first weight tile of its next phase, so the
-weights keep streaming while the slowest program finishes. Each phase splits its output rows evenly over
-the P programs (ceil(N / P) rows each, one [BLOCK_N, BLOCK_K] tile per K step, the next tile loaded one
-step ahead; no split of K), and rows of a phase that other programs wrote are read from L2 (".cg").
+Each phase splits its output rows evenly over P programs, one per SM (ceil(N / P) rows each, one
+[BLOCK_N, BLOCK_K] tile of about 32 KiB per K step, the next tile loaded one step ahead, the first before
+the PDL wait; no split of K, so no reduction across programs), and rows of a phase that other programs
+wrote are read from L2 (".cg"). Two ways to run the phases (`one_launch`):
+- three launches of this kernel (the default): on the H200, back to back in a CUDA graph with PDL, 12.3 us
+  per layer against 13.1 us for the three split-K GEMVs (benchmarks/decode_sweep.py --parts tail;
+  docs/perf-notes.md), for a 6.2 us floor;
+- one launch, the P programs staying resident across the phases and meeting at a grid-wide barrier
+  (an int32 arrival counter: each program adds one with release semantics, polls it with plain L2 reads
+  until all P have arrived, then acquires once), loading the first weight tile of its next phase before
+  each barrier. Measured slower: 14.0 us per layer in the same sweep. Not explained by a measurement yet;
+  candidates: a barrier's latency above that of the PDL boundary it replaces, and the 255 registers per
+  thread of the fused kernel (cuobjdump), which leave no room on an SM for the next kernel to start early.
 
-Deadlock freedom: a barrier needs all P programs resident at once. P is at most the SM count and a
-program fits an SM alone, so the programs are resident once the kernels before them drain; and the kernel
-lets the next one launch (PDL) only after its first barrier (which every program has then reached, so all
-are resident), so no later kernel can hold an SM a program waits for. Under the interpreter (which runs programs one after another) and with `one_launch=False` the
-three phases run as three launches of the same kernel, without barriers: same results (tests).
+Deadlock freedom of one launch: a barrier needs all P programs resident at once. P is at most the SM
+count and a program fits an SM alone, so the programs are resident once the kernels before them drain;
+and the kernel lets the next one launch (PDL) only after its first barrier (which every program has then
+reached, so all are resident), so no later kernel can hold an SM a program waits for. The interpreter runs
+programs one after another, so there the phases always run as three launches. The two ways run the same
+operations; compiled apart, their sums may associate differently (GPU tests: both as close to the float64
+math as the GEMV chain).
 
 The counter returns to zero at the end of every launch (the last program through the final count resets
 it), so CUDA graph replays need no memset; launches on one stream may share it, concurrent streams not.
@@ -197,7 +203,7 @@ def out_projection_mlp(
     x [M, A] (unit last stride); out_weight [H, A]; hidden [M, H] (the residual stream, updated in place);
     norm_weight [H] (the MLP's zero-centred RMSNorm: x (1 + w)); gate_up_weight [2I, H] (gate rows, then
     up rows); down_weight [H, I]; gate [M, A] or None; act [M, I]: the swiglu activations' buffer
-    (allocated when None). Returns hidden. programs: the persistent grid (default: one per SM; at most the
+    (allocated when None). Returns hidden. programs: the grid (default: one per SM; at most the
     SM count, so that every program is resident). one_launch: the three phases in one launch with grid
     barriers, or as three launches (the interpreter's way; on a GPU the default is ONE_LAUNCH). pdl: programmatic dependent
     launch (Hopper; see the module docstring for when it lets the next kernel launch).
