@@ -110,6 +110,14 @@ def test_deterministic(device):
         assert torch.equal(first, second)
 
 
+def test_prompt_longer_than_the_grid(device):
+    # the time blocks are the grid's second dimension (at most 65535 of at least 16 tokens)
+    rows = 65535 * 16 + 1
+    x = torch.zeros(1, 2, device=device).expand(rows, 2)  # no memory: a broadcast view
+    with pytest.raises(ValueError, match="tokens in one prefill call"):
+        causal_conv1d(x, torch.randn(2, 4, device=device), torch.zeros(2, 3, device=device))
+
+
 def test_argument_errors(device):
     x = torch.randn(5, 8, device=device)
     weight = torch.randn(8, 4, device=device)

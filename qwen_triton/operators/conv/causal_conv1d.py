@@ -9,7 +9,8 @@ conv_state [C, W-1] updated in place, y [T, C] in x's dtype. Decode x [B, C], co
 updated in place, y [B, C].
 
 Blocking. Prefill: a program computes a [BLOCK_T, BLOCK_C] tile from W shifted loads of x (the W-1
-halo rows are cache hits); its first rows read the old state. The new state is written by the programs
+halo rows are cache hits); its first rows read the old state. The grid is (channel blocks, time blocks),
+channel blocks first, so programs that run together cover whole rows. The new state is written by the programs
 of the first time block, the only readers of the old state, after a barrier: no program reads what
 another writes. Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
 weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
@@ -30,6 +31,8 @@ from ..common import autotune_configs, check_same_device, check_tensor
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WIDTH = 16  # the state reads of a prefill program stay inside the first time block (BLOCK_T >= 16)
+MIN_BLOCK_T = 16
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the time blocks)
 
 
 def _prefill_configs():
@@ -54,9 +57,11 @@ def _causal_conv1d_kernel(
     length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    time_block = tl.program_id(0)
+    # channel blocks vary fastest: the programs running together read and write whole rows of x and y
+    # (contiguous), not a strip of each of many rows
+    time_block = tl.program_id(1)
     rows = time_block * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < length
     col_mask = cols < channels
 
@@ -188,7 +193,9 @@ def causal_conv1d(
     check_same_device(x=x, weight=weight, conv_state=conv_state, out=out)
     if length == 0 or channels == 0:
         return out
-    grid = lambda meta: (triton.cdiv(length, meta["BLOCK_T"]), triton.cdiv(channels, meta["BLOCK_C"]))  # noqa: E731
+    if triton.cdiv(length, MIN_BLOCK_T) > MAX_GRID_Y:
+        raise ValueError(f"x has {length} rows: at most {MAX_GRID_Y * MIN_BLOCK_T} tokens in one prefill call")
+    grid = lambda meta: (triton.cdiv(channels, meta["BLOCK_C"]), triton.cdiv(length, meta["BLOCK_T"]))  # noqa: E731
     _causal_conv1d_kernel[grid](
         x, weight, conv_state, out,
         length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0),
