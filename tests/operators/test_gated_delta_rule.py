@@ -439,16 +439,6 @@ def test_deterministic(device):
         assert torch.equal(first, second)
 
 
-def test_prompt_longer_than_the_grid(device):
-    # the chunks are the grid's second dimension (at most 65535 of 64 tokens); broadcast views: no memory
-    rows = 65535 * 64 + 1
-    q = torch.zeros(1, 1, 1, 16, device=device).expand(1, rows, 1, 16)[0]
-    gates = torch.zeros(1, 1, device=device).expand(rows, 1)
-    with pytest.raises(ValueError, match="tokens in one call"):
-        gated_delta_rule_chunked(q, q, q, gates, gates, torch.zeros(1, device=device), torch.zeros(1, device=device),
-                                 torch.zeros(1, 16, 16, device=device))
-
-
 def test_argument_errors(device):
     inputs = make_inputs(10, 2, 4, 16, 16, torch.float32, device)
     args = kernel_arguments(inputs)

@@ -15,7 +15,7 @@ float32 [Hv]; state [Hv, Dk, Dv] float32: the initial state in, the final state 
 o [T, Hv, Dv] in v's dtype.
 
 Three kernels:
-1. `_chunk_prepare_kernel`, grid (Hv, chunks, 2), fully parallel, two programs per chunk and head: one
+1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one
    stores the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, A
    (one [C, C] product), (I + A)^-1 and W, U (one [C, C] x [C, D] product each). These only depend on the
    chunk. The inverse by recursive doubling: a unit lower triangular [[I + A0, 0], [B, I + A1]] has the
@@ -33,7 +33,7 @@ Three kernels:
    than storing a decayed copy. Its critical path is two dependent matmuls per chunk (W S, then K^T V');
    no load depends on the state, so the software pipeliner (num_stages >= 2) prefetches the next chunk's
    W, U, k and G behind those products.
-3. `_chunk_output_kernel`, grid (Hv, chunks, Dv / BLOCK_V), fully parallel: a chunk's
+3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
    its Q K^T (kernel 1's) and q, re-read and re-normalised.
 
@@ -73,7 +73,6 @@ from ..common import autotune_configs, check_same_device, check_tensor
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 
 CHUNK = 64
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the chunks)
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -227,11 +226,10 @@ def _chunk_prepare_kernel(
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (Hv, chunks, 2): program (h, c, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
-    h; program (h, c, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32). Heads
-    vary fastest: programs that run together read whole rows of q, k and v."""
-    head = tl.program_id(0)
-    chunk = tl.program_id(1)
+    """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
+    h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
     key_head = head // GROUP
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
@@ -361,11 +359,10 @@ def _chunk_output_kernel(
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (Hv, chunks, Dv / BLOCK_V): program (h, c, j) writes columns j of chunk c's output of head h,
-    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state (heads fastest: programs
-    that run together write whole rows of o)."""
-    head = tl.program_id(0)
-    chunk = tl.program_id(1)
+    """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     offsets = tl.arange(0, CHUNK_ROWS)
@@ -418,9 +415,6 @@ def gated_delta_rule_chunked(
     check_same_device(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, out=out)
     if dot_precision not in (None, "tf32", "ieee"):
         raise ValueError(f"dot_precision must be None, 'tf32' or 'ieee', got {dot_precision!r}")
-    if triton.cdiv(length, CHUNK) > MAX_GRID_Y:
-        raise ValueError(f"q has {length} rows: at most {MAX_GRID_Y * CHUNK} tokens in one call (the chunks are "
-                         "a grid dimension of at most 65535)")
     if length == 0:
         return out
 
@@ -468,7 +462,7 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    _chunk_prepare_kernel[(value_heads, chunks, 2)](
+    _chunk_prepare_kernel[(chunks, value_heads, 2)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
@@ -497,7 +491,7 @@ def _launch_output(q, out, scratch: _Scratch) -> None:
     """Kernel 3: o written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    grid = lambda meta: (value_heads, chunks, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
+    grid = lambda meta: (chunks, value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_output_kernel[grid](
         q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
