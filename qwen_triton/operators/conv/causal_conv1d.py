@@ -130,18 +130,37 @@ def conv_step_channels(x, weight_ptr, state_row, cols, col_mask, stride_wc, stri
 
 
 @triton.jit
+def conv_state_shifted(state_row, cols, col_mask, stride_sc, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The stored inputs of channels `cols` moved down one slot ([C, BLOCK_W]: slot j holds slot j + 1, the
+    last slot zero): what `store_conv_state` completes with the new input (loaded apart, so that a caller can
+    load it before waiting for the kernel that writes the input)."""
+    slot = tl.arange(0, BLOCK_W)
+    return tl.load(state_row + cols[:, None] * stride_sc + slot[None, :] + 1,
+                   mask=col_mask[:, None] & (slot[None, :] < WIDTH - 2), other=0.0)
+
+
+@triton.jit
+def store_conv_state(x, shifted, state_row, cols, col_mask, stride_sc, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Advance the conv state of channels `cols` by one input: `conv_state_shifted`'s slots, then x.
+
+    The caller's program must be the only one touching these channels' state, and every read of their old
+    state (in all its threads) must precede this store (a barrier between them)."""
+    slot = tl.arange(0, BLOCK_W)
+    new = tl.where(slot[None, :] == WIDTH - 2, x.to(state_row.dtype.element_ty)[:, None], shifted)
+    tl.store(state_row + cols[:, None] * stride_sc + slot[None, :], new,
+             mask=col_mask[:, None] & (slot[None, :] < WIDTH - 1))
+
+
+@triton.jit
 def shift_conv_state(x, state_row, cols, col_mask, stride_sc, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     """Advance the conv state of channels `cols` by one input: slot j takes slot j + 1, the last takes x.
 
     The caller's program must be the only one touching these channels' state: the barrier orders this
     program's reads of the old state before the overwrite, not other programs'.
     """
-    slot = tl.arange(0, BLOCK_W)
-    entry = state_row + cols[:, None] * stride_sc + slot[None, :]
-    shifted = tl.load(entry + 1, mask=col_mask[:, None] & (slot[None, :] < WIDTH - 2), other=0.0)
-    new = tl.where(slot[None, :] == WIDTH - 2, x.to(state_row.dtype.element_ty)[:, None], shifted)
+    shifted = conv_state_shifted(state_row, cols, col_mask, stride_sc, WIDTH, BLOCK_W)
     tl.debug_barrier()
-    tl.store(entry, new, mask=col_mask[:, None] & (slot[None, :] < WIDTH - 1))
+    store_conv_state(x, shifted, state_row, cols, col_mask, stride_sc, WIDTH, BLOCK_W)
 
 
 def _step_configs():

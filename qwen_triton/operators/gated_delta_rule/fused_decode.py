@@ -11,7 +11,8 @@ conv step of the channels it needs (its key head's q and k, recomputed by each o
 cached bytes, and its BLOCK_V channels of v), rounds them to the activation dtype as the unfused chain
 stores them, then gates, normalises and updates its [Dk, BLOCK_V] state slab (recurrent.py), writing its
 slice of o. Before its PDL wait it loads everything that no kernel of the step writes: the state slab (the
-largest read), the conv state and the conv weights; after it, x, z, a and b. It shifts the conv state of
+largest read), the conv state (as the conv's window and, shifted by one slot, as the next state's first
+slots) and the conv weights; after it, x, z, a and b, so the state updates at the end are stores only. It shifts the conv state of
 its v channels, which no other program reads. Two things need a whole key head: the gated RMSNorm (over
 each value head's Dv outputs) and the shift of the q and k channels' conv state (read by every program of
 the key head). So each program then arrives at an int32 counter of its (sequence, key head); the last of
@@ -43,7 +44,13 @@ from ..common import (
     launch_options,
     wait_for_previous_kernel,
 )
-from ..conv.causal_conv1d import MAX_WIDTH, conv_step_operands, conv_step_output, shift_conv_state
+from ..conv.causal_conv1d import (
+    MAX_WIDTH,
+    conv_state_shifted,
+    conv_step_operands,
+    conv_step_output,
+    store_conv_state,
+)
 from .gated_rms_norm import gated_rms_norm_heads
 from .gating import ACTIVATION_DTYPES, check_gate_parameters
 from .recurrent import delta_rule_update, state_slab
@@ -97,6 +104,9 @@ def _fused_step_kernel(
                                             WIDTH, BLOCK_W)
     v_window, v_weight = conv_step_operands(conv_weight_ptr, conv_row, v_channels, value_mask, stride_wc,
                                             stride_cc, WIDTH, BLOCK_W)
+    v_shifted = conv_state_shifted(conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
+    q_shifted = conv_state_shifted(conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
+    k_shifted = conv_state_shifted(conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
     wait_for_previous_kernel(USE_PDL)
     dtype = o_ptr.dtype.element_ty
     x_row = x_ptr + sequence * stride_xb
@@ -112,10 +122,11 @@ def _fused_step_kernel(
         q.to(dtype).to(tl.float32), k.to(dtype).to(tl.float32), v.to(dtype).to(tl.float32), a, b,
         a_log_ptr + head, dt_bias_ptr + head, old, slab, slab_mask, scale,
     )
-    shift_conv_state(x_v, conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
     tl.store(o_ptr + sequence * stride_ob + head * stride_oh + values, out.to(dtype), mask=value_mask)
-    # every thread's o stores and conv state reads precede the release of the arrival count
+    # every thread's o stores and conv state reads precede the v state's overwrite and the release of the
+    # arrival count
     tl.debug_barrier()
+    store_conv_state(x_v, v_shifted, conv_row, v_channels, value_mask, stride_cc, WIDTH, BLOCK_W)
     counter = counter_ptr + sequence * K_HEADS + key_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == GROUP * tl.num_programs(1) - 1:  # the key head's last program
@@ -124,8 +135,8 @@ def _fused_step_kernel(
         gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
                              norm_weight_ptr, out_ptr + sequence * stride_yb, heads, eps,
                              V_HEADS, V_DIM, ROUND_PRODUCT, BLOCK_D, True)
-        shift_conv_state(x_q, conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
-        shift_conv_state(x_k, conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
+        store_conv_state(x_q, q_shifted, conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
+        store_conv_state(x_k, k_shifted, conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
