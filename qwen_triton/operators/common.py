@@ -47,6 +47,17 @@ def autotune_configs(configs: list) -> list:
     return configs
 
 
+def keep_preferred(configs: list, preferred: dict) -> list:
+    """The configs whose kwargs, num_warps and num_stages match every entry of `preferred` (an
+    `early_config_prune` helper: where an in-graph sweep found a winner the autotuner's own timing misses);
+    all of them when none matches (e.g. the interpreter's single config)."""
+    def matches(config):
+        settings = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        return all(settings.get(name) == value for name, value in preferred.items())
+
+    return [c for c in configs if matches(c)] or configs
+
+
 def built_on_first_call(build):
     """A no-argument callable that runs build() once, on its first call, and then calls what build returned:
     a benchmark case whose inputs are allocated only when it is timed, and reused after."""

@@ -649,3 +649,37 @@ def test_gpu_benchmark_cases_run():
         case["fn"]()
         assert case["bytes"] > 0 and case["flops"] > 0, case["name"]
     torch.cuda.synchronize()
+
+
+SHORT_PROMPT_PICKS = """
+import importlib, json
+chunk = importlib.import_module("qwen_triton.operators.gated_delta_rule.chunk")
+conv = importlib.import_module("qwen_triton.operators.conv.causal_conv1d")
+picks = {}
+for name in ("prepare", "state", "output"):
+    kernel = getattr(chunk, f"_chunk_{name}_kernel")
+    prune = kernel.early_config_prune
+    picks[name] = [[len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32")) for bucket in (2, 4, 8, 64)],
+                   len(kernel.configs)]
+kernel = conv._causal_conv1d_kernel
+picks["conv"] = [[len(kernel.early_config_prune(kernel.configs, dict(length_bucket=n))) for n in (128, 256, 512, 4096)],
+                 len(kernel.configs)]
+print(json.dumps(picks))
+"""
+
+
+def test_short_prompts_run_the_swept_configs():
+    # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
+    # exactly the pinned config of each prefill kernel, longer ones the whole tuning space
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", SHORT_PROMPT_PICKS], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    picks = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, (kept, every) in picks.items():
+        assert every > 1 and kept == [1, 1, every, every], (name, kept, every)

@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor
+from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 
 CHUNK = 64
@@ -207,12 +207,33 @@ def _prepare_configs():
     ])
 
 
+# Prompts of up to SHORT_PROMPT_CHUNKS chunks (256 tokens) run the configs that were fastest at T = 128 back
+# to back in a CUDA graph on the H200, the same in two runs (benchmarks/chunk_sweep.py, commits 447c82a and
+# 4db1353): there the kernels take 6-20 us, the autotuner's one-launch timings picked differently from run
+# to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with its picks.
+SHORT_PROMPT_CHUNKS = 4
+SHORT_PROMPT_PICKS = {
+    "prepare": dict(num_warps=8, num_stages=3),
+    "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
+    "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
+}
+
+
+def _short_prompt_pick(kernel: str):
+    def prune(configs, named_args, **kwargs):
+        if named_args.get("chunk_bucket", SHORT_PROMPT_CHUNKS + 1) <= SHORT_PROMPT_CHUNKS:
+            return keep_preferred(configs, SHORT_PROMPT_PICKS[kernel])
+        return configs
+    return prune
+
+
 def _prune_prepare(configs, named_args, **kwargs):
     """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the kernel
-    at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned."""
+    at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned.
+    Otherwise the short-prompt pick (SHORT_PROMPT_PICKS)."""
     if kwargs["PRECISION"] == "ieee":
         return [c for c in configs if c.num_warps >= 8] or configs[:1]
-    return configs
+    return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
 @triton.autotune(configs=_prepare_configs(), key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION"],
@@ -296,6 +317,7 @@ def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_
 @triton.autotune(
     configs=_state_configs(),
     key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
+    prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
     restore_value=["state_ptr"], cache_results=True,
 )
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
@@ -349,7 +371,7 @@ def _output_configs():
 
 
 @triton.autotune(configs=_output_configs(), key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],
-                 cache_results=True)
+                 prune_configs_by={"early_config_prune": _short_prompt_pick("output")}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
     q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr,
