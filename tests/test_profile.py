@@ -37,6 +37,10 @@ def test_profile_names_every_operator_of_each_layer(report):
     assert all(op["us"] > 0 for op in report["decode"]["operators"] + report["prefill"]["operators"])
     text = format_profile(report)
     assert "decode step at context 5" in text and "prefill of 8 tokens" in text
+    assert "share of the span (us)" in text
+    for part in ("decode", "prefill"):
+        shares = sum(row["span_share_us"] for row in report[part]["by_kind"])
+        assert abs(shares - report[part]["span_us"]) <= 0.05 * report[part]["span_us"]
 
 
 def test_profile_bytes_add_up_to_the_decode_floor(report):

@@ -96,6 +96,9 @@ def _report(trace: KernelTrace, timeline, hbm: float, matmul: float) -> dict:
             row[key] += op[key]
     for row in kinds.values():
         row["pct_of_floor"] = 100 * row["floor_us"] / row["us"] if row["us"] else 0.0
+        # what the operator adds to the span: with PDL a kernel's own time includes waiting for the previous
+        # one (its gap before is then negative); the shares add up to about the span (medians of each)
+        row["span_share_us"] = row["us"] + row["gap_before_us"]
     kernel_us = sum(op["us"] for op in operators)
     gap_us = sum(op["gap_before_us"] for op in operators)
     span = statistics.median(timeline[2]) if timeline is not None else kernel_us
@@ -213,12 +216,13 @@ def format_profile(report: dict) -> str:
                   f"{part['span_us']:.1f} us first kernel start to last kernel end; {part['kernel_count']} kernels "
                   f"{part['kernel_us']:.1f} us + gaps {part['gap_us']:.1f} us; floor {part['floor_us']:.1f} us "
                   f"({part['pct_of_floor']:.1f}% of floor)", "",
-                  "| operator | count | kernels | time (us) | gaps before (us) | MB | floor (us) | % of floor |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| operator | count | kernels | time (us) | gaps before (us) | share of the span (us) | MB | "
+                  "floor (us) | % of floor |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for row in sorted(part["by_kind"], key=lambda r: -(r["us"] + r["gap_before_us"])):
             lines.append(f"| {row['kind']} | {row['count']} | {row['kernels']} | {row['us']:.1f} | "
-                         f"{row['gap_before_us']:.1f} | {row['bytes'] / 1e6:.1f} | {row['floor_us']:.1f} | "
-                         f"{row['pct_of_floor']:.0f}% |")
+                         f"{row['gap_before_us']:.1f} | {row['span_share_us']:.1f} | "
+                         f"{row['bytes'] / 1e6:.1f} | {row['floor_us']:.1f} | {row['pct_of_floor']:.0f}% |")
     choices = report.get("autotune_choices") or []
     if choices:
         lines += ["", "autotuned configs that ran (kernel, its tuning key, the config chosen):", "",
