@@ -659,8 +659,8 @@ picks = {}
 for name in ("prepare", "state", "output"):
     kernel = getattr(chunk, f"_chunk_{name}_kernel")
     prune = kernel.early_config_prune
-    picks[name] = [[len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32")) for bucket in (2, 4, 8, 64)],
-                   len(kernel.configs)]
+    kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32")) for bucket in (2, 4, 8, 64)]
+    picks[name] = [kept, len(kernel.configs)]
 kernel = conv._causal_conv1d_kernel
 picks["conv"] = [[len(kernel.early_config_prune(kernel.configs, dict(length_bucket=n))) for n in (128, 256, 512, 4096)],
                  len(kernel.configs)]

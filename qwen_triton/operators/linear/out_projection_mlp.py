@@ -205,8 +205,8 @@ def out_projection_mlp(
     up rows); down_weight [H, I]; gate [M, A] or None; act [M, I]: the swiglu activations' buffer
     (allocated when None). Returns hidden. programs: the grid (default: one per SM; at most the
     SM count, so that every program is resident). one_launch: the three phases in one launch with grid
-    barriers, or as three launches (the interpreter's way; on a GPU the default is ONE_LAUNCH). pdl: programmatic dependent
-    launch (Hopper; see the module docstring for when it lets the next kernel launch).
+    barriers, or as three launches (the interpreter's way; on a GPU the default is ONE_LAUNCH). pdl:
+    programmatic dependent launch (Hopper; see the module docstring for when it lets the next kernel launch).
     """
     check_tensor("x", x, shape=(None, None), dtype=(torch.bfloat16, torch.float16, torch.float32))
     rows, attended = x.shape
@@ -226,7 +226,8 @@ def out_projection_mlp(
     check_tensor("act", act, shape=(rows, intermediate), dtype=x.dtype)
     for name, tensor in (("x", x), ("hidden", hidden), ("act", act)) + ((("gate", gate),) if gate is not None else ()):
         if tensor.stride(1) != 1:
-            raise ValueError(f"{name} must have unit stride along its last dimension, got strides {tuple(tensor.stride())}")
+            raise ValueError(f"{name} must have unit stride along its last dimension, "
+                             f"got strides {tuple(tensor.stride())}")
     check_same_device(x=x, out_weight=out_weight, hidden=hidden, norm_weight=norm_weight,
                       gate_up_weight=gate_up_weight, down_weight=down_weight, act=act,
                       **({"gate": gate} if gate is not None else {}))
