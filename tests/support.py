@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -55,6 +59,16 @@ def transformers_score(model, token_ids, prefill: int) -> torch.Tensor:
             cache = out.past_key_values
             rows.append(out.logits[0])
     return torch.cat(rows).float()
+
+
+def run_without_interpreter(script: str, timeout: int = 600):
+    """Run `script` in a new Python process with TRITON_INTERPRET=0 (kernels there are real Triton kernels,
+    compiled rather than interpreted; nothing needs a GPU unless the script launches one) and return the JSON
+    value printed on its last line."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:

@@ -38,6 +38,7 @@ from qwen_triton.operators.gated_delta_rule import (
     gating,
 )
 from qwen_triton.reference import functional as fn
+from tests.support import run_without_interpreter
 
 # the interpreter converts one-element arrays to scalars in runtime-bounded loops (numpy deprecation)
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -671,15 +672,6 @@ print(json.dumps(picks))
 def test_short_prompts_run_the_swept_configs():
     # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
     # exactly the pinned config of each prefill kernel, longer ones the whole tuning space
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, "-c", SHORT_PROMPT_PICKS], capture_output=True, text=True, env=env,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    picks = json.loads(result.stdout.strip().splitlines()[-1])
+    picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
     for name, (kept, every) in picks.items():
         assert every > 1 and kept == [1, 1, every, every], (name, kept, every)

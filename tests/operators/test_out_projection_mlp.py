@@ -12,11 +12,6 @@ time).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -24,6 +19,7 @@ from qwen_triton.operators.linear import linear
 from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
 
 from qwen_triton.reference import functional as fn
+from tests.support import run_without_interpreter
 
 EPS = 1e-6
 
@@ -162,11 +158,7 @@ print(json.dumps(stacks))
 def test_compiles_for_hopper():
     # the interpreter never compiles a kernel: compile this one for sm_90 (Triton's bundled ptxas) in a
     # process without it, and read the per-thread stack (register spills) from cuobjdump's resource usage
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], capture_output=True, text=True, env=env,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    stacks = json.loads(result.stdout.strip().splitlines()[-1])
+    stacks = run_without_interpreter(COMPILE_FOR_HOPPER)
     assert set(stacks) == {"1-3", "1-1", "2-2", "3-3"}
     assert all(stack <= 64 for stack in stacks.values()), stacks
 

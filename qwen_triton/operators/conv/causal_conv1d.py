@@ -10,9 +10,9 @@ updated in place, y [B, C].
 
 Blocking. Prefill: a program computes a [BLOCK_T, BLOCK_C] tile from W shifted loads of x (the W-1
 halo rows are cache hits); its first rows read the old state. The grid is (channel blocks, time blocks),
-channel blocks first, so programs that run together cover whole rows. The new state is written by the programs
-of the first time block, the only readers of the old state, after a barrier: no program reads what
-another writes. Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
+channel blocks first, so programs that run together cover whole rows. The new state is written by the
+programs of the first time block, the only readers of the old state, after a barrier: no program reads
+what another writes. Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
 weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
 
 Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads and writes T x 12 KiB (x in, y out) plus

@@ -75,6 +75,7 @@ import triton.language as tl
 
 from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
+from .recurrent import state_slab
 
 CHUNK = 64
 
@@ -339,9 +340,7 @@ def _chunk_state_kernel(
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    slab_offsets = keys[:, None] * V_DIM + values[None, :]
-    slab_mask = (keys[:, None] < K_DIM) & (values[None, :] < V_DIM)
-    slab = state_ptr + head * (K_DIM * V_DIM) + slab_offsets
+    slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
     k_base = k_ptr + (head // GROUP) * stride_kh
@@ -355,8 +354,9 @@ def _chunk_state_kernel(
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, k, decay, decay_last = _state_step_tiles(
             w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
-        tl.store(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM) + slab_offsets,
-                 state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
+        start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
+                                   K_DIM, V_DIM)
+        tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
         decayed_keys = l2_normalize_rows(k.to(tl.float32), 1.0) * tl.exp(decay_last - decay)[:, None]
@@ -394,8 +394,8 @@ def _chunk_output_kernel(
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
-    state = tl.load(chunk_states_ptr + block * (K_DIM * V_DIM) + keys[:, None] * V_DIM + values[None, :],
-                    mask=(keys[:, None] < K_DIM) & (values[None, :] < V_DIM), other=0.0)
+    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0)
     new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)

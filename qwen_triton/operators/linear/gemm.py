@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs
+from ..common import autotune_configs, keep_preferred
 from .fusion import SWIGLU, accumulate, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
@@ -104,10 +104,8 @@ def _prune(configs, named_args, **kwargs):
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
     ]
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
-        tiles = _preferred(named_args["K"])
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
-        preferred = [c for c in kept if tuple(c.kwargs[field] for field in fields) == tiles]
-        kept = preferred or kept
+        kept = keep_preferred(kept, dict(zip(fields, _preferred(named_args["K"]))))
     if kept:
         return kept
     first = configs[0]

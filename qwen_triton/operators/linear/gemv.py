@@ -43,7 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import allow_next_kernel, autotune_configs, interpreting, launch_options, wait_for_previous_kernel
+from ..common import (
+    allow_next_kernel,
+    autotune_configs,
+    interpreting,
+    keep_preferred,
+    launch_options,
+    wait_for_previous_kernel,
+)
 from .fusion import (
     SWIGLU,
     accumulate_row,
@@ -106,8 +113,7 @@ def _prune(configs, named_args, **kwargs):
         if (c.kwargs["SPLIT_K"] == 1 or K // c.kwargs["SPLIT_K"] >= c.kwargs["BLOCK_K"])
         and c.kwargs["BLOCK_K"] <= triton.next_power_of_2(K)
     ]
-    preferred = [c for c in kept if (c.kwargs["SPLIT_K"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) == _preferred(K)]
-    return preferred or kept or configs[:1]
+    return keep_preferred(kept, dict(zip(("SPLIT_K", "BLOCK_N", "BLOCK_K"), _preferred(K)))) or configs[:1]
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_same_device, check_tensor, interpreting
+from ..common import check_same_device, check_tensor, interpreting, sm_count
 from .noise import check_noise_keys, gumbel_noise
 
 TOP_K = tl.constexpr(0)
@@ -278,8 +278,7 @@ def _workspace(device: torch.device, M: int, V: int) -> dict:
     if key not in _workspaces:
         chunks = TARGET_CHUNKS
         if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            chunks = max(1, min(TARGET_CHUNKS, triton.cdiv(4 * sms, M)))
+            chunks = max(1, min(TARGET_CHUNKS, triton.cdiv(4 * sm_count(device), M)))
         chunk = triton.cdiv(triton.cdiv(V, chunks), BLOCK_V) * BLOCK_V
         num_chunks = triton.cdiv(V, chunk)
 
