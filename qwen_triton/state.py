@@ -36,6 +36,10 @@ class ModelState:
                 )
 
     def reset(self, slot: int) -> None:
-        for tensors in (self.key, self.value, self.conv, self.recurrent):
-            for t in tensors.values():
-                t[slot].zero_()
+        """Start the sequence in `slot` afresh: its conv and recurrent states zeroed, in one multi-tensor
+        launch on a GPU (`torch._foreach_zero_`; one launch per tensor, 36 at the 0.8B shape, cost the
+        host ~0.1 ms per prompt). The KV cache is left as it is: a sequence's attention never sees a
+        position at or past its length (the Triton kernels do not load them, the reference masks their
+        scores to -inf), and zeroing it would write the whole cache, 405 MB at max_length 32768 and the
+        0.8B shape, before every prompt."""
+        torch._foreach_zero_([t[slot] for tensors in (self.conv, self.recurrent) for t in tensors.values()])

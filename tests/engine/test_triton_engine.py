@@ -52,6 +52,22 @@ def test_decode_with_the_three_projections_matches_transformers(checkpoints):
     assert relative_error(llm.score(token_ids, prefill=0), expected) <= TOLERANCE
 
 
+def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence(checkpoints):
+    # reset leaves the KV cache as it is (state.py): NaN in every cache position and in the conv and
+    # recurrent states before a sequence must change no logit of a prefill or of the decode steps after it
+    llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=24)
+    token_ids = torch.randint(0, llm.config.vocab_size, (12,), generator=torch.Generator().manual_seed(8)).tolist()
+    fresh = llm.score(token_ids, prefill=9)
+    state = llm.model.state
+    for tensors in (state.key, state.value, state.conv, state.recurrent):
+        for tensor in tensors.values():
+            tensor.fill_(float("nan"))
+    again = llm.score(token_ids, prefill=9)
+    assert torch.isfinite(fresh).all()
+    assert torch.equal(again, fresh)
+    assert all(torch.isnan(tensor[0, :, 12:]).all() for tensor in state.key.values())  # not zeroed by reset
+
+
 def test_greedy_generate_matches_transformers(checkpoints):
     directory = checkpoints["conditional"]
     llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=32)

@@ -127,6 +127,18 @@ def test_batched_decode_matches_single_sequences(checkpoints):
         assert relative_error(together[slot], alone[slot]) <= TOLERANCE
 
 
+def test_reset_leaves_the_kv_cache_and_no_result_depends_on_it(checkpoints):
+    """reset zeroes the conv and recurrent states but not the KV cache: what an earlier, longer sequence
+    left there (finite values) is masked out of every attention of the next one."""
+    llm = LLM(checkpoints["default", "causal"], backend="reference", dtype=torch.float32, max_length=48)
+    generator = torch.Generator().manual_seed(4)
+    token_ids = torch.randint(0, llm.config.vocab_size, (10,), generator=generator).tolist()
+    fresh = llm.score(token_ids, prefill=6)
+    llm.score(torch.randint(0, llm.config.vocab_size, (40,), generator=generator).tolist(), prefill=30)
+    assert any(tensor[0, :, 10:40].abs().sum() > 0 for tensor in llm.model.cache.key.values())
+    assert torch.equal(llm.score(token_ids, prefill=6), fresh)
+
+
 def test_decode_step_compiles_with_fullgraph(checkpoints):
     llm = LLM(checkpoints["default", "causal"], backend="reference", dtype=torch.float32, max_length=32)
     model = llm.model
