@@ -1,16 +1,16 @@
 """Where the time between two decode steps goes: the bench's step against bare replays of its CUDA graph.
 
 `qwen-triton bench` times a decode step as `LLM.generate` runs it (engine/decode_pipeline.py: the step's
-graph replayed, its chosen id copied to pinned host memory behind it, an event recorded, one step ahead
-of the host); `qwen-triton profile` times the kernels inside one replay (its span). This script times, on
-one model at one context, steps back to back on the GPU (CUDA events between consecutive steps, the
-harness's `time_calls(back_to_back=True)`), in three ways:
+graph replayed, whose feedback kernel writes the chosen id into pinned host memory, an event recorded, one
+step ahead of the host); `qwen-triton profile` times the kernels inside one replay (its span). This script
+times, on one model at one context, steps back to back on the GPU (CUDA events between consecutive steps,
+the harness's `time_calls(back_to_back=True)`), in three ways:
   pipeline  the bench's step (DecodePipeline.step, the host reading each id one step behind)
   graph     the captured step replayed with feedback and nothing else
-  copy      graph, plus the id's copy to pinned host memory and an event (what the pipeline adds on the
-            GPU's stream), without the host reading anything
+  copy      graph, plus a copy of the id to pinned host memory and an event on the GPU's stream, without
+            the host reading anything (how the pipeline took the ids before the feedback kernel wrote them)
 The difference between graph and the profile's span is the cost of the graph boundary itself; between
-copy and graph, the copy; between pipeline and copy, the host.
+copy and graph, a copy on the stream; between pipeline and graph, what the pipeline adds.
 
     python3 benchmarks/step_gap.py [--context 128] [--steps 200] [--out gap.json]
 """

@@ -21,6 +21,7 @@ class ModelState:
         self.value: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
+        self._slot_states: dict[int, list[torch.Tensor]] = {}  # reset's views of one slot's conv and recurrent states
         for i, layer_type in enumerate(c.layer_types):
             if layer_type == FULL_ATTENTION:
                 shape = (max_batch, c.num_key_value_heads, max_length, c.head_dim)
@@ -42,4 +43,6 @@ class ModelState:
         position at or past its length (the Triton kernels do not load them, the reference masks their
         scores to -inf), and zeroing it would write the whole cache, 405 MB at max_length 32768 and the
         0.8B shape, before every prompt."""
-        torch._foreach_zero_([t[slot] for tensors in (self.conv, self.recurrent) for t in tensors.values()])
+        if slot not in self._slot_states:  # the views, made once: building them costs the host ~2 us each
+            self._slot_states[slot] = [t[slot] for tensors in (self.conv, self.recurrent) for t in tensors.values()]
+        torch._foreach_zero_(self._slot_states[slot])

@@ -2,9 +2,11 @@
 
 A decode step chooses its ids on the device and, with feedback (operators/sampling/feedback.py), writes
 them back as the next step's inputs. So step k+1 can be launched before the host has read step k's ids:
-the host launches k+1, then waits for k's ids (copied to pinned host memory behind step k), runs its stop
-checks and the detokenizer while k+1 runs, and launches k+2. The time per token is then the GPU's time per
-step, not the GPU's time plus the host's.
+the host launches k+1, then waits for k's ids, runs its stop checks and the detokenizer while k+1 runs, and
+launches k+2. The time per token is then the GPU's time per step, not the GPU's time plus the host's.
+The feedback kernel itself writes each step's ids into pinned host memory (a row per step parity, so step
+k+1 writes the other row while the host reads step k's): the host waits on an event recorded after the
+step, and nothing but the steps runs on the GPU's stream.
 
 The price is one step computed past the end of a generation (its result is dropped) and, for rows of a
 batch that stop before the others, steps whose results are unused; the results themselves are identical
@@ -26,27 +28,29 @@ class DecodePipeline:
         self.sampling = sampling
         self.rows = sampling.temperature.shape[0]
         self.ahead = model.device.type == "cuda" if ahead is None else ahead
-        on_gpu = model.device.type == "cuda"
-        # one host buffer and one event per step in flight (the one being read and the one running)
-        self._host = [torch.empty(self.rows, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
-        self._events = [torch.cuda.Event() if on_gpu else None for _ in range(2)]
+        self._host = model.chosen_on_host(self.rows)  # [2, bucket]: row steps % 2 holds a step's ids
+        # one event per step in flight (the one being read and the one running), and each one's step counters
+        self._events = [torch.cuda.Event() if model.device.type == "cuda" else None for _ in range(2)]
+        self._steps: list[list[int] | None] = [None, None]
         self._launched = 0
         self._pending: int | None = None  # the step launched ahead of the host, not yet read
         self._expected = None  # (ids, positions, steps) the pending step ran on
 
-    def _launch(self, token_ids=None, positions=None, steps=None) -> int:
-        chosen = self.model.decode_tokens(token_ids, positions, self.sampling, steps, feedback=True)
+    def _launch(self, steps: list[int], token_ids=None, positions=None, step_tensor=None) -> int:
+        """Launch one step whose rows have drawn `steps` tokens so far (its ids land in host row steps % 2)."""
+        self.model.decode_tokens(token_ids, positions, self.sampling, step_tensor, feedback=True)
         index = self._launched % 2
-        self._host[index].copy_(chosen, non_blocking=self._events[index] is not None)
         if self._events[index] is not None:
             self._events[index].record()
+        self._steps[index] = steps
         self._launched += 1
         return index
 
     def _read(self, index: int) -> list[int]:
         if self._events[index] is not None:
             self._events[index].synchronize()
-        return self._host[index].tolist()
+        rows = self._host.tolist()
+        return [rows[step % 2][row] for row, step in enumerate(self._steps[index])]
 
     def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
         """The ids chosen after feeding `inputs` at `positions` (one per row; `steps` counts each row's
@@ -63,11 +67,11 @@ class DecodePipeline:
                     )
         else:
             device = self.model.device
-            index = self._launch(torch.tensor(inputs, device=device), torch.tensor(positions, device=device),
-                                 torch.tensor(steps, device=device))
+            index = self._launch(list(steps), torch.tensor(inputs, device=device),
+                                 torch.tensor(positions, device=device), torch.tensor(steps, device=device))
         self._pending = None
         if self.ahead and all(positions[row] + 1 < self.model.max_length for row in range(self.rows) if running[row]):
-            self._pending = self._launch()
+            self._pending = self._launch([step + 1 for step in steps])  # continues from the fed-back inputs
         ids = self._read(index)
         self._expected = (ids, positions, steps)
         return ids

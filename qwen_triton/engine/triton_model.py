@@ -33,7 +33,14 @@ import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
 from ..operators.common import pdl_available
-from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
+from ..operators.attention import (
+    attention_decode,
+    attention_decode_fused,
+    attention_prefill,
+    decode_splits,
+    qk_norm_rotary,
+    rotary_table,
+)
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
@@ -102,6 +109,7 @@ class TritonModel:
         cuda_graph: bool = True,
         fused_delta_decode: bool = True,
         out_projection_mlp: bool = True,
+        fused_attention_decode: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -115,6 +123,8 @@ class TritonModel:
         self.fused_delta_decode = fused_delta_decode
         # a decode step's out-projection + residual and MLP by out_projection_mlp.py (one program per SM)
         self.out_projection_mlp = out_projection_mlp
+        # a decode step's q/k norm + rotary, KV write, attention and merge in one launch (attention/fused_decode.py)
+        self.fused_attention_decode = fused_attention_decode
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -202,21 +212,26 @@ class TritonModel:
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, positions, slots, attend, scratch=None,
-                   pdl=False):
+                   pdl=False, attend_projected=None):
+        """attend(i, q, key_cache, value_cache) after q/k norm + rotary and the KV write; or, when given,
+        attend_projected(i, w, qkv without the gate) does all of it (a decode step's one-launch attention)."""
         c = self.config
         qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
                            out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
         rows, heads = x.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads
-        with self._operator("q/k norm + rotary + KV write", i,
-                            lambda: (2 * rows * heads * c.head_dim * x.element_size(), 10 * rows * heads * c.head_dim)):
-            q = qk_norm_rotary(
-                qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
-                self.state.key[i], self.state.value[i],
-                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
-            )
-        attended = attend(i, q, self.state.key[i], self.state.value[i])
+        if attend_projected is not None:
+            attended = attend_projected(i, w, qkv[:, gate_width:])
+        else:
+            with self._operator("q/k norm + rotary + KV write", i, lambda: (2 * rows * heads * c.head_dim * x.element_size(),
+                                                                            10 * rows * heads * c.head_dim)):
+                q = qk_norm_rotary(
+                    qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
+                    self.state.key[i], self.state.value[i],
+                    num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                    gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
+                )
+            attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
         return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
                                 x, mlp, scratch, gate=gate, pdl=pdl)
@@ -377,19 +392,33 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * size * c.hidden_size * element, 0)):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
-        def attend(i, q, key_cache, value_cache):
-            def cost():  # the KV cache at the traced context, q and the output
-                keys = self.trace_context + 1
-                moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
-                return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
+        def attention_cost():  # the KV cache at the traced context, q and the output
+            keys = self.trace_context + 1
+            moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
+            return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
 
-            with self._operator("attention (split-KV decode + merge)", i, cost):
+        def attend(i, q, key_cache, value_cache):
+            with self._operator("attention (split-KV decode + merge)", i, attention_cost):
                 return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
                                         num_splits=self.decode_splits, pdl=pdl)
 
+        def attend_projected(i, w, qkv):
+            def cost():  # attention_cost's, plus the projection's q, k, v read and the new key and value written
+                moved, flops = attention_cost()
+                heads = c.num_attention_heads + 2 * c.num_key_value_heads
+                return moved + size * (heads + 2 * c.num_key_value_heads) * c.head_dim * element, flops
+
+            with self._operator("attention (q/k norm + rotary + KV write + split-KV + merge)", i, cost):
+                return attention_decode_fused(qkv, w.q_norm, w.k_norm, self.rotary, buffers.positions,
+                                              self.state.key[i], self.state.value[i],
+                                              num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                              eps=c.rms_norm_eps, out=buffers.attention_out,
+                                              num_splits=self.decode_splits, pdl=pdl)
+
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
+                x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl,
+                                    attend_projected=attend_projected if self.fused_attention_decode else None)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                           eps=c.rms_norm_eps, out=buffers.scratch["delta_projection"], pdl=pdl)
@@ -434,7 +463,7 @@ class TritonModel:
         if feedback:
             with self._operator("feedback: chosen ids -> next inputs", None, lambda: (72 * size, 0)):
                 feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
-                          self.max_length - 1, pdl=pdl)
+                          self.max_length - 1, pdl=pdl, host_ids=buffers.host_ids)
 
     def _run(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
         if not self.cuda_graph:
@@ -531,6 +560,12 @@ class TritonModel:
         buffers.fed_back = batch if feedback else 0
         return buffers.next_tokens[:batch]
 
+    def chosen_on_host(self, batch: int) -> torch.Tensor:
+        """int64 [2, bucket(batch)]: where the steps with feedback of this batch leave their ids, row r's id of a
+        step in row (its step counter before the step) % 2 (pinned host memory on a GPU); read it after the
+        step is done (an event recorded after decode_tokens)."""
+        return self._buffers_for(batch).host_ids
+
     @torch.no_grad()
     def choose_first(self, logits: torch.Tensor, sampling: "DeviceSampling", row: int) -> torch.Tensor:
         """The first generated id of row `row` from its prefill logits [1, V], drawn as decode draws
@@ -615,4 +650,9 @@ class DecodeBuffers:
         self.top_p = torch.ones(size, device=device, dtype=torch.float32)
         self.seed = torch.zeros(size, device=device, dtype=torch.int64)
         self.step = torch.zeros(size, device=device, dtype=torch.int64)
+        # the ids of a step with feedback, written by its last kernel into row step % 2 (pinned host memory on a
+        # GPU, read by the host once the step is done: engine/decode_pipeline.py)
+        self.host_ids = torch.zeros(2, size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        if device.type != "cuda":
+            self.host_ids = self.host_ids.to(device)
         self.fed_back = 0  # rows whose inputs the last step wrote (feedback); 0 when the host must give them

@@ -257,7 +257,16 @@ def test_feed_back_makes_the_chosen_ids_the_next_inputs(device, rows):
     token_ids = torch.full((rows,), -1, dtype=torch.int64)
     lengths = torch.zeros(rows, dtype=torch.int32)
     on_device = [t.to(device, copy=True) for t in (chosen, token_ids, positions, lengths, steps)]
-    feed_back(*on_device, max_position=49)
+    host_ids = torch.full((2, rows), -1, dtype=torch.int64, pin_memory=device == "cuda")
+    if device == "cpu":
+        host_ids = host_ids.to(device)
+    feed_back(*on_device, max_position=49, host_ids=host_ids)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    # each row's id in the host row of its step's parity, the other row untouched
+    for row in range(rows):
+        parity = int(steps[row]) % 2
+        assert host_ids[parity, row] == chosen[row] and host_ids[1 - parity, row] == -1
     expected_positions = torch.clamp(positions + 1, max=49)
     assert torch.equal(on_device[1].cpu(), chosen)
     assert torch.equal(on_device[2].cpu(), expected_positions)
@@ -281,3 +290,27 @@ def test_feed_back_rejects_bad_arguments(name, tensor, message):
     arguments[name] = tensor
     with pytest.raises(ValueError, match=message):
         feed_back(**arguments, max_position=10)
+
+
+def test_feed_back_rejects_a_bad_host_buffer():
+    from qwen_triton.operators.sampling import feed_back
+
+    arguments = dict(chosen=torch.zeros(2, dtype=torch.int64), token_ids=torch.zeros(2, dtype=torch.int64),
+                     positions=torch.zeros(2, dtype=torch.int32), lengths=torch.zeros(2, dtype=torch.int32),
+                     steps=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"host_ids has shape \[2, 3\]"):
+        feed_back(**arguments, max_position=10, host_ids=torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="host_ids has dtype"):
+        feed_back(**arguments, max_position=10, host_ids=torch.zeros(2, 2, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_feed_back_needs_pinned_host_ids():
+    from qwen_triton.operators.sampling import feed_back
+
+    arguments = {name: torch.zeros(2, dtype=dtype, device="cuda") for name, dtype in (
+        ("chosen", torch.int64), ("token_ids", torch.int64), ("positions", torch.int32), ("lengths", torch.int32),
+        ("steps", torch.int64))}
+    for host_ids in (torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64, device="cuda")):
+        with pytest.raises(ValueError, match="pinned host memory"):
+            feed_back(**arguments, max_position=10, host_ids=host_ids)
