@@ -139,12 +139,13 @@ def measure_matmul_rate(device: str = "cuda") -> float:
 class EngineRunner:
     """One of this package's backends, timed through its model's prefill and decode calls."""
 
-    def __init__(self, variant: str, preset: str, max_length: int, device: str, dtype: torch.dtype):
+    def __init__(self, variant: str, preset: str, max_length: int, device: str, dtype: torch.dtype, **options):
+        """options: more TritonModel options for a triton variant (benchmarks/engine_options.py)."""
         from .models import random_llm
 
         self.device = device
         if variant.startswith("triton"):
-            options = dict(split_k="split_k" in variant, cuda_graph="cuda_graph" in variant)
+            options = dict(options, split_k="split_k" in variant, cuda_graph="cuda_graph" in variant)
             self.llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max_length, **options)
         else:
             self.llm = random_llm(preset, "reference", device=device, dtype=dtype, max_length=max_length)

@@ -1,0 +1,81 @@
+"""The engine's prefill with each config of one prefill kernel pinned: which config is fastest where it runs.
+
+A kernel's own sweep (benchmarks/chunk_sweep.py, gemm_sweep.py) times it back to back on copies of its
+inputs; in a prefill it runs between other kernels, on inputs they have just written. This script builds the
+0.8B model (random weights, bf16), and for each config of the kernel: pins it (the kernel's only config,
+its tuning cache cleared), drops the prefill's CUDA graphs, and times the prefill as `qwen-triton bench`
+does (`time_calls`: reset + prefill of the same random prompt, each timed by CUDA events, the graph
+captured in the warm-up), and the kernel's own duration inside the replayed graph (the median over its
+launches of 3 prefills, from the CUDA profiler).
+
+    python3 benchmarks/prefill_configs.py [--kernel chunk_prepare] [--tokens 128,256] [--steps 30] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from qwen_triton.benchmark.harness import EngineRunner, time_calls
+from qwen_triton.operators.gated_delta_rule import chunk
+
+KERNELS = {
+    "chunk_prepare": chunk._chunk_prepare_kernel,
+    "chunk_state": chunk._chunk_state_kernel,
+    "chunk_output": chunk._chunk_output_kernel,
+}
+
+
+def describe(config) -> str:
+    settings = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
+    return f"{settings} warps={config.num_warps} stages={config.num_stages}".strip()
+
+
+def kernel_durations_us(run, name: str, repeats: int = 3) -> list[float]:
+    """Durations of the kernels whose name contains `name` over `repeats` calls of run(), from the profiler."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    return [event.device_time for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA and name in event.name]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernel", choices=sorted(KERNELS), default="chunk_prepare")
+    parser.add_argument("--tokens", default="128,256")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    lengths = [int(t) for t in args.tokens.split(",")]
+    kernel = KERNELS[args.kernel]
+    configs = list(kernel.configs)
+    runner = EngineRunner("triton+split_k+cuda_graph", "0.8b", max(lengths) + 8, "cuda", torch.bfloat16)
+    model = runner.model
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for length in lengths:
+        token_ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to("cuda")
+        for config in configs:
+            kernel.configs, kernel.cache = [config], {}
+            model._prefill_graphs.clear()
+            model._prefill_seen.clear()
+            ms = time_calls(lambda: runner.prefill(token_ids), steps=args.steps, warmup=3)
+            durations = kernel_durations_us(lambda: runner.prefill(token_ids), f"_{args.kernel}_kernel")
+            rows.append(dict(tokens=length, config=describe(config), prefill_ms=ms, launches=len(durations),
+                             kernel_us=statistics.median(durations) if durations else None))
+            print(f"T={length} {rows[-1]['config']}: prefill {ms:.3f} ms, kernel {rows[-1]['kernel_us'] or 0:.1f} us "
+                  f"(median of {len(durations)})", flush=True)
+    kernel.configs, kernel.cache = configs, {}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), kernel=args.kernel, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
