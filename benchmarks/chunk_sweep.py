@@ -155,7 +155,8 @@ def sweep(length: int, baseline=None) -> list[dict]:
         chunk.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
     call(0)  # the autotuner's picks (tuned by check() already)
-    picks = {name: short(kernel.best_config) for name, kernel in kernels.items()}
+    picks = {name: short(kernel.best_config) if hasattr(kernel, "best_config") else None  # None: never ran
+             for name, kernel in kernels.items()}
     output_in_state_pass = triton.cdiv(length, chunk.CHUNK) <= chunk.OUTPUT_IN_STATE_PASS_CHUNKS
     if output_in_state_pass:  # the call ran the state pass with the output, and no kernel 3
         picks["state+output"], picks["state"], picks["output"] = picks["state"], None, None

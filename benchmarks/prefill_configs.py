@@ -8,7 +8,12 @@ does (`time_calls`: reset + prefill of the same random prompt, each timed by CUD
 captured in the warm-up), and the kernel's own duration inside the replayed graph (the median over its
 launches of 3 prefills, from the CUDA profiler).
 
+--settings NAME=VALUE ... runs the whole sweep once per setting of a module constant of chunk.py (e.g.
+OUTPUT_IN_STATE_PASS_CHUNKS=0 and =4: the short prompt's output from kernel 3 or from the state pass);
+--configs pinned keeps the kernel's own config choice (its short-prompt pin) instead of each config in turn.
+
     python3 benchmarks/prefill_configs.py [--kernel chunk_prepare] [--tokens 128,256] [--steps 30] [--out f.json]
+        [--settings OUTPUT_IN_STATE_PASS_CHUNKS=0 OUTPUT_IN_STATE_PASS_CHUNKS=4] [--configs all|pinned]
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="chunk_prepare")
     parser.add_argument("--tokens", default="128,256")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--settings", nargs="*", default=[""], help="NAME=VALUE module constants of chunk.py")
+    parser.add_argument("--configs", choices=["all", "pinned"], default="all")
     parser.add_argument("--out")
     args = parser.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
@@ -59,18 +66,23 @@ def main() -> None:
     model = runner.model
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for length in lengths:
-        token_ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to("cuda")
-        for config in configs:
-            kernel.configs, kernel.cache = [config], {}
-            model._prefill_graphs.clear()
-            model._prefill_seen.clear()
-            ms = time_calls(lambda: runner.prefill(token_ids), steps=args.steps, warmup=3)
-            durations = kernel_durations_us(lambda: runner.prefill(token_ids), f"_{args.kernel}_kernel")
-            rows.append(dict(tokens=length, config=describe(config), prefill_ms=ms, launches=len(durations),
-                             kernel_us=statistics.median(durations) if durations else None))
-            print(f"T={length} {rows[-1]['config']}: prefill {ms:.3f} ms, kernel {rows[-1]['kernel_us'] or 0:.1f} us "
-                  f"(median of {len(durations)})", flush=True)
+    for setting in args.settings:
+        if setting:
+            name, value = setting.split("=", 1)
+            setattr(chunk, name, int(value))
+        for length in lengths:
+            token_ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to("cuda")
+            for config in configs if args.configs == "all" else [None]:
+                kernel.configs, kernel.cache = configs if config is None else [config], {}
+                model._prefill_graphs.clear()
+                model._prefill_seen.clear()
+                ms = time_calls(lambda: runner.prefill(token_ids), steps=args.steps, warmup=3)
+                durations = kernel_durations_us(lambda: runner.prefill(token_ids), f"_{args.kernel}_kernel")
+                label = "pinned" if config is None else describe(config)
+                rows.append(dict(tokens=length, setting=setting, config=label, prefill_ms=ms, launches=len(durations),
+                                 kernel_us=statistics.median(durations) if durations else None))
+                print(f"T={length} {setting} {label}: prefill {ms:.3f} ms, kernel {rows[-1]['kernel_us'] or 0:.1f} us "
+                      f"(median of {len(durations)})", flush=True)
     kernel.configs, kernel.cache = configs, {}
     if args.out:
         with open(args.out, "w") as f:

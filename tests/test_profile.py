@@ -22,7 +22,8 @@ def test_profile_names_every_operator_of_each_layer(report):
     assert counts == {
         "embedding": 1,
         "attention in-projection": attention,
-        "attention (q/k norm + rotary + KV write + split-KV + merge)": attention,
+        "q/k norm + rotary + KV write": attention,
+        "attention (split-KV decode + merge)": attention,
         "attention gate + out-projection + residual + MLP": attention,
         "deltanet in-projection": delta,
         "deltanet step (conv, gating, delta rule, gated norm)": delta,

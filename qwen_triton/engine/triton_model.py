@@ -33,14 +33,7 @@ import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
 from ..operators.common import pdl_available
-from ..operators.attention import (
-    attention_decode,
-    attention_decode_fused,
-    attention_prefill,
-    decode_splits,
-    qk_norm_rotary,
-    rotary_table,
-)
+from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
@@ -109,7 +102,6 @@ class TritonModel:
         cuda_graph: bool = True,
         fused_delta_decode: bool = True,
         out_projection_mlp: bool = True,
-        fused_attention_decode: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -123,8 +115,6 @@ class TritonModel:
         self.fused_delta_decode = fused_delta_decode
         # a decode step's out-projection + residual and MLP by out_projection_mlp.py (one program per SM)
         self.out_projection_mlp = out_projection_mlp
-        # a decode step's q/k norm + rotary, KV write, attention and merge in one launch (attention/fused_decode.py)
-        self.fused_attention_decode = fused_attention_decode
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -212,26 +202,21 @@ class TritonModel:
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, positions, slots, attend, scratch=None,
-                   pdl=False, attend_projected=None):
-        """attend(i, q, key_cache, value_cache) after q/k norm + rotary and the KV write; or, when given,
-        attend_projected(i, w, qkv without the gate) does all of it (a decode step's one-launch attention)."""
+                   pdl=False):
         c = self.config
         qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
                            out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
         rows, heads = x.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads
-        if attend_projected is not None:
-            attended = attend_projected(i, w, qkv[:, gate_width:])
-        else:
-            with self._operator("q/k norm + rotary + KV write", i, lambda: (2 * rows * heads * c.head_dim * x.element_size(),
-                                                                            10 * rows * heads * c.head_dim)):
-                q = qk_norm_rotary(
-                    qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
-                    self.state.key[i], self.state.value[i],
-                    num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                    gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
-                )
-            attended = attend(i, q, self.state.key[i], self.state.value[i])
+        with self._operator("q/k norm + rotary + KV write", i,
+                            lambda: (2 * rows * heads * c.head_dim * x.element_size(), 10 * rows * heads * c.head_dim)):
+            q = qk_norm_rotary(
+                qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
+                self.state.key[i], self.state.value[i],
+                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
+            )
+        attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
         return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
                                 x, mlp, scratch, gate=gate, pdl=pdl)
@@ -392,33 +377,19 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * size * c.hidden_size * element, 0)):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
-        def attention_cost():  # the KV cache at the traced context, q and the output
-            keys = self.trace_context + 1
-            moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
-            return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
-
         def attend(i, q, key_cache, value_cache):
-            with self._operator("attention (split-KV decode + merge)", i, attention_cost):
+            def cost():  # the KV cache at the traced context, q and the output
+                keys = self.trace_context + 1
+                moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
+                return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
+
+            with self._operator("attention (split-KV decode + merge)", i, cost):
                 return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
                                         num_splits=self.decode_splits, pdl=pdl)
 
-        def attend_projected(i, w, qkv):
-            def cost():  # attention_cost's, plus the projection's q, k, v read and the new key and value written
-                moved, flops = attention_cost()
-                heads = c.num_attention_heads + 2 * c.num_key_value_heads
-                return moved + size * (heads + 2 * c.num_key_value_heads) * c.head_dim * element, flops
-
-            with self._operator("attention (q/k norm + rotary + KV write + split-KV + merge)", i, cost):
-                return attention_decode_fused(qkv, w.q_norm, w.k_norm, self.rotary, buffers.positions,
-                                              self.state.key[i], self.state.value[i],
-                                              num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                                              eps=c.rms_norm_eps, out=buffers.attention_out,
-                                              num_splits=self.decode_splits, pdl=pdl)
-
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl,
-                                    attend_projected=attend_projected if self.fused_attention_decode else None)
+                x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                           eps=c.rms_norm_eps, out=buffers.scratch["delta_projection"], pdl=pdl)

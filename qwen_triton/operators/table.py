@@ -25,8 +25,6 @@ PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a 
 # a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: three phases of
 # one kernel, one program per SM
 LAYER_TAIL_DECODE = "linear.out_projection_mlp:_out_projection_mlp_kernel"
-# a decode step's q/k norm + rotary, KV write, split-KV attention and merge in one launch
-ATTENTION_DECODE = "attention.fused_decode:_fused_decode_kernel"
 
 OPERATORS: tuple[Operator, ...] = (
     Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
@@ -35,13 +33,12 @@ OPERATORS: tuple[Operator, ...] = (
              (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
              "weights concatenated at load; input RMSNorm: the GEMV's prologue (decode), a row pass (prefill)"),
     Operator("3-4", "per-head q/k RMSNorm + partial RoPE, k and v written to the KV cache",
-             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",), (ATTENTION_DECODE,),
-             "decode: the first work of the one-launch attention (engine option fused_attention_decode=False: "
-             "attention.qk_norm_rotary:_qk_norm_rotary_kernel, then attention.decode's split and merge kernels)"),
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",)),
     Operator("5-7, 20-21", "attention: scores, scale, causal mask, softmax, PV",
              ("attention.prefill:_prefill_kernel",),
-             (ATTENTION_DECODE,),
-             "prefill: flash (online softmax); decode: split-KV, the last split of each KV head merging"),
+             ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
+             "prefill: flash (online softmax); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
              (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),
              "gate: a prologue (decode, phase 1 of the layer's out_projection_mlp kernel), a row pass (prefill); "
@@ -61,7 +58,7 @@ OPERATORS: tuple[Operator, ...] = (
              "Gumbel-max for temperature sampling) per vocabulary block, then a reduction, no logits written"),
     Operator("18-19", "KV cache write and read",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.prefill:_prefill_kernel"),
-             (ATTENTION_DECODE,),
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.decode:_decode_split_kernel"),
              "cache [slot, kv head, position, dim]: a head's keys are contiguous"),
     Operator("22", "causal depthwise conv1d (width 4) + SiLU",
              ("conv.causal_conv1d:_causal_conv1d_kernel",),

@@ -43,12 +43,10 @@ def test_score_matches_transformers(checkpoints, layout, length, prefill):
     assert relative_error(llm.score(token_ids, prefill=prefill), expected) <= TOLERANCE
 
 
-def test_decode_with_the_separate_kernels_matches_transformers(checkpoints):
-    # out_projection_mlp=False: each layer's out-projection and MLP as three `linear` calls, as before it;
-    # fused_attention_decode=False: q/k norm + rotary, then the split-KV and merge kernels, as before it
+def test_decode_with_the_three_projections_matches_transformers(checkpoints):
+    # out_projection_mlp=False: each layer's out-projection and MLP as three `linear` calls, as before it
     directory = checkpoints["causal"]
-    llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, out_projection_mlp=False,
-              fused_attention_decode=False)
+    llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, out_projection_mlp=False)
     token_ids = torch.randint(0, llm.config.vocab_size, (6,), generator=torch.Generator().manual_seed(6)).tolist()
     expected = transformers_score(_oracle(directory), token_ids, 0)
     assert relative_error(llm.score(token_ids, prefill=0), expected) <= TOLERANCE

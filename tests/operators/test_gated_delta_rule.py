@@ -232,13 +232,13 @@ def test_chunked_precision_options(device, precision):
 def _invert_blocks_kernel(a_ptr, x_ptr, BLOCKS: tl.constexpr, SIZE: tl.constexpr):
     index = (tl.arange(0, BLOCKS)[:, None, None] * SIZE + tl.arange(0, SIZE)[None, :, None]) * SIZE
     index += tl.arange(0, SIZE)[None, None, :]
-    tl.store(x_ptr + index, chunk_module._invert_unit_lower(tl.load(a_ptr + index), "ieee"))
+    tl.store(x_ptr + index, chunk_module._invert_unit_lower(tl.load(a_ptr + index)))
 
 
 @triton.jit
-def _invert_chunk_kernel(a_ptr, x_ptr, SIZE: tl.constexpr, WAY: tl.constexpr, PRECISION: tl.constexpr):
+def _invert_chunk_kernel(a_ptr, x_ptr, SIZE: tl.constexpr):
     index = tl.arange(0, SIZE)[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
-    tl.store(x_ptr + index, chunk_module._invert_chunk(tl.load(a_ptr + index), WAY, PRECISION))
+    tl.store(x_ptr + index, chunk_module._invert_chunk(tl.load(a_ptr + index)))
 
 
 def chunk_systems(blocks, size, correlation, seed):
@@ -280,17 +280,15 @@ def test_invert_unit_lower(device, blocks, size, correlation):
     assert inverse_error(x.cpu(), system) < INVERSE_TOLERANCE
 
 
-@pytest.mark.parametrize("way, precision", [("blocks", "ieee"), ("blocks", "tf32x3"), ("whole", "tf32x3")])
 @pytest.mark.parametrize("correlation", [0.0, 0.9, 1.0])
-def test_invert_chunk(device, correlation, way, precision):
-    """The chunk's whole inverse in each way _chunk_prepare_kernel may form it: doubling inside the 16 x 16
-    blocks, then the merges into 32 x 32 and 64 x 64, or doubling on the whole 64 x 64; float32 products
-    ("ieee") or three tf32 products each ("tf32x3": on a GPU, tensor cores)."""
+def test_invert_chunk(device, correlation):
+    """The chunk's whole inverse as _chunk_prepare_kernel forms it: doubling inside the 16 x 16 blocks, then
+    the merges into 32 x 32 and 64 x 64."""
     size = chunk_module.CHUNK
     system = chunk_systems(3, size, correlation, seed=1)
     for a in system:
         x = torch.empty(size, size, device=device)
-        _invert_chunk_kernel[(1,)](a.float().to(device), x, SIZE=size, WAY=way, PRECISION=precision)
+        _invert_chunk_kernel[(1,)](a.float().to(device), x, SIZE=size)
         assert inverse_error(x.cpu(), a) < INVERSE_TOLERANCE
 
 
@@ -495,20 +493,16 @@ def test_argument_errors(device):
 HEADS, DIM = 16, 128
 
 
-@pytest.mark.parametrize("state_block_v, output_block_v, prepare, in_state_pass", [
-    (16, 128, ("blocks", True), False), (32, 32, ("whole", False), False), (64, 16, ("whole", True), True)])
-def test_chunked_every_value_tiling(state_block_v, output_block_v, prepare, in_state_pass, monkeypatch):
-    # the autotuner picks the BLOCK_V of the state pass and of the output kernel, and the prepare kernel's
-    # inverse and split of W and U, independently: each choice must give the same function (128 tokens, two
-    # chunks, Dv = 64, so an output tile wider than a head is included; float32, so the interpreter's dots
-    # are exact), the output from kernel 3 or from the state pass
+@pytest.mark.parametrize("state_block_v, output_block_v, in_state_pass", [
+    (16, 128, False), (32, 32, False), (64, 16, True)])
+def test_chunked_every_value_tiling(state_block_v, output_block_v, in_state_pass, monkeypatch):
+    # the autotuner picks the BLOCK_V of the state pass and of the output kernel independently: each pair
+    # must give the same function (128 tokens, two chunks, Dv = 64, so an output tile wider than a head is
+    # included; float32, so the interpreter's dots are exact), the output from kernel 3 or from the state pass
     monkeypatch.setattr(chunk_module, "OUTPUT_IN_STATE_PASS_CHUNKS", 4 if in_state_pass else 0)
-    way, split = prepare
-    for kernel, settings in ((chunk_module._chunk_state_kernel, dict(BLOCK_V=state_block_v)),
-                             (chunk_module._chunk_output_kernel, dict(BLOCK_V=output_block_v)),
-                             (chunk_module._chunk_prepare_kernel,
-                              dict(INVERSE=way, INVERSE_PRECISION="ieee", SPLIT_WU=split))):
-        monkeypatch.setattr(kernel, "configs", [triton.Config(settings, num_warps=4, num_stages=1)])
+    for kernel, block_v in ((chunk_module._chunk_state_kernel, state_block_v),
+                            (chunk_module._chunk_output_kernel, output_block_v)):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
         monkeypatch.setattr(kernel, "cache", {})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = make_inputs(128, 2, 2, 64, 64, torch.float32, device, seed=20)

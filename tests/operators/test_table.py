@@ -26,4 +26,4 @@ def test_ops_command_prints_the_table(capsys):
     assert main(["ops"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("\n") >= len(OPERATORS) + 1
-    assert "_fused_decode_kernel" in printed and "_chunk_state_kernel" in printed
+    assert "_decode_split_kernel" in printed and "_chunk_state_kernel" in printed

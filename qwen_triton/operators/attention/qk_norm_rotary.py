@@ -59,42 +59,29 @@ def rotary_table(max_length: int, rotary_dim: int, theta: float, device=None) ->
 
 
 @triton.jit
-def norm_rotate_rows(
-    row_starts, row_valid, weight, table_row, eps,
+def _norm_rotate_head(
+    source, weight, table_row, eps,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Heads at once: row_starts [R] points at each head's D values (rows not row_valid load zeros);
-    zero-centred RMSNorm over D then rotate-half RoPE of the first ROTARY_DIM lanes. fp32 [R, BLOCK_D]."""
+    """One head: zero-centred RMSNorm over D then rotate-half RoPE of the first ROTARY_DIM lanes (fp32)."""
     HALF: tl.constexpr = ROTARY_DIM // 2
-    lanes = tl.arange(0, BLOCK_D)[None, :]
+    lanes = tl.arange(0, BLOCK_D)
     in_head = lanes < HEAD_DIM
-    sources = row_starts[:, None]
-    x = tl.load(sources + lanes, mask=row_valid[:, None] & in_head, other=0.0).to(tl.float32)
-    inverse_rms = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+    x = tl.load(source + lanes, mask=in_head, other=0.0).to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
     w = tl.load(weight + lanes, mask=in_head, other=0.0).to(tl.float32)
     normed = x * inverse_rms * (1.0 + w)
 
     rotated = lanes < ROTARY_DIM
     first_half = lanes < HALF
     partner = tl.where(first_half, lanes + HALF, lanes - HALF)
-    x_partner = tl.load(sources + partner, mask=row_valid[:, None] & rotated, other=0.0).to(tl.float32)
+    x_partner = tl.load(source + partner, mask=rotated, other=0.0).to(tl.float32)
     w_partner = tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)
     normed_partner = x_partner * inverse_rms * (1.0 + w_partner)
     frequency = tl.where(first_half, lanes, lanes - HALF)
     cos = tl.load(table_row + frequency, mask=rotated, other=1.0)
     sin = tl.load(table_row + HALF + frequency, mask=rotated, other=0.0)
     return normed * cos + tl.where(first_half, -normed_partner, normed_partner) * sin
-
-
-@triton.jit
-def _norm_rotate_head(
-    source, weight, table_row, eps,
-    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """One head (`norm_rotate_rows` of one row): fp32 [BLOCK_D]."""
-    one = tl.arange(0, 1)
-    y = norm_rotate_rows(source + one, one == 0, weight, table_row, eps, HEAD_DIM, ROTARY_DIM, BLOCK_D)
-    return tl.reshape(y, (BLOCK_D,))
 
 
 def _configs():

@@ -25,7 +25,11 @@ Three kernels:
    substitution takes a dependent step of cross-thread reductions per row. It is as accurate (max
    error / max |X| ~3e-7 in float32 for 16 x 16 and 64 x 64 blocks of strongly correlated keys); the
    product form (I - N)(I + N^2)(I + N^4)(I + N^8), N = strictly-lower A, is not (7e-4 there: the powers
-   of N cancel).
+   of N cancel). Measured slower in the prefill of 128 tokens on the H200 (benchmarks/prefill_configs.py,
+   2026-11-30, commit 80ffd3e: the kernel 18.0 us with these products at 8 warps): the same products with
+   three tf32 products each ("tf32x3", 27.6 us), the doubling on the whole 64 x 64 with masks (58.6 us),
+   and W and U formed by two programs that each invert (23.8 us; faster alone, 16.6 against 20.5 us, in
+   benchmarks/chunk_sweep.py, but not in the prefill).
 2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
    program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
    per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
@@ -35,7 +39,10 @@ Three kernels:
    W, U, k and G behind those products.
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
-   its Q K^T (kernel 1's) and q, re-read and re-normalised.
+   its Q K^T (kernel 1's) and q, re-read and re-normalised. For prompts of up to OUTPUT_IN_STATE_PASS_CHUNKS
+   chunks the state pass computes each chunk's output itself (WITH_OUTPUT: the same products on the same
+   roundings, no start states or V' stored) and kernel 3 is not launched: a short prompt is latency, and
+   the sequential pass's few chunks gain little from a parallel kernel behind it.
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
@@ -124,23 +131,23 @@ def _decayed_scores(left, right, decay, PRECISION: tl.constexpr, STRICT: tl.cons
 
 
 @triton.jit
-def _double_inverse(x, a, LEVEL: tl.constexpr, PRECISION: tl.constexpr):
+def _double_inverse(x, a, LEVEL: tl.constexpr):
     """One doubling step of the inverse of a batch [B, n, n] of unit lower triangular matrices I + a.
 
     x = (I + a)^-1 on each diagonal block of size s = 2^LEVEL (zero elsewhere) becomes the inverse on the
     diagonal blocks of size 2s: such a block of I + a is [[I + a0, 0], [c, I + a1]], whose inverse is
     [[X0, 0], [-X1 c X0, X1]] = x - x e x, with e = a's lower-left s x s block in each 2s block.
-    float32 products at PRECISION ("ieee" or "tf32x3").
+    float32 "ieee" products.
     """
     n: tl.constexpr = x.shape[1]
     i = tl.arange(0, n)[None, :, None]
     j = tl.arange(0, n)[None, None, :]
     e = tl.where(((i >> (LEVEL + 1)) == (j >> (LEVEL + 1))) & ((i >> LEVEL) > (j >> LEVEL)), a, 0.0)
-    return tl.dot(-x, tl.dot(e, x, input_precision=PRECISION), acc=x, input_precision=PRECISION)
+    return tl.dot(-x, tl.dot(e, x, input_precision="ieee"), acc=x, input_precision="ieee")
 
 
 @triton.jit
-def _invert_unit_lower(a, PRECISION: tl.constexpr):
+def _invert_unit_lower(a):
     """(I + a)^-1 of a batch of strictly lower triangular blocks a [B, n, n] (entries on and above the
     diagonal are ignored), n a power of two from 16 (tl.dot's minimum) to 256, by recursive doubling:
     log2(n) - 1 steps of two batched products each (`_double_inverse`), as accurate as forward
@@ -152,32 +159,15 @@ def _invert_unit_lower(a, PRECISION: tl.constexpr):
     x = tl.where(i == j, 1.0, 0.0) - tl.where(((i >> 1) == (j >> 1)) & (i > j), a, 0.0)
     for level in tl.static_range(1, 8):
         if (2 << level) <= n:
-            x = _double_inverse(x, a, level, PRECISION)
+            x = _double_inverse(x, a, level)
     return x
 
 
 @triton.jit
-def _invert_whole(a, PRECISION: tl.constexpr):
-    """(I + a)^-1 of one strictly lower triangular a [n, n] (entries on and above the diagonal ignored), n a
-    power of two from 16: the same recursive doubling as `_invert_unit_lower`, on the whole matrix with
-    masks instead of a batch of blocks: log2(n) - 1 steps of two [n, n] x [n, n] products, no reshapes."""
-    n: tl.constexpr = a.shape[0]
-    i = tl.arange(0, n)[:, None]
-    j = tl.arange(0, n)[None, :]
-    x = tl.where(i == j, 1.0, 0.0) - tl.where(((i >> 1) == (j >> 1)) & (i > j), a, 0.0)
-    for level in tl.static_range(1, 8):
-        if (2 << level) <= n:
-            e = tl.where(((i >> (level + 1)) == (j >> (level + 1))) & ((i >> level) > (j >> level)), a, 0.0)
-            x = tl.dot(-x, tl.dot(e, x, input_precision=PRECISION), acc=x, input_precision=PRECISION)
-    return x
-
-
-@triton.jit
-def _merge_inverses(x, a, PRECISION: tl.constexpr):
+def _merge_inverses(x, a):
     """(I + a)^-1 for a batch a [B, 2n, 2n] of strictly lower triangular matrices, from x [2B, n, n], the
     inverses of their diagonal n x n blocks (x[2t] the upper-left one of a[t], x[2t + 1] the lower-right):
-    I + a = [[I + a0, 0], [c, I + a1]] has the inverse [[X0, 0], [-X1 c X0, X1]]. float32 products at
-    PRECISION."""
+    I + a = [[I + a0, 0], [c, I + a1]] has the inverse [[X0, 0], [-X1 c X0, X1]]. float32 "ieee" products."""
     batch: tl.constexpr = a.shape[0]
     n: tl.constexpr = x.shape[1]
     x = tl.reshape(x, (batch, 2, n, n))
@@ -188,7 +178,7 @@ def _merge_inverses(x, a, PRECISION: tl.constexpr):
     row = tl.arange(0, 2)[None, :, None, None, None]  # block row, block column
     col = tl.arange(0, 2)[None, None, None, :, None]
     corner = tl.sum(tl.sum(tl.where((row == 1) & (col == 0), a, 0.0), axis=3), axis=1)  # c [B, n, n]
-    corner = -tl.dot(lower, tl.dot(corner, upper, input_precision=PRECISION), input_precision=PRECISION)
+    corner = -tl.dot(lower, tl.dot(corner, upper, input_precision="ieee"), input_precision="ieee")
     merged = tl.where((row == 1) & (col == 0), corner[:, None, :, None, :], 0.0)
     merged = tl.where(row == col, x[:, :, :, None, :], merged)
     return tl.reshape(merged, (batch, 2 * n, 2 * n))
@@ -205,17 +195,14 @@ def _diagonal_blocks(m, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _invert_chunk(system, WAY: tl.constexpr, PRECISION: tl.constexpr):
+def _invert_chunk(system):
     """(I + A)^-1 [C, C] of a strictly lower triangular A [C, C] (entries on and above the diagonal are
-    ignored; C a power of two >= 64), float32 products at PRECISION ("ieee" or "tf32x3"). WAY "blocks":
-    recursive doubling inside the four C/4 diagonal blocks, batched, then two merges of two blocks; "whole":
-    the doubling on the whole [C, C] (`_invert_whole`)."""
+    ignored; C a power of two >= 64): recursive doubling inside the four C/4 diagonal blocks, batched,
+    then two merges of two blocks."""
     size: tl.constexpr = system.shape[0]
-    if WAY == "whole":
-        return _invert_whole(system, PRECISION)
-    inverse = _invert_unit_lower(_diagonal_blocks(system, 4), PRECISION)
-    inverse = _merge_inverses(inverse, _diagonal_blocks(system, 2), PRECISION)
-    inverse = _merge_inverses(inverse, tl.reshape(system, (1, size, size)), PRECISION)
+    inverse = _invert_unit_lower(_diagonal_blocks(system, 4))
+    inverse = _merge_inverses(inverse, _diagonal_blocks(system, 2))
+    inverse = _merge_inverses(inverse, tl.reshape(system, (1, size, size)))
     return tl.reshape(inverse, (size, size))
 
 
@@ -226,14 +213,9 @@ def _store_rows(base, rows, length, stride_row, cols, width, value):
 
 
 def _prepare_configs():
-    """The inverse's way and precision (see `_invert_chunk`) and the warps: the first, blocks in "ieee" at 8
-    warps, is the interpreter's and the float32 options' way."""
     return autotune_configs([
-        triton.Config({"INVERSE": way, "INVERSE_PRECISION": precision, "SPLIT_WU": split}, num_warps=warps)
-        for way, precision, split, warps in [
-            ("blocks", "ieee", False, 8), ("blocks", "ieee", False, 4), ("blocks", "tf32x3", False, 8),
-            ("blocks", "ieee", True, 8), ("blocks", "tf32x3", True, 8), ("whole", "tf32x3", False, 8),
-        ]
+        triton.Config({}, num_warps=8),
+        triton.Config({}, num_warps=4),
     ])
 
 
@@ -245,7 +227,7 @@ SHORT_PROMPT_CHUNKS = 4
 # Prompts of up to this many chunks get their output from the state pass (WITH_OUTPUT), one launch fewer
 OUTPUT_IN_STATE_PASS_CHUNKS = 4
 SHORT_PROMPT_PICKS = {
-    "prepare": dict(INVERSE="blocks", INVERSE_PRECISION="ieee", SPLIT_WU=True, num_warps=8, num_stages=3),
+    "prepare": dict(num_warps=8, num_stages=3),
     "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
     "state+output": dict(BLOCK_V=16, num_warps=8, num_stages=2),
     "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
@@ -265,7 +247,7 @@ def _prune_prepare(configs, named_args, **kwargs):
     at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned.
     Otherwise the short-prompt pick (SHORT_PROMPT_PICKS)."""
     if kwargs["PRECISION"] == "ieee":
-        return configs[:1]
+        return [c for c in configs if c.num_warps >= 8] or configs[:1]
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
@@ -279,11 +261,9 @@ def _chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    INVERSE: tl.constexpr, INVERSE_PRECISION: tl.constexpr, SPLIT_WU: tl.constexpr,
 ):
-    """Grid (chunks, Hv, 2 + SPLIT_WU): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C]
-    of head h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32), or
-    with SPLIT_WU, G and W while program (c, h, 2) forms the same inverse for U."""
+    """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
+    h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -303,55 +283,22 @@ def _chunk_prepare_kernel(
         tl.store(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS
                  + offsets[None, :], qk.to(qk_ptr.dtype.element_ty), mask=offsets[:, None] >= offsets[None, :])
     else:
-        raw_keys = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
         values = tl.arange(0, BLOCK_V)
-        w_base = w_ptr + head * length * K_DIM
-        u_base = u_ptr + head * length * V_DIM
-        if SPLIT_WU:
-            # program (c, h, 1) W and G, program (c, h, 2) U: each forms the inverse, neither holds both
-            if tl.program_id(2) == 1:
-                decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
-                                           stride_bt)
-                tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
-                unit_keys = l2_normalize_rows(raw_keys.to(tl.float32), 1.0)
-                inverse = _chunk_inverse(unit_keys, beta, decay, PRECISION, INVERSE, INVERSE_PRECISION)
-                _store_w(inverse, unit_keys, beta, decay, w_base, rows, length, keys, K_DIM, PRECISION)
-            else:
-                v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
-                decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
-                                           stride_bt)
-                unit_keys = l2_normalize_rows(raw_keys.to(tl.float32), 1.0)
-                inverse = _chunk_inverse(unit_keys, beta, decay, PRECISION, INVERSE, INVERSE_PRECISION)
-                _store_u(inverse, v, beta, u_base, rows, length, values, V_DIM, PRECISION)
-        else:
-            v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
-            decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
-            tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
-            unit_keys = l2_normalize_rows(raw_keys.to(tl.float32), 1.0)
-            inverse = _chunk_inverse(unit_keys, beta, decay, PRECISION, INVERSE, INVERSE_PRECISION)
-            _store_w(inverse, unit_keys, beta, decay, w_base, rows, length, keys, K_DIM, PRECISION)
-            _store_u(inverse, v, beta, u_base, rows, length, values, V_DIM, PRECISION)
+        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
+        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
+        k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
+        # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
+        # inverse is reused by every row)
+        inverse = _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True))
 
-@triton.jit
-def _chunk_inverse(k, beta, decay, PRECISION: tl.constexpr, INVERSE: tl.constexpr, INVERSE_PRECISION: tl.constexpr):
-    """(I + A)^-1 of A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) (float32 products for the inverse:
-    it is reused by every row)."""
-    return _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True), INVERSE, INVERSE_PRECISION)
-
-
-@triton.jit
-def _store_w(inverse, k, beta, decay, w_base, rows, length, keys, K_DIM: tl.constexpr, PRECISION: tl.constexpr):
-    """W = (I + A)^-1 diag(beta exp(G)) K, stored."""
-    w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
-    _store_rows(w_base, rows, length, K_DIM, keys, K_DIM, w)
-
-
-@triton.jit
-def _store_u(inverse, v, beta, u_base, rows, length, values, V_DIM: tl.constexpr, PRECISION: tl.constexpr):
-    """U = (I + A)^-1 diag(beta) V, stored."""
-    u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
-    _store_rows(u_base, rows, length, V_DIM, values, V_DIM, u)
+        # W = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V
+        w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
+        _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
+        u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+        _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
 def _state_configs():
@@ -570,8 +517,7 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    grid = lambda meta: (chunks, value_heads, 3 if meta["SPLIT_WU"] else 2)  # noqa: E731
-    _chunk_prepare_kernel[grid](
+    _chunk_prepare_kernel[(chunks, value_heads, 2)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
