@@ -10,9 +10,7 @@ inputs and states (18 for short prompts, as the 18 DeltaNet layers of a prefill)
 - `call`: gated_delta_rule_chunked with the autotuner's picks;
 - `prepare`: kernel 1 (`_chunk_prepare_kernel`) alone, at each of its configs;
 - `state`: kernel 2 (`_chunk_state_kernel`, the sequential state pass) alone, at each of its configs;
-- `output`: kernel 3 (`_chunk_output_kernel`) alone, at each of its configs;
-- `state+output`: for prompts whose output comes from the state pass (OUTPUT_IN_STATE_PASS_CHUNKS), kernel 2
-  with the output (WITH_OUTPUT, no kernel 3), at each of its configs.
+- `output`: kernel 3 (`_chunk_output_kernel`) alone, at each of its configs.
 Then the checks of test_gpu_chunked: errors against the float32 torch reference (Frobenius and max of o
 relative to the reference, Frobenius of the final state) for the default precision mix and the "tf32" and
 "ieee" options, within the test's bounds, and a bit-identical repeat of the default call. The options run
@@ -157,10 +155,6 @@ def sweep(length: int, baseline=None) -> list[dict]:
     call(0)  # the autotuner's picks (tuned by check() already)
     picks = {name: short(kernel.best_config) if hasattr(kernel, "best_config") else None  # None: never ran
              for name, kernel in kernels.items()}
-    output_in_state_pass = triton.cdiv(length, chunk.CHUNK) <= chunk.OUTPUT_IN_STATE_PASS_CHUNKS
-    if output_in_state_pass:  # the call ran the state pass with the output, and no kernel 3
-        picks["state+output"], picks["state"], picks["output"] = picks["state"], None, None
-        kernels["state+output"] = chunk._chunk_state_kernel
     rows.append(dict(T=length, kernel="call", config=tuned_picks(chunk), us=graph_us(call, copies),
                      autotuner_pick=True))
 
@@ -184,13 +178,7 @@ def sweep(length: int, baseline=None) -> list[dict]:
     def output_only(i):
         chunk._launch_output(sets[i]["q"], outs[i], scratches[i])
 
-    def state_with_output(i):
-        chunk._launch_state_pass(sets[i]["k"], states[i], scratches[i], q=sets[i]["q"], out=outs[i])
-
-    launches = [("prepare", prepare_only), ("state", state_only), ("output", output_only)]
-    if output_in_state_pass:
-        launches.append(("state+output", state_with_output))
-    for name, launch in launches:
+    for name, launch in (("prepare", prepare_only), ("state", state_only), ("output", output_only)):
         kernel = kernels[name]
         all_configs = list(kernel.configs)
         for config in all_configs:
@@ -226,7 +214,7 @@ def main() -> None:
         print(f"T={length}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
-        for name in ("prepare", "state", "output", "state+output"):
+        for name in ("prepare", "state", "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
             print(f"  {name:10s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
                                               for r in timed))

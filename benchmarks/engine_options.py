@@ -1,12 +1,15 @@
 """The engine's decode step with and without an option, in one process: which way is faster where it runs.
 
-Builds the 0.8B model (random weights, bf16) once per option set, e.g. `fused_attention_decode=False`, and
+Builds the 0.8B model (random weights, bf16) once per option set, e.g. `out_projection_mlp=False`, and
 times decode steps as `qwen-triton bench` does (`time_calls(back_to_back=True)` over the bench's step: the
 CUDA graph with feedback, one step ahead of the host) at each context, alternating the option sets for
 `rounds` rounds so that a drift of the machine falls on all of them alike; prints each median.
 
-    python3 benchmarks/engine_options.py "fused_attention_decode=True" "fused_attention_decode=False" \
+    python3 benchmarks/engine_options.py "out_projection_mlp=True" "out_projection_mlp=False" \
         [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json]
+
+(At commit 80ffd3e it compared a one-launch decode attention, since removed, with the three kernels:
+benchmarks/results/engine-options-2026-11-30-NVIDIA-H200-80ffd3e.json.)
 """
 
 from __future__ import annotations

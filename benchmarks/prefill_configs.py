@@ -8,12 +8,13 @@ does (`time_calls`: reset + prefill of the same random prompt, each timed by CUD
 captured in the warm-up), and the kernel's own duration inside the replayed graph (the median over its
 launches of 3 prefills, from the CUDA profiler).
 
---settings NAME=VALUE ... runs the whole sweep once per setting of a module constant of chunk.py (e.g.
-OUTPUT_IN_STATE_PASS_CHUNKS=0 and =4: the short prompt's output from kernel 3 or from the state pass);
---configs pinned keeps the kernel's own config choice (its short-prompt pin) instead of each config in turn.
+--settings NAME=VALUE ... runs the whole sweep once per setting of an integer module constant of chunk.py
+(e.g. SHORT_PROMPT_CHUNKS=0 and =4: the short-prompt pins off and on; at commit 4ca1bd6 it compared the
+state pass with and without the output); --configs pinned keeps the kernel's own config choice instead of
+each config in turn.
 
     python3 benchmarks/prefill_configs.py [--kernel chunk_prepare] [--tokens 128,256] [--steps 30] [--out f.json]
-        [--settings OUTPUT_IN_STATE_PASS_CHUNKS=0 OUTPUT_IN_STATE_PASS_CHUNKS=4] [--configs all|pinned]
+        [--settings SHORT_PROMPT_CHUNKS=0 SHORT_PROMPT_CHUNKS=4] [--configs all|pinned]
 """
 
 from __future__ import annotations

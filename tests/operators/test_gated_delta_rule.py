@@ -183,21 +183,6 @@ def test_chunked_in_two_calls_equals_one(device):
     torch.testing.assert_close(split_state, whole_state, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_chunked_output_in_the_state_pass_equals_the_output_kernel(device, dtype, monkeypatch):
-    """Short prompts take their output from the state pass (WITH_OUTPUT), longer ones from kernel 3: the same
-    products on the same roundings (V' and the start state rounded to the dot dtype either way)."""
-    inputs = make_inputs(130, 2, 4, 32, 48, dtype, device, seed=9)
-    initial = random_state((4, 32, 48), device)
-    results = {}
-    for chunks in (0, 4):  # prompts of up to `chunks` chunks: 0 none, 4 this one (3 chunks)
-        monkeypatch.setattr(chunk_module, "OUTPUT_IN_STATE_PASS_CHUNKS", chunks)
-        state = initial.clone()
-        results[chunks] = (gated_delta_rule_chunked(*kernel_arguments(inputs), state), state)
-    torch.testing.assert_close(results[4][0], results[0][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(results[4][1], results[0][1], rtol=0, atol=0)  # the state pass is the same either way
-
-
 def test_chunked_start_states_are_the_prefix_states(device):
     """The state pass's chunk start states: chunk c's is the final state of a call on the first 64 c tokens."""
     length, heads, key_dim, value_dim = 130, 2, 24, 40
@@ -493,13 +478,11 @@ def test_argument_errors(device):
 HEADS, DIM = 16, 128
 
 
-@pytest.mark.parametrize("state_block_v, output_block_v, in_state_pass", [
-    (16, 128, False), (32, 32, False), (64, 16, True)])
-def test_chunked_every_value_tiling(state_block_v, output_block_v, in_state_pass, monkeypatch):
+@pytest.mark.parametrize("state_block_v, output_block_v", [(16, 128), (32, 32), (64, 16)])
+def test_chunked_every_value_tiling(state_block_v, output_block_v, monkeypatch):
     # the autotuner picks the BLOCK_V of the state pass and of the output kernel independently: each pair
     # must give the same function (128 tokens, two chunks, Dv = 64, so an output tile wider than a head is
-    # included; float32, so the interpreter's dots are exact), the output from kernel 3 or from the state pass
-    monkeypatch.setattr(chunk_module, "OUTPUT_IN_STATE_PASS_CHUNKS", 4 if in_state_pass else 0)
+    # included; float32, so the interpreter's dots are exact)
     for kernel, block_v in ((chunk_module._chunk_state_kernel, state_block_v),
                             (chunk_module._chunk_output_kernel, output_block_v)):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
@@ -674,13 +657,11 @@ import importlib, json
 chunk = importlib.import_module("qwen_triton.operators.gated_delta_rule.chunk")
 conv = importlib.import_module("qwen_triton.operators.conv.causal_conv1d")
 picks = {}
-for name, with_output in (("prepare", False), ("state", False), ("state", True), ("output", False)):
+for name in ("prepare", "state", "output"):
     kernel = getattr(chunk, f"_chunk_{name}_kernel")
     prune = kernel.early_config_prune
-    kept = [prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32", WITH_OUTPUT=with_output)
-            for bucket in (2, 4, 8, 64)]
-    picks[name + ("+output" if with_output else "")] = [[len(k) for k in kept], len(kernel.configs),
-                                                         str(kept[0][0].all_kwargs())]
+    kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32")) for bucket in (2, 4, 8, 64)]
+    picks[name] = [kept, len(kernel.configs)]
 kernel = conv._causal_conv1d_kernel
 picks["conv"] = [[len(kernel.early_config_prune(kernel.configs, dict(length_bucket=n))) for n in (128, 256, 512, 4096)],
                  len(kernel.configs)]
@@ -692,6 +673,5 @@ def test_short_prompts_run_the_swept_configs():
     # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
     # exactly the pinned config of each prefill kernel, longer ones the whole tuning space
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
-    for name, (kept, every, *_) in picks.items():
+    for name, (kept, every) in picks.items():
         assert every > 1 and kept == [1, 1, every, every], (name, kept, every)
-    assert picks["state"][2] != picks["state+output"][2]  # each way of the state pass its own pick

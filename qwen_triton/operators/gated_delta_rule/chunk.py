@@ -39,10 +39,10 @@ Three kernels:
    W, U, k and G behind those products.
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
-   its Q K^T (kernel 1's) and q, re-read and re-normalised. For prompts of up to OUTPUT_IN_STATE_PASS_CHUNKS
-   chunks the state pass computes each chunk's output itself (WITH_OUTPUT: the same products on the same
-   roundings, no start states or V' stored) and kernel 3 is not launched: a short prompt is latency, and
-   the sequential pass's few chunks gain little from a parallel kernel behind it.
+   its Q K^T (kernel 1's) and q, re-read and re-normalised. Folding this into the state pass for short
+   prompts (one launch fewer) was measured no faster in the prefill of 128 tokens (commit 4ca1bd6: the
+   state pass 6.2 -> 9.8 us per layer against 4.0 us for this kernel; the prefill 2.126 / 2.243 ms without
+   it, 2.280 / 2.449 ms with it, two rounds, benchmarks/prefill_configs.py --settings) and was removed.
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
@@ -224,12 +224,9 @@ def _prepare_configs():
 # 4db1353): there the kernels take 6-20 us, the autotuner's one-launch timings picked differently from run
 # to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with its picks.
 SHORT_PROMPT_CHUNKS = 4
-# Prompts of up to this many chunks get their output from the state pass (WITH_OUTPUT), one launch fewer
-OUTPUT_IN_STATE_PASS_CHUNKS = 4
 SHORT_PROMPT_PICKS = {
     "prepare": dict(num_warps=8, num_stages=3),
     "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
-    "state+output": dict(BLOCK_V=16, num_warps=8, num_stages=2),
     "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 }
 
@@ -237,7 +234,7 @@ SHORT_PROMPT_PICKS = {
 def _short_prompt_pick(kernel: str):
     def prune(configs, named_args, **kwargs):
         if named_args.get("chunk_bucket", SHORT_PROMPT_CHUNKS + 1) <= SHORT_PROMPT_CHUNKS:
-            return keep_preferred(configs, SHORT_PROMPT_PICKS[kernel + ("+output" if kwargs.get("WITH_OUTPUT") else "")])
+            return keep_preferred(configs, SHORT_PROMPT_PICKS[kernel])
         return configs
     return prune
 
@@ -329,37 +326,24 @@ def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_
     return w, u, k, decay, decay_last
 
 
-@triton.jit
-def _chunk_output(q_base, stride_qt, qk_base, decay, state, new_values, rows, length, keys, scale,
-                  K_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """A chunk's O = diag(exp(G)) Q S + (Q K^T decayed, causal) V' [C, BLOCK_V] from its start state S and V'
-    (columns of them), its Q K^T (kernel 1's, at qk_base) and q, re-read and re-normalised."""
-    offsets = tl.arange(0, CHUNK_ROWS)
-    qk = tl.load(qk_base + offsets[:, None] * CHUNK_ROWS + offsets[None, :], mask=offsets[:, None] >= offsets[None, :],
-                 other=0.0)
-    q = l2_normalize_rows(_load_rows(q_base, rows, length, stride_qt, keys, K_DIM), scale) * tl.exp(decay)[:, None]
-    return _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
-
-
 @triton.autotune(
     configs=_state_configs(),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "WITH_OUTPUT"],  # DOT_DTYPE: w's dtype, in the key
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
     restore_value=["state_ptr"], cache_results=True,
 )
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_state_kernel(
-    k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr, q_ptr, qk_ptr, out_ptr,
-    length, chunks, chunk_bucket, scale,
-    stride_kt, stride_kh, stride_qt, stride_qh, stride_ot, stride_oh,
+    k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    length, chunks, chunk_bucket,
+    stride_kt, stride_kh,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, WITH_OUTPUT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place. WITH_OUTPUT (short prompts): it writes each chunk's output columns
-    itself (`_chunk_output`, kernel 3's work) instead of the start states and V'."""
+    the final state (float32) in place."""
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -377,18 +361,11 @@ def _chunk_state_kernel(
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, k, decay, decay_last = _state_step_tiles(
             w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
-        rows = chunk * CHUNK_ROWS + offsets
+        start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
+                                   K_DIM, V_DIM)
+        tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
-        if WITH_OUTPUT:
-            out = _chunk_output(q_ptr + (head // GROUP) * stride_qh, stride_qt,
-                                qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS), decay, state,
-                                new_values, rows, length, keys, scale, K_DIM, CHUNK_ROWS, DOT_DTYPE, PRECISION)
-            _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
-        else:
-            start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
-                                       K_DIM, V_DIM)
-            tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
-            _store_rows(new_values_base, rows, length, V_DIM, values, V_DIM, new_values)
+        _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
         decayed_keys = l2_normalize_rows(k.to(tl.float32), 1.0) * tl.exp(decay_last - decay)[:, None]
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
@@ -427,9 +404,13 @@ def _chunk_output_kernel(
     start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(start_slab, mask=slab_mask, other=0.0)
     new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
+    qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
+                 mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
-    out = _chunk_output(q_ptr + (head // GROUP) * stride_qh, stride_qt, qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS),
-                        decay, state, new_values, rows, length, keys, scale, K_DIM, CHUNK_ROWS, DOT_DTYPE, PRECISION)
+    q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
+                          scale)
+    q = q * tl.exp(decay)[:, None]
+    out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
     _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
 
 
@@ -472,11 +453,8 @@ def gated_delta_rule_chunked(
 
     scratch = _scratch(q, v, dot_precision)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    if triton.cdiv(length, CHUNK) <= OUTPUT_IN_STATE_PASS_CHUNKS:
-        _launch_state_pass(k, state, scratch, q=q, out=out)
-    else:
-        _launch_state_pass(k, state, scratch)
-        _launch_output(q, out, scratch)
+    _launch_state_pass(k, state, scratch)
+    _launch_output(q, out, scratch)
     return out
 
 
@@ -527,22 +505,18 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     )
 
 
-def _launch_state_pass(k, state, scratch: _Scratch, q=None, out=None) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; with q and
-    out, the output written instead (kernel 3's work in the state pass: WITH_OUTPUT)."""
+def _launch_state_pass(k, state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (length, key_heads), (value_heads, key_dim, value_dim) = k.shape[:2], state.shape
     chunks = triton.cdiv(length, CHUNK)
-    with_output = out is not None
-    if not with_output:
-        q, out = k, scratch.new_values  # unused
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
-        k, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states, q, scratch.qk, out,
-        length, chunks, triton.next_power_of_2(chunks), key_dim**-0.5,
-        k.stride(0), k.stride(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
+        length, chunks, triton.next_power_of_2(chunks),
+        k.stride(0), k.stride(1),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision, WITH_OUTPUT=with_output,
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
 
 
