@@ -29,7 +29,8 @@ Three kernels:
    2026-11-30, commit 80ffd3e: the kernel 18.0 us with these products at 8 warps): the same products with
    three tf32 products each ("tf32x3", 27.6 us), the doubling on the whole 64 x 64 with masks (58.6 us),
    and W and U formed by two programs that each invert (23.8 us; faster alone, 16.6 against 20.5 us, in
-   benchmarks/chunk_sweep.py, but not in the prefill).
+   benchmarks/chunk_sweep.py, but not in the prefill); and V loaded after the inverse, which cuts the spills
+   for sm_90 at 8 warps from 304 to 64 bytes per thread (18.4 us; commit 863ccc9).
 2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
    program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
    per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
