@@ -487,10 +487,6 @@ def test_chunked_every_value_tiling(state_block_v, output_block_v, monkeypatch):
                             (chunk_module._chunk_output_kernel, output_block_v)):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
         monkeypatch.setattr(kernel, "cache", {})
-    # and the prepare kernel's V loaded with its other inputs or after the inverse (LATE_V)
-    late_v = triton.Config({"LATE_V": state_block_v == 64}, num_warps=4, num_stages=1)
-    monkeypatch.setattr(chunk_module._chunk_prepare_kernel, "configs", [late_v])
-    monkeypatch.setattr(chunk_module._chunk_prepare_kernel, "cache", {})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = make_inputs(128, 2, 2, 64, 64, torch.float32, device, seed=20)
     initial = random_state((2, 64, 64), device) * 0.2

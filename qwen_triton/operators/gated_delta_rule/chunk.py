@@ -214,12 +214,9 @@ def _store_rows(base, rows, length, stride_row, cols, width, value):
 
 
 def _prepare_configs():
-    """LATE_V: load V after the inverse rather than with the other inputs, holding fewer registers through the
-    inverse (for sm_90 at 8 warps, 64 bytes of spills per thread against 304), its load's latency exposed."""
     return autotune_configs([
-        triton.Config({"LATE_V": False}, num_warps=8),
-        triton.Config({"LATE_V": False}, num_warps=4),
-        triton.Config({"LATE_V": True}, num_warps=8),
+        triton.Config({}, num_warps=8),
+        triton.Config({}, num_warps=4),
     ])
 
 
@@ -229,7 +226,7 @@ def _prepare_configs():
 # to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with its picks.
 SHORT_PROMPT_CHUNKS = 4
 SHORT_PROMPT_PICKS = {
-    "prepare": dict(LATE_V=False, num_warps=8, num_stages=3),
+    "prepare": dict(num_warps=8, num_stages=3),
     "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
     "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 }
@@ -248,7 +245,7 @@ def _prune_prepare(configs, named_args, **kwargs):
     at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned.
     Otherwise the short-prompt pick (SHORT_PROMPT_PICKS)."""
     if kwargs["PRECISION"] == "ieee":
-        return [c for c in configs if c.num_warps >= 8][:1] or configs[:1]
+        return [c for c in configs if c.num_warps >= 8] or configs[:1]
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
@@ -262,7 +259,6 @@ def _chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    LATE_V: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32)."""
@@ -287,8 +283,7 @@ def _chunk_prepare_kernel(
     else:
         k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
         values = tl.arange(0, BLOCK_V)
-        if not LATE_V:
-            v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
+        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
         decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
         k = l2_normalize_rows(k.to(tl.float32), 1.0)
@@ -300,8 +295,6 @@ def _chunk_prepare_kernel(
         # W = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V
         w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
         _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
-        if LATE_V:
-            v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
         u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
