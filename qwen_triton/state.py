@@ -38,11 +38,12 @@ class ModelState:
 
     def reset(self, slot: int) -> None:
         """Start the sequence in `slot` afresh: its conv and recurrent states zeroed, in one multi-tensor
-        launch on a GPU (`torch._foreach_zero_`; one launch per tensor, 36 at the 0.8B shape, cost the
-        host ~0.1 ms per prompt). The KV cache is left as it is: a sequence's attention never sees a
-        position at or past its length (the Triton kernels do not load them, the reference masks their
-        scores to -inf), and zeroing it would write the whole cache, 405 MB at max_length 32768 and the
-        0.8B shape, before every prompt."""
-        if slot not in self._slot_states:  # the views, made once: building them costs the host ~2 us each
+        launch on a GPU (`torch._foreach_zero_`, rather than one launch from Python per tensor: 36 at the
+        0.8B shape). The KV cache is left as it is: a sequence's attention never sees a position at or past
+        its length (the Triton kernels do not load them, the reference masks their scores to -inf), and
+        zeroing it would write the whole cache, 405 MB at max_length 32768 and the 0.8B shape, before every
+        prompt. (Measured together, on the H200: the prefill of 128 tokens as the bench times it, reset
+        included, 2.188 -> 2.010 ms; docs/perf-notes.md, 2026-11-30.)"""
+        if slot not in self._slot_states:  # the views, made once (Python work on every prompt otherwise)
             self._slot_states[slot] = [t[slot] for tensors in (self.conv, self.recurrent) for t in tensors.values()]
         torch._foreach_zero_(self._slot_states[slot])
