@@ -26,6 +26,7 @@ import statistics
 import torch
 
 from qwen_triton.benchmark.harness import EngineRunner, time_calls
+from qwen_triton.benchmark.profile import cuda_kernel_events
 from qwen_triton.operators.gated_delta_rule import chunk
 
 KERNELS = {
@@ -41,14 +42,13 @@ def describe(config) -> str:
 
 
 def kernel_durations_us(run, name: str, repeats: int = 3) -> list[float]:
-    """Durations of the kernels whose name contains `name` over `repeats` calls of run(), from the profiler."""
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
+    """Durations of the kernels named `name` over `repeats` calls of run(), from the CUDA profiler (the
+    events `qwen-triton profile` reads)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(repeats):
             run()
         torch.cuda.synchronize()
-    return [event.device_time for event in profiler.events()
-            if event.device_type == torch.autograd.DeviceType.CUDA and name in event.name]
+    return [end - start for _, start, end in cuda_kernel_events(profiler, {name})]
 
 
 def main() -> None:

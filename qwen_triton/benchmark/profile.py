@@ -33,7 +33,7 @@ def _floor_us(op, hbm_TBps: float, matmul_TFLOPs: float) -> float:
     return max(op.bytes / (hbm_TBps * 1e12), op.flops / (matmul_TFLOPs * 1e12)) * 1e6
 
 
-def _cuda_kernel_events(prof, names: set[str]) -> list[tuple[str, float, float]]:
+def cuda_kernel_events(prof, names: set[str]) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of the device kernels whose names are in `names`, by start time."""
     events = []
     for event in prof.events():
@@ -53,7 +53,7 @@ def _timeline(run, trace: KernelTrace, steps: int) -> tuple[list[float], list[fl
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    events = _cuda_kernel_events(prof, set(launches))
+    events = cuda_kernel_events(prof, set(launches))
     count = len(launches)
     if len(events) != steps * count or any(
             events[s * count + k][0] != launches[k] for s in range(steps) for k in range(count)):
