@@ -157,39 +157,28 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
 # and off Hopper it is compiled out.
 
 PREFETCH_LANES = tl.constexpr(256)  # chunk requests per program and round: one per thread at 8 warps
-PREFETCH_CHUNK_BYTES = tl.constexpr(4096)  # bytes per bulk request
-# False: `cp.async.bulk.prefetch.L2` (the TMA unit), one request per 4 KiB chunk; True: `prefetch.global.L2`,
-# one request per 128-byte line, no completion for the program to track
-PREFETCH_LINES = tl.constexpr(False)
+PREFETCH_CHUNK_BYTES = tl.constexpr(4096)  # bytes per request
 
 
 @triton.jit
 def prefetch_to_l2(base, count, part, parts, ENABLED: tl.constexpr):
     """Ask the L2 to fetch program `part` of `parts`'s share of the `count` elements at `base` (16-byte
-    aligned, count * element size a multiple of 16: `prefetch_arguments` checks both). Each program takes
-    an even, contiguous share of the chunks, in rounds of PREFETCH_LANES requests. At most 8 warps: more
-    would issue each request from several threads."""
+    aligned, count * element size a multiple of 16: `prefetch_arguments` checks both). The chunks are dealt
+    to the programs round-robin in rounds of PREFETCH_LANES, so programs running together cover one
+    contiguous stretch. At most 8 warps: more would issue each request from several threads."""
     if ENABLED:
         ELEMENT_BYTES: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-        CHUNK: tl.constexpr = (128 if PREFETCH_LINES else PREFETCH_CHUNK_BYTES) // ELEMENT_BYTES
+        CHUNK: tl.constexpr = PREFETCH_CHUNK_BYTES // ELEMENT_BYTES
         lanes = tl.arange(0, PREFETCH_LANES)
         chunks = tl.cdiv(count, CHUNK)
-        share = tl.cdiv(chunks, parts)
-        end = tl.minimum(chunks, (part + 1) * share)
-        for first in range(part * share, end, PREFETCH_LANES):
+        for first in range(part * PREFETCH_LANES, chunks, parts * PREFETCH_LANES):
             chunk = first + lanes
             offset = chunk.to(tl.int64) * CHUNK
-            size = tl.where(chunk < end, tl.minimum(count - offset, CHUNK), 0).to(tl.int32) * ELEMENT_BYTES
-            # a chunk past the share has size 0 and issues nothing
-            if PREFETCH_LINES:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [base + offset, size], dtype=tl.int32, is_pure=False, pack=1)
-            else:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.u32 $0, 0; }",
-                    "=r,l,r", [base + offset, size], dtype=tl.int32, is_pure=False, pack=1)
+            size = tl.where(chunk < chunks, tl.minimum(count - offset, CHUNK), 0).to(tl.int32) * ELEMENT_BYTES
+            # a chunk past the end has size 0 and issues nothing
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [base + offset, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def prefetch_arguments(name: str, tensor, stand_in: torch.Tensor) -> tuple:
