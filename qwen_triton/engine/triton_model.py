@@ -103,7 +103,6 @@ class TritonModel:
         fused_delta_decode: bool = True,
         out_projection_mlp: bool = True,
         pdl: bool | None = None,
-        l2_prefetch: int | None = None,
         progress: bool = False,
     ):
         self.config = c = config
@@ -120,11 +119,6 @@ class TritonModel:
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
             raise ValueError(f"pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer, not {self.device}")
-        # bytes of the weight stream that a decode step's latency-bound kernels ask the L2 to fetch ahead
-        # (None: each layer's tail, 0: none; see _prefetch_windows)
-        if l2_prefetch is not None and (not isinstance(l2_prefetch, int) or l2_prefetch < 0):
-            raise ValueError(f"l2_prefetch must be None or a number of bytes >= 0, got {l2_prefetch!r}")
-        self.l2_prefetch = l2_prefetch
         self.embed = weights["embed_tokens.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["norm.weight"]
@@ -164,8 +158,6 @@ class TritonModel:
                 gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]).contiguous(),
                 down=weights[p + "mlp.down_proj.weight"],
             ))
-        self.weight_stream = self._pack_weight_stream()
-        self.prefetch_windows = self._prefetch_windows(l2_prefetch)
         self.rotary = rotary_table(max_length, c.rotary_dim, c.rope_theta, self.device)
         # the split-KV count of batch 1 for every batch: a sequence's attention is then summed in the same
         # order whatever batch it decodes in (batched generation equals one at a time)
@@ -183,53 +175,6 @@ class TritonModel:
         self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.trace: KernelTrace | None = None  # set by qwen-triton profile while it records launches
         self.trace_context = 0  # the decode context the trace's attention bytes are counted at
-
-    def _stream_pieces(self, i: int) -> list[tuple[object, str]]:
-        """Layer i's projection weights in the order a decode step reads them: (holder, attribute)."""
-        w, mlp = self.layers[i], self.mlps[i]
-        first = (w, "qkv") if isinstance(w, AttentionWeights) else (w, "projection")
-        return [first, (w, "out"), (mlp, "gate_up"), (mlp, "down")]
-
-    def _pack_weight_stream(self) -> torch.Tensor:
-        """Every layer's projection weights in one buffer, in the order a decode step reads them (in-projection,
-        out-projection, gate/up, down; layer by layer); the weight tensors become views of it. The bytes
-        still to come after any point of the step are then one contiguous stretch, which a kernel can ask the
-        L2 to fetch ahead (l2_prefetch). Each piece starts on 16 bytes (the bulk prefetch's alignment)."""
-        pieces = [piece for i in range(len(self.layers)) for piece in self._stream_pieces(i)]
-        align = 16 // self.embed.element_size()
-        sizes = [-(-getattr(holder, name).numel() // align) * align for holder, name in pieces]
-        stream = torch.empty(sum(sizes), dtype=self.embed.dtype, device=self.device)
-        start = 0
-        for (holder, name), size in zip(pieces, sizes):
-            weight = getattr(holder, name)
-            if weight.dtype != stream.dtype:
-                raise ValueError(f"{name} weight has dtype {weight.dtype}, the embedding {stream.dtype}")
-            view = stream[start:start + weight.numel()].view(weight.shape)
-            view.copy_(weight)
-            setattr(holder, name, view)
-            start += size
-        return stream
-
-    def _prefetch_windows(self, size: int | None) -> list[torch.Tensor | None]:
-        """Per layer, the `size` bytes of the weight stream from the layer's out-projection on (its tail's
-        weights, then the next layer's; None: the tail's, out-projection to down): what the layer's
-        latency-bound decode kernel (the DeltaNet step, the attention's split-KV pass) asks the L2 to fetch
-        (operators/common.py, prefetch_to_l2). None when size is 0."""
-        if size == 0:
-            return [None] * len(self.layers)
-        element = self.embed.element_size()
-        end = self.weight_stream.numel()
-        windows = []
-        for i in range(len(self.layers)):
-            w, mlp = self.layers[i], self.mlps[i]
-            start = (w.out.data_ptr() - self.weight_stream.data_ptr()) // element
-            if size is None:
-                count = (mlp.down.data_ptr() - w.out.data_ptr()) // element + mlp.down.numel()
-            else:
-                count = size // element
-            count = min(count // (16 // element) * (16 // element), end - start)  # whole 16-byte units
-            windows.append(self.weight_stream[start:start + count])
-        return windows
 
     def reset(self, slot: int | None = None) -> None:
         """Forget the sequence in `slot` (all slots when None)."""
@@ -440,7 +385,7 @@ class TritonModel:
 
             with self._operator("attention (split-KV decode + merge)", i, cost):
                 return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
-                                        num_splits=self.decode_splits, pdl=pdl, prefetch=self.prefetch_windows[i])
+                                        num_splits=self.decode_splits, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
@@ -461,7 +406,6 @@ class TritonModel:
                         out = gated_delta_rule_decode_fused(
                             mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
                             out=buffers.scratch["delta_normed"], delta_out=buffers.scratch["delta_out"], pdl=pdl,
-                            prefetch=self.prefetch_windows[i],
                         )
                 else:
                     with self._operator("deltanet step (unfused: conv, delta rule, gated norm)", i, delta_cost):

@@ -147,55 +147,6 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-# ---- L2 prefetch: the next kernels' weights while this one waits on latency ----------------------------
-# A decode step alternates kernels that stream weights (the projections: bandwidth-bound) with kernels that
-# wait on latency (the DeltaNet step, the attention's split-KV pass: a few MB of state, a chain of dependent
-# loads and reductions). While the latter run, HBM is nearly idle. `prefetch_to_l2` lets such a kernel ask
-# the L2 to fetch the weights the following kernels will read, so they find them on chip: each program
-# issues `cp.async.bulk.prefetch.L2` (sm_90, the TMA unit: one instruction per chunk, no registers held, no
-# wait) for its share of the bytes. A hint: no result depends on it. Under the interpreter (no inline PTX)
-# and off Hopper it is compiled out.
-
-PREFETCH_LANES = tl.constexpr(256)  # chunk requests per program and round: one per thread at 8 warps
-PREFETCH_CHUNK_BYTES = tl.constexpr(4096)  # bytes per request
-
-
-@triton.jit
-def prefetch_to_l2(base, count, part, parts, ENABLED: tl.constexpr):
-    """Ask the L2 to fetch program `part` of `parts`'s share of the `count` elements at `base` (16-byte
-    aligned, count * element size a multiple of 16: `prefetch_arguments` checks both). The chunks are dealt
-    to the programs round-robin in rounds of PREFETCH_LANES, so programs running together cover one
-    contiguous stretch. At most 8 warps: more would issue each request from several threads."""
-    if ENABLED:
-        ELEMENT_BYTES: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-        CHUNK: tl.constexpr = PREFETCH_CHUNK_BYTES // ELEMENT_BYTES
-        lanes = tl.arange(0, PREFETCH_LANES)
-        chunks = tl.cdiv(count, CHUNK)
-        for first in range(part * PREFETCH_LANES, chunks, parts * PREFETCH_LANES):
-            chunk = first + lanes
-            offset = chunk.to(tl.int64) * CHUNK
-            size = tl.where(chunk < chunks, tl.minimum(count - offset, CHUNK), 0).to(tl.int32) * ELEMENT_BYTES
-            # a chunk past the end has size 0 and issues nothing
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [base + offset, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def prefetch_arguments(name: str, tensor, stand_in: torch.Tensor) -> tuple:
-    """(tensor, element count, ENABLED): a kernel's prefetch_to_l2 arguments from a launcher's `prefetch`
-    argument: None (nothing to fetch; the kernel gets `stand_in`, one of its own tensors, never read), or a
-    contiguous tensor on stand_in's device, 16-byte aligned, whose bytes are a multiple of 16 (the bulk
-    prefetch's rule). Enabled on Hopper and newer; under the interpreter the kernel skips it."""
-    if tensor is None:
-        return stand_in, 0, False
-    check_tensor(name, tensor, contiguous=True, device=stand_in.device)
-    size = tensor.numel() * tensor.element_size()
-    if tensor.data_ptr() % 16 or size % 16:
-        raise ValueError(f"{name} must start on 16 bytes and span a multiple of 16 bytes "
-                         f"(address {tensor.data_ptr():#x}, {size} bytes)")
-    return tensor, tensor.numel(), pdl_available(tensor.device) and size > 0
-
-
 def autotune_choices() -> list[dict]:
     """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
     here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages}], so a

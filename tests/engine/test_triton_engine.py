@@ -52,39 +52,6 @@ def test_decode_with_the_three_projections_matches_transformers(checkpoints):
     assert relative_error(llm.score(token_ids, prefill=0), expected) <= TOLERANCE
 
 
-def test_weight_stream_and_l2_prefetch_windows(checkpoints):
-    # every projection weight is a view of one buffer, in the order a decode step reads them; each layer's
-    # prefetch window starts at its out-projection and runs l2_prefetch bytes on, clipped at the end
-    directory = checkpoints["causal"]
-    plain = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, l2_prefetch=0)
-    llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, l2_prefetch=4096)
-    model = llm.model
-    stream = model.weight_stream
-    starts = []
-    for i, (w, mlp) in enumerate(zip(model.layers, model.mlps)):
-        first = w.qkv if hasattr(w, "qkv") else w.projection
-        for weight in (first, w.out, mlp.gate_up, mlp.down):
-            assert weight.untyped_storage().data_ptr() == stream.untyped_storage().data_ptr()
-            assert weight.is_contiguous() and weight.data_ptr() % 16 == 0
-            starts.append((weight.data_ptr(), weight.numel()))
-        window = model.prefetch_windows[i]
-        assert window.data_ptr() == w.out.data_ptr()
-        end = stream.data_ptr() + stream.numel() * 4
-        assert window.numel() * 4 == min(4096, end - w.out.data_ptr())
-    assert all(a + 4 * n <= b for (a, n), (b, _) in zip(starts, starts[1:]))
-    for window in model._prefetch_windows(1 << 30):  # past the stream's end: clipped to it
-        assert window.data_ptr() + window.numel() * 4 == stream.data_ptr() + stream.numel() * 4
-    for w, mlp, window in zip(model.layers, model.mlps, model._prefetch_windows(None)):  # the default: the tail
-        assert window.data_ptr() == w.out.data_ptr()
-        assert window.data_ptr() + window.numel() * 4 == mlp.down.data_ptr() + mlp.down.numel() * 4
-    assert all(window is None for window in plain.model.prefetch_windows)
-    # the same weights as loaded: the same logits (on the CPU the kernels skip the hint itself)
-    token_ids = torch.randint(0, llm.config.vocab_size, (6,), generator=torch.Generator().manual_seed(4)).tolist()
-    assert torch.equal(llm.score(token_ids, prefill=2), plain.score(token_ids, prefill=2))
-    with pytest.raises(ValueError, match="l2_prefetch"):
-        LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, l2_prefetch=-1)
-
-
 def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence(checkpoints):
     # reset leaves the KV cache as it is (state.py): NaN in every cache position and in the conv and
     # recurrent states before a sequence must change no logit of a prefill or of the decode steps after it
@@ -220,17 +187,6 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit():
     without = _real_model("triton", torch.bfloat16, pdl=False).score(token_ids, prefill=8)
     assert torch.isfinite(with_pdl).all()
     assert torch.equal(with_pdl, without)
-
-
-@pytest.mark.gpu
-def test_gpu_l2_prefetch_changes_no_bit():
-    # the prefetch is a hint to the L2: the same logits with and without it
-    token_ids = torch.randint(0, 248_000, (40,), generator=torch.Generator().manual_seed(6)).tolist()
-    hinted = _real_model("triton", torch.bfloat16, l2_prefetch=43_057_152).score(token_ids, prefill=8)
-    torch.cuda.empty_cache()
-    plain = _real_model("triton", torch.bfloat16, l2_prefetch=0).score(token_ids, prefill=8)
-    assert torch.isfinite(hinted).all()
-    assert torch.equal(hinted, plain)
 
 
 @pytest.mark.gpu

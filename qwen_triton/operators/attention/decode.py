@@ -39,8 +39,6 @@ from ..common import (
     check_same_device,
     check_tensor,
     launch_options,
-    prefetch_arguments,
-    prefetch_to_l2,
     sm_count,
     wait_for_previous_kernel,
 )
@@ -66,7 +64,7 @@ def _split_configs():
 @triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"], cache_results=True)
 @triton.jit
 def _decode_split_kernel(
-    q, key, value, lengths, partial_acc, partial_max, partial_sum, prefetch, prefetch_count,
+    q, key, value, lengths, partial_acc, partial_max, partial_sum,
     num_splits, split_align, scale_log2,
     stride_q_batch, stride_q_head,
     stride_k_batch, stride_k_head, stride_k_position,
@@ -75,7 +73,7 @@ def _decode_split_kernel(
     stride_stat_batch, stride_stat_head,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -119,11 +117,6 @@ def _decode_split_kernel(
     partial = batch.to(tl.int64) * stride_partial_batch + head[:, None] * stride_partial_head \
         + split * stride_partial_split + lanes[None, :]
     tl.store(partial_acc + partial, acc, mask=head_valid[:, None] & in_head[None, :] & active)
-    # after this program's keys (which would otherwise push them out of the L2): the weights of the kernels
-    # that follow, fetched while the merge and the other splits run
-    prefetch_to_l2(prefetch, prefetch_count,
-                   (batch * tl.num_programs(1) + kv_head) * tl.num_programs(0) + split,
-                   tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH)
 
 
 def _merge_configs():
@@ -222,7 +215,6 @@ def attention_decode(
     num_splits: int | None = None,
     split_align: int = DEFAULT_SPLIT_ALIGN,
     pdl: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] (one token of each of slots 0..B-1) over the first lengths[b] keys of slot b.
 
@@ -231,9 +223,7 @@ def attention_decode(
     call must serve; with B and the SM count it fixes the split count, unless num_splits is given.
     Returns out [B, Hq, D] in q's dtype. Host-read free: capturable in a CUDA graph after a warm-up call
     at the same shapes (the warm-up autotunes and allocates the workspace). pdl: launch both kernels with
-    programmatic dependent launch (Hopper; operators/common.py). prefetch: a contiguous tensor whose bytes
-    the split kernel asks the L2 to fetch after its keys (the weights of the kernels after the merge:
-    common.prefetch_to_l2); a hint, no result depends on it.
+    programmatic dependent launch (Hopper; operators/common.py).
     """
     check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
     batch, num_heads, head_dim = q.shape
@@ -254,7 +244,6 @@ def attention_decode(
         out = torch.empty(batch, num_heads, head_dim, device=q.device, dtype=q.dtype)
     check_tensor("out", out, shape=(batch, num_heads, head_dim), dtype=q.dtype)
     check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, lengths=lengths, out=out)
-    prefetch, prefetch_count, prefetch_enabled = prefetch_arguments("prefetch", prefetch, q)
     if batch == 0:
         return out
     if num_splits is None:
@@ -264,7 +253,7 @@ def attention_decode(
     group = num_heads // num_kv_heads
     partial_acc, partial_max, partial_sum = _workspace(q.device, batch, num_heads, num_splits, head_dim)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
-        q, key_cache, value_cache, lengths, partial_acc, partial_max, partial_sum, prefetch, prefetch_count,
+        q, key_cache, value_cache, lengths, partial_acc, partial_max, partial_sum,
         num_splits, split_align, LOG2_E / math.sqrt(head_dim),
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -273,7 +262,7 @@ def attention_decode(
         partial_max.stride(0), partial_max.stride(1),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=q.dtype == torch.float32,
-        USE_PDL=pdl, PREFETCH=prefetch_enabled, **launch_options(pdl),
+        USE_PDL=pdl, **launch_options(pdl),
     )
     merge_grid = lambda meta: (num_heads, batch, triton.cdiv(head_dim, meta["BLOCK_D"]))  # noqa: E731
     _decode_merge_kernel[merge_grid](

@@ -43,8 +43,6 @@ from ..common import (
     check_same_device,
     check_tensor,
     launch_options,
-    prefetch_arguments,
-    prefetch_to_l2,
     wait_for_previous_kernel,
 )
 from ..conv.causal_conv1d import (
@@ -75,14 +73,14 @@ STEP_CONFIGS = [
 @triton.jit
 def _fused_step_kernel(
     x_ptr, conv_weight_ptr, conv_state_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr,
-    z_ptr, norm_weight_ptr, out_ptr, counter_ptr, prefetch_ptr, prefetch_count,
+    z_ptr, norm_weight_ptr, out_ptr, counter_ptr,
     batch, scale, eps,
     stride_xb, stride_wc, stride_cb, stride_cc, stride_ab, stride_bb, stride_ob, stride_oh, stride_zb, stride_yb,
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     sequence_head = tl.program_id(0)
@@ -118,10 +116,6 @@ def _fused_step_kernel(
     x_v = tl.load(x_row + v_channels, mask=value_mask, other=0.0)
     a = tl.load(a_ptr + sequence * stride_ab + head)
     b = tl.load(b_ptr + sequence * stride_bb + head)
-    # from here on the step is a chain of dependent loads and reductions on a few MB: HBM would idle, so
-    # the L2 fetches the weights of the kernels that follow (its loads above are already issued)
-    prefetch_to_l2(prefetch_ptr, prefetch_count, sequence_head * tl.num_programs(1) + tl.program_id(1),
-                   tl.num_programs(0) * tl.num_programs(1), PREFETCH)
     q = conv_step_output(x_q, q_window, q_weight, WIDTH, BLOCK_W)
     k = conv_step_output(x_k, k_window, k_weight, WIDTH, BLOCK_W)
     v = conv_step_output(x_v, v_window, v_weight, WIDTH, BLOCK_W)
@@ -173,7 +167,6 @@ def gated_delta_rule_decode_fused(
     out: torch.Tensor | None = None,
     delta_out: torch.Tensor | None = None,
     pdl: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of a Gated DeltaNet layer for B sequences: y [B, Hv*Dv], out_proj's input.
 
@@ -184,8 +177,6 @@ def gated_delta_rule_decode_fused(
     `state` before waiting for the previous kernel, so no kernel launched since the last
     launch without PDL may write `state` (the engine's decode step starts with the embedding, launched
     without PDL, and writes each layer's state once).
-    prefetch: a contiguous tensor whose bytes the kernel asks the L2 to fetch once its inputs are ready (the
-    weights of the kernels after it: common.prefetch_to_l2); a hint, no result depends on it.
     """
     check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
     batch, value_heads, key_dim, value_dim = state.shape
@@ -213,7 +204,6 @@ def gated_delta_rule_decode_fused(
     check_tensor("out", out, shape=(batch, value_heads * value_dim), dtype=x.dtype)
     check_same_device(x=x, z=z, a=a, b=b, conv_weight=conv_weight, conv_state=conv_state, A_log=A_log,
                       dt_bias=dt_bias, norm_weight=norm_weight, state=state, delta_out=delta_out, out=out)
-    prefetch, prefetch_count, prefetch_enabled = prefetch_arguments("prefetch", prefetch, x)
     if batch == 0:
         return out
 
@@ -222,7 +212,7 @@ def gated_delta_rule_decode_fused(
     grid = lambda meta: (batch * value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _fused_step_kernel[grid](
         x, conv_weight, conv_state, a, b, A_log, dt_bias, state, delta_out,
-        z, norm_weight, out, _arrival_counters(x.device, batch, key_heads), prefetch, prefetch_count,
+        z, norm_weight, out, _arrival_counters(x.device, batch, key_heads),
         batch, key_dim**-0.5, eps,
         x.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0),
         delta_out.stride(0), delta_out.stride(1), z.stride(0), out.stride(0),
@@ -230,7 +220,7 @@ def gated_delta_rule_decode_fused(
         WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim),
         ROUND_PRODUCT=norm_weight.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_G=triton.next_power_of_2(group),
-        USE_PDL=pdl, PREFETCH=prefetch_enabled, **launch_options(pdl),
+        USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 
