@@ -6,7 +6,11 @@ CUDA graph with feedback, one step ahead of the host) at each context, alternati
 `rounds` rounds so that a drift of the machine falls on all of them alike; prints each median.
 
     python3 benchmarks/engine_options.py "out_projection_mlp=True" "out_projection_mlp=False" \
-        [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json]
+        [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json] \
+        [--settings qwen_triton.operators.linear.fusion.NORM_IN_ONE_LOAD=False]
+
+--settings sets module constants before any kernel compiles, for every option set of the run (a constant
+that is a `tl.constexpr` stays one): compare two settings by two runs.
 
 (At commit 80ffd3e it compared a one-launch decode attention, since removed, with the three kernels:
 benchmarks/results/engine-options-2026-11-30-NVIDIA-H200-80ffd3e.json.)
@@ -16,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import statistics
 
 import torch
+import triton.language as tl
 
 from qwen_triton.benchmark.harness import EngineRunner, time_calls
 
@@ -33,6 +39,17 @@ def parse_options(text: str) -> dict:
     return options
 
 
+def apply_setting(text: str) -> None:
+    """'package.module.NAME=VALUE': set the module constant (wrapped in tl.constexpr where it is one)."""
+    target, value = text.split("=", 1)
+    module_name, name = target.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise SystemExit(f"{module_name} has no constant {name}")
+    value = ast.literal_eval(value.strip())
+    setattr(module, name, tl.constexpr(value) if isinstance(getattr(module, name), tl.constexpr) else value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("option_sets", nargs="+", help="comma-separated name=value TritonModel options per set")
@@ -41,7 +58,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
+    parser.add_argument("--settings", nargs="*", default=[], help="module.NAME=VALUE constants, set first")
     args = parser.parse_args()
+    for setting in args.settings:
+        apply_setting(setting)
     contexts = [int(c) for c in args.contexts.split(",")]
     max_length = max(contexts) + args.rounds * (args.steps + args.warmup) + 8
     runners = {text: EngineRunner("triton+split_k+cuda_graph", "0.8b", max_length, "cuda", torch.bfloat16,
@@ -54,13 +74,15 @@ def main() -> None:
                 times[text, context].append(ms * 1e3)
     rows = [dict(options=text, context=context, us=statistics.median(values), rounds=values)
             for (text, context), values in times.items()]
-    print(f"{torch.cuda.get_device_name()}: decode step, us (median of {args.steps} steps; per round)")
+    print(f"{torch.cuda.get_device_name()}: decode step, us (median of {args.steps} steps; per round)"
+          + (f"; settings {' '.join(args.settings)}" if args.settings else ""))
     for row in rows:
         print(f"  {row['options'] or '(defaults)':45s} @{row['context']:6d}: {row['us']:7.1f}  "
               + " ".join(f"{value:.1f}" for value in row["rounds"]))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), steps=args.steps, rows=rows), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), steps=args.steps, settings=args.settings, rows=rows),
+                      f, indent=1)
 
 
 if __name__ == "__main__":
