@@ -1,6 +1,5 @@
 """Every config of the decode GEMV and of the fused DeltaNet step, timed as the engine runs them; and a layer's
-out-projection + MLP by out_projection_mlp (one launch, three launches in several shapes) against the three
-GEMVs (--parts tail).
+out-projection + MLP by out_projection_mlp (one launch, three launches) against the three GEMVs (--parts tail).
 
 The autotuner times one launch at a time after flushing L2; a decode step runs them back to back inside
 a CUDA graph with programmatic dependent launch. Here each config runs as a graph of `layers` launches
@@ -24,7 +23,6 @@ from qwen_triton.operators.gated_delta_rule import fused_decode
 from qwen_triton.operators.gated_delta_rule.fused_decode import gated_delta_rule_decode_fused
 from qwen_triton.operators.linear import gemv
 from qwen_triton.operators.linear.linear import linear
-from qwen_triton.operators.linear import out_projection_mlp as block_module
 from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
 
 SHAPES = [  # name, weight rows, K, options (gemm_sweep.py uses them too)
@@ -35,11 +33,6 @@ SHAPES = [  # name, weight rows, K, options (gemm_sweep.py uses them too)
     ("out-projection + residual", 1024, 2048, dict(residual=True)),
     ("attention gate + out-projection", 1024, 2048, dict(residual=True, gate=True)),
 ]
-
-
-# out_projection_mlp's three launches in other shapes (WARPS, TILE_ELEMENTS, PROGRAMS_PER_SM)
-TAIL_SHAPES = [(8, 16384, 1), (8, 8192, 1), (8, 16384, 2), (8, 8192, 2), (4, 8192, 1), (4, 8192, 2),
-               (4, 4096, 2), (4, 4096, 4), (8, 32768, 1), (2, 2048, 4)]
 
 
 def graph_time_us(launch, count: int, replays: int = 20) -> float:
@@ -150,19 +143,6 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
         us = graph_time_us(launch, layers)
         rows.append(dict(shape="layer tail (out-proj + MLP)", config=name, us=us,
                          pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12), autotuner_pick=False, pdl=pdl))
-    # the three launches' shape: warps, weight elements per tile and step, programs per SM
-    defaults = (block_module.WARPS, block_module.TILE_ELEMENTS, block_module.PROGRAMS_PER_SM)
-    for warps, tile, per_sm_programs in TAIL_SHAPES:
-        block_module.WARPS, block_module.TILE_ELEMENTS, block_module.PROGRAMS_PER_SM = warps, tile, per_sm_programs
-        try:
-            launch = functools.partial(per_sm, one_launch=False)
-            launch(0)
-            us = graph_time_us(launch, layers)
-        finally:
-            block_module.WARPS, block_module.TILE_ELEMENTS, block_module.PROGRAMS_PER_SM = defaults
-        rows.append(dict(shape="layer tail (out-proj + MLP)", config=f"3 launches, {warps} warps, tile {tile}, "
-                         f"{per_sm_programs} per SM", us=us, pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12),
-                         autotuner_pick=False, pdl=pdl))
     return rows
 
 
