@@ -141,7 +141,7 @@ tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 stacks = {}
 for first, last in ((1, 3), (1, 1), (2, 2), (3, 3)):
     constants = dict(HIDDEN=1024, ATTENDED=2048, INTERMEDIATE=3584, HAS_GATE=True, FIRST_PHASE=first,
-                     LAST_PHASE=last, USE_PDL=True, NORM_BLOCK=1024)
+                     LAST_PHASE=last, USE_PDL=True)
     for suffix, (N, K, pair) in dict(OUT=(1024, 2048, False), UP=(3584, 1024, True),
                                      DOWN=(1024, 3584, False)).items():
         constants["BLOCK_N_" + suffix], constants["BLOCK_K_" + suffix] = block._tile(N, K, 132, pair)

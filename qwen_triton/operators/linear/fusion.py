@@ -22,18 +22,6 @@ import triton.language as tl
 NO_ACTIVATION = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
 
-# A decode kernel's norm prologue (`row_rstd`) reads the row in one load where it has at most NORM_ROW_LIMIT
-# elements: one L2 round trip after the PDL wait instead of one per BLOCK_K step (the loop's loads are not
-# pipelined: each waits for the one before). False: BLOCK_K steps (the way before; for comparison).
-NORM_IN_ONE_LOAD = True
-NORM_ROW_LIMIT = 4096
-
-
-def norm_block(K: int) -> int:
-    """The `row_rstd` block of a decode kernel's norm prologue over rows of K: the whole row where it fits
-    (NORM_IN_ONE_LOAD), else 0: the kernel's own BLOCK_K."""
-    return triton.next_power_of_2(K) if NORM_IN_ONE_LOAD and K <= NORM_ROW_LIMIT else 0
-
 
 @triton.jit
 def dot(a, b, acc):

@@ -55,7 +55,6 @@ from .fusion import (
     SWIGLU,
     accumulate_row,
     load_weight_tile,
-    norm_block,
     row_rstd,
     split_workspace,
     store_output,
@@ -124,8 +123,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_om, stride_rm, stride_gm,
     eps,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr, NORM_BLOCK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One token (row pid 2) times BLOCK_N weight rows over one split of K, on the CUDA cores.
 
@@ -150,9 +148,7 @@ def _gemv_kernel(
     w, w_up = load_weight_tile(w_ptr, w_rows, up_offset, n_mask, k_start + tl.arange(0, BLOCK_K), k_end,
                                ACTIVATION == SWIGLU)
     wait_for_previous_kernel(USE_PDL)
-    if HAS_NORM and NORM_BLOCK > 0:  # the whole row in one load (fusion.norm_block)
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, NORM_BLOCK, "")
-    elif HAS_NORM:
+    if HAS_NORM:
         rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K, "")
     else:
         rstd = tl.zeros([1], dtype=tl.float32)
@@ -218,7 +214,6 @@ def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         0 if gate is None else gate.stride(0),
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None,
-        HAS_NORM=norm_weight is not None, USE_PDL=pdl, NORM_BLOCK=norm_block(K) if norm_weight is not None else 0,
-        **explicit, **launch_options(pdl),
+        HAS_NORM=norm_weight is not None, USE_PDL=pdl, **explicit, **launch_options(pdl),
     )
     return out

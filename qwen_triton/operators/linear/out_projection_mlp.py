@@ -52,7 +52,7 @@ from ..common import (
     sm_count,
     wait_for_previous_kernel,
 )
-from .fusion import NO_ACTIVATION, SWIGLU, accumulate_row, load_weight_tile, norm_block, row_rstd, store_output
+from .fusion import NO_ACTIVATION, SWIGLU, accumulate_row, load_weight_tile, row_rstd, store_output
 
 WARPS = 8
 TILE_ELEMENTS = 16384  # weight elements per program and K step (32 KiB of bf16; gate and up: twice that)
@@ -93,8 +93,7 @@ def _first_tile(w_ptr, N, K, PAIR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K:
 def _phase(x_ptr, stride_xm, w_ptr, out_ptr, stride_om, residual_ptr, stride_rm, gate_ptr, stride_gm,
            norm_ptr, eps, M, N, K, w, w_up,
            ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
-           HAS_NORM: tl.constexpr, X_CACHE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           NORM_BLOCK: tl.constexpr):
+           HAS_NORM: tl.constexpr, X_CACHE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[:, rows] = prologue(x) @ W[rows]^T with its epilogue, for this program's rows, each of the M
     rows of x in turn (weights re-read from L2 after the first: a row's sums do not depend on M); w, w_up:
     the first tile, loaded by `_first_tile`."""
@@ -105,9 +104,7 @@ def _phase(x_ptr, stride_xm, w_ptr, out_ptr, stride_om, residual_ptr, stride_rm,
         offs_m = row + tl.arange(0, 1)
         if row > 0:
             w, w_up = load_weight_tile(w_ptr, w_rows, N * K, n_mask, tl.arange(0, BLOCK_K), K, ACTIVATION == SWIGLU)
-        if HAS_NORM and NORM_BLOCK > 0:  # the whole row in one load (fusion.norm_block)
-            rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, NORM_BLOCK, X_CACHE)
-        elif HAS_NORM:
+        if HAS_NORM:
             rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, 1, BLOCK_K, X_CACHE)
         else:
             rstd = tl.zeros([1], dtype=tl.float32)
@@ -127,7 +124,7 @@ def _out_projection_mlp_kernel(
     HIDDEN: tl.constexpr, ATTENDED: tl.constexpr, INTERMEDIATE: tl.constexpr, HAS_GATE: tl.constexpr,
     FIRST_PHASE: tl.constexpr, LAST_PHASE: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N_OUT: tl.constexpr, BLOCK_K_OUT: tl.constexpr, BLOCK_N_UP: tl.constexpr, BLOCK_K_UP: tl.constexpr,
-    BLOCK_N_DOWN: tl.constexpr, BLOCK_K_DOWN: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    BLOCK_N_DOWN: tl.constexpr, BLOCK_K_DOWN: tl.constexpr,
 ):
     # phases FIRST_PHASE..LAST_PHASE of the docstring, a grid barrier between consecutive ones
     programs = tl.num_programs(0)
@@ -143,7 +140,7 @@ def _out_projection_mlp_kernel(
     if FIRST_PHASE == 1:
         _phase(x_ptr, stride_xm, out_weight_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
                norm_ptr, eps, M, HIDDEN, ATTENDED, w, w_up, NO_ACTIVATION, True, HAS_GATE, False, "",
-               BLOCK_N_OUT, BLOCK_K_OUT, 0)
+               BLOCK_N_OUT, BLOCK_K_OUT)
         if LAST_PHASE >= 2:
             w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
             _grid_barrier(counter_ptr, programs)
@@ -151,7 +148,7 @@ def _out_projection_mlp_kernel(
     if FIRST_PHASE <= 2 and LAST_PHASE >= 2:
         _phase(hidden_ptr, stride_hm, gate_up_ptr, act_ptr, stride_am, act_ptr, stride_am, gate_ptr, stride_gm,
                norm_ptr, eps, M, INTERMEDIATE, HIDDEN, w, w_up, SWIGLU, False, False, True, ".cg",
-               BLOCK_N_UP, BLOCK_K_UP, NORM_BLOCK)
+               BLOCK_N_UP, BLOCK_K_UP)
         if LAST_PHASE == 3:
             w, w_up = _first_tile(down_ptr, HIDDEN, INTERMEDIATE, False, BLOCK_N_DOWN, BLOCK_K_DOWN)
             _grid_barrier(counter_ptr, (3 - FIRST_PHASE) * programs)
@@ -160,7 +157,7 @@ def _out_projection_mlp_kernel(
     if LAST_PHASE == 3:
         _phase(act_ptr, stride_am, down_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
                norm_ptr, eps, M, HIDDEN, INTERMEDIATE, w, w_up, NO_ACTIVATION, True, False, False, ".cg",
-               BLOCK_N_DOWN, BLOCK_K_DOWN, 0)
+               BLOCK_N_DOWN, BLOCK_K_DOWN)
     if FIRST_PHASE < LAST_PHASE:
         # the last program through this count resets the counter: every other program is past its last
         # barrier, so none polls it again in this launch
@@ -256,7 +253,7 @@ def out_projection_mlp(
             HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate, HAS_GATE=gate is not None,
             FIRST_PHASE=first, LAST_PHASE=last, USE_PDL=pdl,
             BLOCK_N_OUT=block_n_out, BLOCK_K_OUT=block_k_out, BLOCK_N_UP=block_n_up, BLOCK_K_UP=block_k_up,
-            BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down, NORM_BLOCK=norm_block(size),
+            BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down,
             num_warps=WARPS, num_stages=1, **launch_options(pdl),
         )
     return hidden
