@@ -102,6 +102,7 @@ class TritonModel:
         cuda_graph: bool = True,
         fused_delta_decode: bool = True,
         out_projection_mlp: bool = True,
+        output_norm_in_projection: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -115,6 +116,8 @@ class TritonModel:
         self.fused_delta_decode = fused_delta_decode
         # a decode step's out-projection + residual and MLP by out_projection_mlp.py (one program per SM)
         self.out_projection_mlp = out_projection_mlp
+        # with it, a DeltaNet layer's gated RMSNorm in out_projection_mlp's prologue, not in the decode step
+        self.output_norm_in_projection = output_norm_in_projection
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -245,19 +248,28 @@ class TritonModel:
         conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * self.embed.element_size()
         return 2 * rows * (recurrent + conv)
 
+    def _fused_tail(self, rows: int, scratch) -> bool:
+        """Whether a layer's out-projection and MLP run as `out_projection_mlp` (a decode step of up to 16
+        rows, option out_projection_mlp)."""
+        return scratch is not None and self.out_projection_mlp and rows <= MAX_ROWS
+
     def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
-                    pdl=False):
+                    pdl=False, head_norm=None):
         """x + out-projection(attended) (+ residual), then + MLP: `out_projection_mlp` (one program per SM per
-        phase) in a decode step of up to 16 rows (option out_projection_mlp), else the three `linear` projections."""
+        phase) where _fused_tail, else the three `linear` projections. head_norm (z, weight): attended is the
+        delta rule's output, normed by out_projection_mlp's prologue (the fused path only)."""
         c = self.config
-        if scratch is not None and self.out_projection_mlp and x.shape[0] <= MAX_ROWS:
+        if self._fused_tail(x.shape[0], scratch):
             def cost():
                 return out_projection_mlp_cost(x.shape[0], c.hidden_size, attended.shape[1], c.intermediate_size,
                                                gate=gate is not None, element_size=x.element_size())
 
             with self._operator(f"{kind} + residual + MLP", i, cost):
                 return out_projection_mlp(attended, out_weight, x, mlp.input_norm, mlp.gate_up, mlp.down,
-                                          c.rms_norm_eps, gate=gate, act=scratch["mlp_hidden"], pdl=pdl)
+                                          c.rms_norm_eps, gate=gate, act=scratch["mlp_hidden"], pdl=pdl,
+                                          head_norm=head_norm)
+        if head_norm is not None:
+            raise ValueError("head_norm needs out_projection_mlp (a decode step of up to 16 rows)")
         x = self._linear(kind + (" + residual" if gate is None else ""), i, attended, out_weight, gate=gate,
                          residual=x, out=x, pdl=pdl)
         return self._mlp(i, mlp, x, scratch, pdl=pdl)
@@ -401,12 +413,19 @@ class TritonModel:
                         size * (projection.shape[1] + c.linear_value_dim) * element
                     return moved, 8 * size * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
 
+                head_norm = None
                 if self.fused_delta_decode:
-                    with self._operator("deltanet step (conv, gating, delta rule, gated norm)", i, delta_cost):
+                    # the gated norm in the out-projection's prologue where that is out_projection_mlp
+                    norm_later = self.output_norm_in_projection and self._fused_tail(size, buffers.scratch)
+                    kind = "deltanet step (conv, gating, delta rule" + (")" if norm_later else ", gated norm)")
+                    with self._operator(kind, i, delta_cost):
                         out = gated_delta_rule_decode_fused(
                             mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
                             out=buffers.scratch["delta_normed"], delta_out=buffers.scratch["delta_out"], pdl=pdl,
+                            normalize=not norm_later,
                         )
+                    if norm_later:
+                        out, head_norm = out.view(size, -1), (z, w.norm)
                 else:
                     with self._operator("deltanet step (unfused: conv, delta rule, gated norm)", i, delta_cost):
                         mixed = causal_conv1d_step(mixed, w.conv, conv_state, out=buffers.scratch["conv_out"])
@@ -414,7 +433,8 @@ class TritonModel:
                         out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state,
                                                          out=buffers.scratch["delta_out"])
                         out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=buffers.scratch["delta_normed"])
-                x = self._layer_tail(i, "deltanet out-projection", out, w.out, x, mlp, buffers.scratch, pdl=pdl)
+                x = self._layer_tail(i, "deltanet out-projection" + (" (gated norm first)" if head_norm else ""),
+                                     out, w.out, x, mlp, buffers.scratch, pdl=pdl, head_norm=head_norm)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl)

@@ -409,6 +409,31 @@ def test_fused_decode_one_value_head_per_key_head(device):
             ref_out = None
 
 
+def test_fused_decode_without_the_norm_returns_the_delta_rule_output(device):
+    # normalize=False: o itself (for out_projection_mlp's head_norm), the states updated as before
+    layer = make_decode_layer(1, 2, 2, 16, 32, 4, torch.float32, device, seed=8)
+    unfused = clone_states(layer)
+    key_heads, value_heads, key_dim, value_dim = layer["heads"]
+    mixed = causal_conv1d_step(unfused["x"], unfused["conv_weight"], unfused["conv_state"])
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=1)
+    o = gated_delta_rule_recurrent(q.view(1, key_heads, key_dim), k.view(1, key_heads, key_dim),
+                                   v.view(1, value_heads, value_dim), unfused["a"], unfused["b"], unfused["A_log"],
+                                   unfused["dt_bias"], unfused["state"])
+    out = torch.full((1, value_heads * value_dim), 7.0, device=device)
+    delta_out = torch.empty(1, value_heads, value_dim, device=device)
+    for _ in range(2):  # the counter is reset by the last program, norm or not
+        result = fused_decode(layer, out=out, delta_out=delta_out, normalize=False)
+        assert result is delta_out and torch.equal(result, o)
+        assert torch.equal(layer["state"], unfused["state"])
+        assert torch.equal(layer["conv_state"], unfused["conv_state"])
+        assert (out == 7.0).all()
+        mixed = causal_conv1d_step(unfused["x"], unfused["conv_weight"], unfused["conv_state"])
+        q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=1)
+        o = gated_delta_rule_recurrent(q.view(1, key_heads, key_dim), k.view(1, key_heads, key_dim),
+                                       v.view(1, value_heads, value_dim), unfused["a"], unfused["b"],
+                                       unfused["A_log"], unfused["dt_bias"], unfused["state"])
+
+
 def test_fused_decode_width_two_and_argument_errors(device):
     layer = make_decode_layer(2, 1, 2, 16, 24, 2, torch.float32, device, seed=5)
     unfused = clone_states(layer)

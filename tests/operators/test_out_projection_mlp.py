@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwen_triton.operators.gated_delta_rule import gated_rms_norm
 from qwen_triton.operators.linear import linear
 from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
 
@@ -99,6 +100,28 @@ def test_rows_are_batch_invariant(device):
         assert torch.equal(run(alone), together[row:row + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_head_norm_prologue_equals_the_gated_norm_before(device, dtype, rows):
+    # head_norm: x is a delta rule's output, normed per head (gated_rms_norm) by each program itself, with
+    # the norm kernel's roundings (5 heads of 20: padded heads and padded values)
+    block = make_block(rows, 40, 100, 52, dtype, device, gated=False, seed=10 + rows)
+    z = make((rows, 100 + 3), dtype, device, 30, scale=2.0)[:, 3:]  # a strided row view, as the engine's
+    weight = make((20,), dtype, device, 31, scale=0.5) + 1
+    normed = gated_rms_norm(block["x"].view(rows, 5, 20), z, weight, EPS)
+    expected = run(dict(block, x=normed))
+    got = run(block, head_norm=(z, weight))
+    # the products summed per head, then over the heads: float32 sums in another order
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="exclude each other"):
+        run(dict(block, gate=z), head_norm=(z, weight))
+    with pytest.raises(ValueError, match="divisor"):
+        run(block, head_norm=(z, weight[:7]))
+    with pytest.raises(ValueError, match="head_norm z"):
+        run(block, head_norm=(z[:, 1:], weight))
+
+
 def test_fewer_programs(device):
     block = make_block(2, 40, 72, 52, torch.float32, device, gated=False, seed=3)
     torch.testing.assert_close(run(block, programs=3), run(block), rtol=1e-6, atol=1e-6)
@@ -134,14 +157,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 block = importlib.import_module("qwen_triton.operators.linear.out_projection_mlp")
 kernel = block._out_projection_mlp_kernel
-integers = ("M", "stride_xm", "stride_gm", "stride_hm", "stride_am")
+integers = ("M", "stride_xm", "stride_gm", "stride_hm", "stride_am", "stride_zm")
 signature = {name: "*i32" if name == "counter_ptr" else "*bf16" if name.endswith("_ptr") else
              "fp32" if name == "eps" else "i32" if name in integers else "constexpr" for name in kernel.arg_names}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 stacks = {}
-for first, last in ((1, 3), (1, 1), (2, 2), (3, 3)):
-    constants = dict(HIDDEN=1024, ATTENDED=2048, INTERMEDIATE=3584, HAS_GATE=True, FIRST_PHASE=first,
-                     LAST_PHASE=last, USE_PDL=True)
+for first, last, head_norm in ((1, 3, False), (1, 1, False), (1, 1, True), (2, 2, False), (3, 3, False)):
+    constants = dict(HIDDEN=1024, ATTENDED=2048, INTERMEDIATE=3584, HAS_GATE=not head_norm, FIRST_PHASE=first,
+                     LAST_PHASE=last, USE_PDL=True, HEAD_NORM=head_norm, HEADS=16 if head_norm else 1,
+                     HEAD_DIM=128 if head_norm else 1, ROUND_PRODUCT=True, BLOCK_H=16 if head_norm else 1,
+                     BLOCK_D=128 if head_norm else 1)
     for suffix, (N, K, pair) in dict(OUT=(1024, 2048, False), UP=(3584, 1024, True),
                                      DOWN=(1024, 3584, False)).items():
         constants["BLOCK_N_" + suffix], constants["BLOCK_K_" + suffix] = block._tile(N, K, 132, pair)
@@ -150,7 +175,7 @@ for first, last in ((1, 3), (1, 1), (2, 2), (3, 3)):
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    stacks[f"{first}-{last}"] = int(usage.split("STACK:")[1].split()[0])
+    stacks[f"{first}-{last}" + ("-head-norm" if head_norm else "")] = int(usage.split("STACK:")[1].split()[0])
 print(json.dumps(stacks))
 """
 
@@ -159,7 +184,7 @@ def test_compiles_for_hopper():
     # the interpreter never compiles a kernel: compile this one for sm_90 (Triton's bundled ptxas) in a
     # process without it, and read the per-thread stack (register spills) from cuobjdump's resource usage
     stacks = run_without_interpreter(COMPILE_FOR_HOPPER)
-    assert set(stacks) == {"1-3", "1-1", "2-2", "3-3"}
+    assert set(stacks) == {"1-3", "1-1", "1-1-head-norm", "2-2", "3-3"}
     assert all(stack <= 64 for stack in stacks.values()), stacks
 
 

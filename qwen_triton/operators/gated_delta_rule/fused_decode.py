@@ -80,7 +80,7 @@ def _fused_step_kernel(
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, NORM: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     sequence_head = tl.program_id(0)
@@ -131,11 +131,12 @@ def _fused_step_kernel(
     counter = counter_ptr + sequence * K_HEADS + key_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if arrived == GROUP * tl.num_programs(1) - 1:  # the key head's last program
-        member = tl.arange(0, BLOCK_G)
-        heads = tl.where(member < GROUP, key_head * GROUP + member, V_HEADS)  # V_HEADS: masked off
-        gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
-                             norm_weight_ptr, out_ptr + sequence * stride_yb, heads, eps,
-                             V_HEADS, V_DIM, ROUND_PRODUCT, BLOCK_D, True)
+        if NORM:
+            member = tl.arange(0, BLOCK_G)
+            heads = tl.where(member < GROUP, key_head * GROUP + member, V_HEADS)  # V_HEADS: masked off
+            gated_rms_norm_heads(o_ptr + sequence * stride_ob, stride_oh, z_ptr + sequence * stride_zb,
+                                 norm_weight_ptr, out_ptr + sequence * stride_yb, heads, eps,
+                                 V_HEADS, V_DIM, ROUND_PRODUCT, BLOCK_D, True)
         store_conv_state(x_q, q_shifted, conv_row, q_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
         store_conv_state(x_k, k_shifted, conv_row, k_channels, key_mask, stride_cc, WIDTH, BLOCK_W)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -167,6 +168,7 @@ def gated_delta_rule_decode_fused(
     out: torch.Tensor | None = None,
     delta_out: torch.Tensor | None = None,
     pdl: bool = False,
+    normalize: bool = True,
 ) -> torch.Tensor:
     """One decode step of a Gated DeltaNet layer for B sequences: y [B, Hv*Dv], out_proj's input.
 
@@ -177,6 +179,8 @@ def gated_delta_rule_decode_fused(
     `state` before waiting for the previous kernel, so no kernel launched since the last
     launch without PDL may write `state` (the engine's decode step starts with the embedding, launched
     without PDL, and writes each layer's state once).
+    normalize=False: no gated RMSNorm; returns o (delta_out) for a consumer that norms it itself
+    (out_projection_mlp's head_norm), `out` untouched.
     """
     check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
     batch, value_heads, key_dim, value_dim = state.shape
@@ -205,7 +209,7 @@ def gated_delta_rule_decode_fused(
     check_same_device(x=x, z=z, a=a, b=b, conv_weight=conv_weight, conv_state=conv_state, A_log=A_log,
                       dt_bias=dt_bias, norm_weight=norm_weight, state=state, delta_out=delta_out, out=out)
     if batch == 0:
-        return out
+        return out if normalize else delta_out
 
     block_w = triton.next_power_of_2(width)
     group = value_heads // key_heads
@@ -220,9 +224,9 @@ def gated_delta_rule_decode_fused(
         WIDTH=width, BLOCK_W=block_w, BLOCK_K=triton.next_power_of_2(key_dim),
         ROUND_PRODUCT=norm_weight.dtype == x.dtype and x.dtype != torch.float32,
         BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_G=triton.next_power_of_2(group),
-        USE_PDL=pdl, **launch_options(pdl),
+        USE_PDL=pdl, NORM=normalize, **launch_options(pdl),
     )
-    return out
+    return out if normalize else delta_out
 
 
 def gated_delta_rule_decode_fused_cost(batch, key_heads, value_heads, key_dim, value_dim, width=4,

@@ -118,17 +118,77 @@ def _phase(x_ptr, stride_xm, w_ptr, out_ptr, stride_om, residual_ptr, stride_rm,
 
 
 @triton.jit
+def _head_tile(w_ptr, N, K, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's weight rows as [BLOCK_N, BLOCK_H, BLOCK_D]: column h * HEAD_DIM + d at [:, h, d] (the
+    whole row of K = HEADS * HEAD_DIM, zero past it)."""
+    offs_n, end = _program_rows(N, BLOCK_N)
+    head = tl.arange(0, BLOCK_H)
+    lane = tl.arange(0, BLOCK_D)
+    column = head[:, None] * HEAD_DIM + lane[None, :]
+    in_row = (head < HEADS)[:, None] & (lane < HEAD_DIM)[None, :]
+    mask = (offs_n < end)[:, None, None] & in_row[None, :, :]
+    return tl.load(w_ptr + offs_n.to(tl.int64)[:, None, None] * K + column[None, :, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _head_normed_row(x_ptr, z_ptr, weight_ptr, eps, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     ROUND_PRODUCT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row of the Gated DeltaNet output norm (gated_rms_norm.py, the same roundings): x and z [HEADS *
+    HEAD_DIM], per head rmsnorm(x) * weight * silu(z), in x's dtype, as [BLOCK_H, BLOCK_D] (zero past the
+    heads and the head's values)."""
+    head = tl.arange(0, BLOCK_H)
+    lane = tl.arange(0, BLOCK_D)
+    channel = head[:, None] * HEAD_DIM + lane[None, :]
+    mask = (head < HEADS)[:, None] & (lane < HEAD_DIM)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    normed = normed.to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + lane, mask=lane < HEAD_DIM, other=0.0).to(tl.float32)
+    product = weight[None, :] * normed
+    if ROUND_PRODUCT:
+        product = product.to(dtype).to(tl.float32)
+    z = tl.load(z_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+    return (product * (z / (1.0 + tl.exp(-z)))).to(dtype)
+
+
+@triton.jit
+def _head_normed_out_phase(x_ptr, stride_xm, z_ptr, stride_zm, head_norm_ptr, w_ptr, hidden_ptr, stride_hm, eps,
+                           M, N, K, w, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Phase 1 with the output norm as its prologue (HEAD_NORM): hidden[:, rows] += norm(x, z) @ W_o[rows]^T,
+    the whole row of K in the one tile w (`_head_tile`), each of the M rows in turn."""
+    offs_n, end = _program_rows(N, BLOCK_N)
+    for row in range(M):
+        offs_m = row + tl.arange(0, 1)
+        if row > 0:
+            w = _head_tile(w_ptr, N, K, HEADS, HEAD_DIM, BLOCK_N, BLOCK_H, BLOCK_D)
+        y = _head_normed_row(x_ptr + row * stride_xm, z_ptr + row * stride_zm, head_norm_ptr, eps,
+                             HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_H, BLOCK_D)
+        acc = tl.sum(tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :, :], axis=2), axis=1)[None, :]
+        store_output(acc, acc, hidden_ptr, stride_hm, hidden_ptr, stride_hm, offs_m, offs_n, M, end,
+                     NO_ACTIVATION, True)
+
+
+@triton.jit
 def _out_projection_mlp_kernel(
     x_ptr, gate_ptr, out_weight_ptr, hidden_ptr, norm_ptr, gate_up_ptr, down_ptr, act_ptr, counter_ptr,
-    M, eps, stride_xm, stride_gm, stride_hm, stride_am,
+    z_ptr, head_norm_ptr,
+    M, eps, stride_xm, stride_gm, stride_hm, stride_am, stride_zm,
     HIDDEN: tl.constexpr, ATTENDED: tl.constexpr, INTERMEDIATE: tl.constexpr, HAS_GATE: tl.constexpr,
     FIRST_PHASE: tl.constexpr, LAST_PHASE: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N_OUT: tl.constexpr, BLOCK_K_OUT: tl.constexpr, BLOCK_N_UP: tl.constexpr, BLOCK_K_UP: tl.constexpr,
     BLOCK_N_DOWN: tl.constexpr, BLOCK_K_DOWN: tl.constexpr,
+    HEAD_NORM: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # phases FIRST_PHASE..LAST_PHASE of the docstring, a grid barrier between consecutive ones
     programs = tl.num_programs(0)
-    if FIRST_PHASE == 1:
+    if FIRST_PHASE == 1 and HEAD_NORM:
+        w = _head_tile(out_weight_ptr, HIDDEN, ATTENDED, HEADS, HEAD_DIM, BLOCK_N_OUT, BLOCK_H, BLOCK_D)
+        w_up = w
+    elif FIRST_PHASE == 1:
         w, w_up = _first_tile(out_weight_ptr, HIDDEN, ATTENDED, False, BLOCK_N_OUT, BLOCK_K_OUT)
     elif FIRST_PHASE == 2:
         w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
@@ -137,7 +197,11 @@ def _out_projection_mlp_kernel(
     wait_for_previous_kernel(USE_PDL)
     if FIRST_PHASE == LAST_PHASE:  # no barrier: the next kernel may launch at once
         allow_next_kernel(USE_PDL)
-    if FIRST_PHASE == 1:
+    if FIRST_PHASE == 1 and HEAD_NORM:
+        _head_normed_out_phase(x_ptr, stride_xm, z_ptr, stride_zm, head_norm_ptr, out_weight_ptr, hidden_ptr,
+                               stride_hm, eps, M, HIDDEN, ATTENDED, w, HEADS, HEAD_DIM, ROUND_PRODUCT,
+                               BLOCK_N_OUT, BLOCK_H, BLOCK_D)
+    elif FIRST_PHASE == 1:
         _phase(x_ptr, stride_xm, out_weight_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
                norm_ptr, eps, M, HIDDEN, ATTENDED, w, w_up, NO_ACTIVATION, True, HAS_GATE, False, "",
                BLOCK_N_OUT, BLOCK_K_OUT)
@@ -197,6 +261,7 @@ def out_projection_mlp(
     pdl: bool = False,
     programs: int | None = None,
     one_launch: bool | None = None,
+    head_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """hidden += out-projection of x (gated by sigmoid(gate) if given), then hidden += MLP(hidden); in place.
 
@@ -207,6 +272,9 @@ def out_projection_mlp(
     SM count, so that every program is resident). one_launch: the three phases in one launch with grid
     barriers, or as three launches (the interpreter's way; on a GPU the default is ONE_LAUNCH). pdl:
     programmatic dependent launch (Hopper; see the module docstring for when it lets the next kernel launch).
+    head_norm: (z [M, A], weight [D]): x is a Gated DeltaNet's delta-rule output o [M, A] of A / D heads
+    of D values, and the out-projection reads gated_rms_norm(o, z, weight, eps) instead (gated_rms_norm.py,
+    the same roundings), formed by each program for the whole row; not with gate.
     """
     check_tensor("x", x, shape=(None, None), dtype=(torch.bfloat16, torch.float16, torch.float32))
     rows, attended = x.shape
@@ -231,6 +299,17 @@ def out_projection_mlp(
     check_same_device(x=x, out_weight=out_weight, hidden=hidden, norm_weight=norm_weight,
                       gate_up_weight=gate_up_weight, down_weight=down_weight, act=act,
                       **({"gate": gate} if gate is not None else {}))
+    z, head_norm_weight, head_dim = x, norm_weight, 1
+    if head_norm is not None:
+        if gate is not None:
+            raise ValueError("head_norm and gate exclude each other: the gate belongs to attention layers")
+        z, head_norm_weight = head_norm
+        check_tensor("head_norm weight", head_norm_weight, shape=(None,), dtype=x.dtype, contiguous=True)
+        head_dim = head_norm_weight.shape[0]
+        if head_dim == 0 or attended % head_dim:
+            raise ValueError(f"head_norm weight has {head_dim} values: expected a divisor of x's {attended} columns")
+        check_tensor("head_norm z", z, shape=(rows, attended), dtype=x.dtype)
+        check_same_device(x=x, z=z, head_norm_weight=head_norm_weight)
     if rows == 0:
         return hidden
     available = sm_count(x.device)
@@ -243,17 +322,23 @@ def out_projection_mlp(
         raise ValueError("one_launch needs a GPU: the interpreter runs programs one at a time, so a grid barrier "
                          "would wait forever")
     block_n_out, block_k_out = _tile(size, attended, programs, pair=False)
+    heads = attended // head_dim
     block_n_up, block_k_up = _tile(intermediate, size, programs, pair=True)
     block_n_down, block_k_down = _tile(size, intermediate, programs, pair=False)
     for first, last in ([(1, 3)] if one_launch else [(1, 1), (2, 2), (3, 3)]):
         _out_projection_mlp_kernel[(programs,)](
             x, x if gate is None else gate, out_weight, hidden, norm_weight, gate_up_weight, down_weight, act,
-            _counter(x.device),
+            _counter(x.device), z, head_norm_weight,
             rows, eps, x.stride(0), 0 if gate is None else gate.stride(0), hidden.stride(0), act.stride(0),
+            z.stride(0),
             HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate, HAS_GATE=gate is not None,
             FIRST_PHASE=first, LAST_PHASE=last, USE_PDL=pdl,
             BLOCK_N_OUT=block_n_out, BLOCK_K_OUT=block_k_out, BLOCK_N_UP=block_n_up, BLOCK_K_UP=block_k_up,
             BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down,
+            HEAD_NORM=head_norm is not None, HEADS=heads if head_norm is not None else 1, HEAD_DIM=head_dim,
+            ROUND_PRODUCT=x.dtype != torch.float32,
+            BLOCK_H=triton.next_power_of_2(heads) if head_norm is not None else 1,
+            BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=WARPS, num_stages=1, **launch_options(pdl),
         )
     return hidden
