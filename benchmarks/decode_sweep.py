@@ -1,5 +1,5 @@
 """Every config of the decode GEMV and of the fused DeltaNet step, timed as the engine runs them; and a layer's
-out-projection + MLP by out_projection_mlp (one launch, three launches) against the three GEMVs (--parts tail).
+out-projection + MLP by out_projection_mlp against the three GEMVs (--parts tail).
 
 The autotuner times one launch at a time after flushing L2; a decode step runs them back to back inside
 a CUDA graph with programmatic dependent launch. Here each config runs as a graph of `layers` launches
@@ -13,7 +13,6 @@ time per launch and its share of the copy bandwidth, and the autotuner's own pic
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 
 import torch
@@ -111,8 +110,8 @@ def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
 
 
 def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
-    """A layer's out-projection + residual and MLP: out_projection_mlp (one launch, and its three phases
-    as three launches) against the three `linear` calls it replaces, `layers` layers on distinct weights."""
+    """A layer's out-projection + residual and MLP: out_projection_mlp (its three phases as three launches)
+    against the three `linear` calls it replaces, `layers` layers on distinct weights."""
     hidden_size, attended, intermediate = 1024, 2048, 3584
     blocks = [dict(out=torch.randn(hidden_size, attended, device="cuda", dtype=torch.bfloat16) * 0.02,
                    norm=torch.randn(hidden_size, device="cuda", dtype=torch.bfloat16) * 0.1,
@@ -124,10 +123,9 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
     act = torch.empty(1, intermediate, device="cuda", dtype=torch.bfloat16)
     moved = 2 * (hidden_size * attended + 3 * hidden_size * intermediate)
 
-    def per_sm(i, one_launch):
+    def per_sm(i):
         b = blocks[i]
-        out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6, act=act, pdl=pdl,
-                           one_launch=one_launch)
+        out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6, act=act, pdl=pdl)
 
     def chain(i):
         b = blocks[i]
@@ -136,9 +134,7 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
         linear(act, b["down"], residual=hidden, out=hidden, pdl=pdl)
 
     rows = []
-    for name, launch in (("out_projection_mlp, one launch", functools.partial(per_sm, one_launch=True)),
-                         ("out_projection_mlp, 3 launches", functools.partial(per_sm, one_launch=False)),
-                         ("3 linear calls (GEMV)", chain)):
+    for name, launch in (("out_projection_mlp, 3 launches", per_sm), ("3 linear calls (GEMV)", chain)):
         launch(0)  # compiles, autotunes
         us = graph_time_us(launch, layers)
         rows.append(dict(shape="layer tail (out-proj + MLP)", config=name, us=us,

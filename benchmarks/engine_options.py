@@ -7,7 +7,7 @@ CUDA graph with feedback, one step ahead of the host) at each context, alternati
 
     python3 benchmarks/engine_options.py "out_projection_mlp=True" "out_projection_mlp=False" \
         [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json] \
-        [--settings qwen_triton.operators.linear.out_projection_mlp.ONE_LAUNCH=True]
+        [--settings qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192]
 
 --settings sets module constants before any kernel compiles, for every option set of the run (a constant
 that is a `tl.constexpr` stays one): compare two settings by two runs.

@@ -433,7 +433,7 @@ class TritonModel:
                         out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state,
                                                          out=buffers.scratch["delta_out"])
                         out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=buffers.scratch["delta_normed"])
-                x = self._layer_tail(i, "deltanet out-projection" + (" (gated norm first)" if head_norm else ""),
+                x = self._layer_tail(i, "deltanet " + ("gated norm + " if head_norm else "") + "out-projection",
                                      out, w.out, x, mlp, buffers.scratch, pdl=pdl, head_norm=head_norm)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))

@@ -1,4 +1,4 @@
-"""The second half of a decode layer: out-projection + residual, then the MLP, one program per SM.
+"""The second half of a decode layer: out-projection + residual, then the MLP, one program per SM per phase.
 
 For the M <= 16 rows of a decode step (h: the residual stream [M, H], x: the attention or delta-rule
 output [M, A], gate: the attention output gate [M, A] or none):
@@ -8,30 +8,17 @@ output [M, A], gate: the attention output gate [M, A] or none):
 the same operations and roundings as the three `linear` calls they replace (out-projection + residual,
 norm + gate/up + swiglu, down + residual).
 
-Each phase splits its output rows evenly over P programs, one per SM (ceil(N / P) rows each, one
-[BLOCK_N, BLOCK_K] tile of about 32 KiB per K step, the next tile loaded one step ahead, the first before
-the PDL wait; no split of K, so no reduction across programs), and rows of a phase that other programs
-wrote are read from L2 (".cg"). Two ways to run the phases (`one_launch`):
-- three launches of this kernel (the default): on the H200, back to back in a CUDA graph with PDL, 12.3 us
-  per layer against 13.1 us for the three split-K GEMVs (benchmarks/decode_sweep.py --parts tail;
-  docs/perf-notes.md), for a 6.2 us floor;
-- one launch, the P programs staying resident across the phases and meeting at a grid-wide barrier
-  (an int32 arrival counter: each program adds one with release semantics, polls it with plain L2 reads
-  until all P have arrived, then acquires once), loading the first weight tile of its next phase before
-  each barrier. Measured slower: 14.0 us per layer in the same sweep. Not explained by a measurement yet;
-  candidates: a barrier's latency above that of the PDL boundary it replaces, and the 255 registers per
-  thread of the fused kernel (cuobjdump), which leave no room on an SM for the next kernel to start early.
+With head_norm (a Gated DeltaNet layer in the engine's decode step), x is the delta rule's output o and
+phase 1 reads x' = gated_rms_norm(o, z) instead (gated_rms_norm.py's roundings): each program norms the
+whole row itself after its PDL wait, so the decode step before it needs no last program to norm the heads.
 
-Deadlock freedom of one launch: a barrier needs all P programs resident at once. P is at most the SM
-count and a program fits an SM alone, so the programs are resident once the kernels before them drain;
-and the kernel lets the next one launch (PDL) only after its first barrier (which every program has then
-reached, so all are resident), so no later kernel can hold an SM a program waits for. The interpreter runs
-programs one after another, so there the phases always run as three launches. The two ways run the same
-operations; compiled apart, their sums may associate differently (GPU tests: both as close to the float64
-math as the GEMV chain).
-
-The counter returns to zero at the end of every launch (the last program through the final count resets
-it), so CUDA graph replays need no memset; launches on one stream may share it, concurrent streams not.
+Each phase is a launch of this kernel that splits its output rows evenly over P programs, one per SM
+(ceil(N / P) rows each, one [BLOCK_N, BLOCK_K] tile of about 32 KiB per K step, the next tile loaded one
+step ahead, the first before the PDL wait; no split of K, so no reduction across programs). On the H200,
+back to back in a CUDA graph with PDL, the three launches took 12.3 us per layer against 13.1 us for the
+three split-K GEMVs (benchmarks/decode_sweep.py --parts tail; docs/perf-notes.md), for a 6.2 us floor.
+(The three phases in one launch, the programs meeting at grid-wide barriers, measured slower, 14.0 us,
+and its GPU test later failed on accuracy; it was removed: docs/perf-notes.md.)
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16, M = 1): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB
 (~6.2 us at the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP.
@@ -47,7 +34,6 @@ from ..common import (
     allow_next_kernel,
     check_same_device,
     check_tensor,
-    interpreting,
     launch_options,
     sm_count,
     wait_for_previous_kernel,
@@ -56,23 +42,6 @@ from .fusion import NO_ACTIVATION, SWIGLU, accumulate_row, load_weight_tile, row
 
 WARPS = 8
 TILE_ELEMENTS = 16384  # weight elements per program and K step (32 KiB of bf16; gate and up: twice that)
-# On a GPU: the three phases as one launch with grid barriers, or as three launches (the default, measured
-# faster on the H200: docs/perf-notes.md)
-ONE_LAUNCH = False
-
-
-@triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Wait until the counter reaches target: every program of the launch has arrived (see the docstring)."""
-    tl.debug_barrier()  # this program's stores precede its arrival
-    count = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu") + 1
-    # poll with plain L2 reads (atomics from every program on one address would queue behind each other),
-    # then one acquire: the other programs' stores are visible to this program's later loads
-    while count < target:
-        count = tl.load(counter_ptr, volatile=True)
-    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-
-
 @triton.jit
 def _program_rows(N, BLOCK_N: tl.constexpr):
     """This program's share of N output rows: (offsets [BLOCK_N], end), ceil(N / programs) rows from
@@ -173,71 +142,44 @@ def _head_normed_out_phase(x_ptr, stride_xm, z_ptr, stride_zm, head_norm_ptr, w_
 
 @triton.jit
 def _out_projection_mlp_kernel(
-    x_ptr, gate_ptr, out_weight_ptr, hidden_ptr, norm_ptr, gate_up_ptr, down_ptr, act_ptr, counter_ptr,
-    z_ptr, head_norm_ptr,
+    x_ptr, gate_ptr, out_weight_ptr, hidden_ptr, norm_ptr, gate_up_ptr, down_ptr, act_ptr, z_ptr, head_norm_ptr,
     M, eps, stride_xm, stride_gm, stride_hm, stride_am, stride_zm,
     HIDDEN: tl.constexpr, ATTENDED: tl.constexpr, INTERMEDIATE: tl.constexpr, HAS_GATE: tl.constexpr,
-    FIRST_PHASE: tl.constexpr, LAST_PHASE: tl.constexpr, USE_PDL: tl.constexpr,
+    PHASE: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_N_OUT: tl.constexpr, BLOCK_K_OUT: tl.constexpr, BLOCK_N_UP: tl.constexpr, BLOCK_K_UP: tl.constexpr,
     BLOCK_N_DOWN: tl.constexpr, BLOCK_K_DOWN: tl.constexpr,
     HEAD_NORM: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # phases FIRST_PHASE..LAST_PHASE of the docstring, a grid barrier between consecutive ones
-    programs = tl.num_programs(0)
-    if FIRST_PHASE == 1 and HEAD_NORM:
+    # phase PHASE of the docstring; its first weight tile before the PDL wait. Phases 2 and 3 read rows the
+    # launch before wrote from L2 (".cg"), as the GEMV chain does after its wait
+    if PHASE == 1 and HEAD_NORM:
         w = _head_tile(out_weight_ptr, HIDDEN, ATTENDED, HEADS, HEAD_DIM, BLOCK_N_OUT, BLOCK_H, BLOCK_D)
         w_up = w
-    elif FIRST_PHASE == 1:
+    elif PHASE == 1:
         w, w_up = _first_tile(out_weight_ptr, HIDDEN, ATTENDED, False, BLOCK_N_OUT, BLOCK_K_OUT)
-    elif FIRST_PHASE == 2:
+    elif PHASE == 2:
         w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
     else:
         w, w_up = _first_tile(down_ptr, HIDDEN, INTERMEDIATE, False, BLOCK_N_DOWN, BLOCK_K_DOWN)
     wait_for_previous_kernel(USE_PDL)
-    if FIRST_PHASE == LAST_PHASE:  # no barrier: the next kernel may launch at once
-        allow_next_kernel(USE_PDL)
-    if FIRST_PHASE == 1 and HEAD_NORM:
+    allow_next_kernel(USE_PDL)
+    if PHASE == 1 and HEAD_NORM:
         _head_normed_out_phase(x_ptr, stride_xm, z_ptr, stride_zm, head_norm_ptr, out_weight_ptr, hidden_ptr,
                                stride_hm, eps, M, HIDDEN, ATTENDED, w, HEADS, HEAD_DIM, ROUND_PRODUCT,
                                BLOCK_N_OUT, BLOCK_H, BLOCK_D)
-    elif FIRST_PHASE == 1:
+    elif PHASE == 1:
         _phase(x_ptr, stride_xm, out_weight_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
                norm_ptr, eps, M, HIDDEN, ATTENDED, w, w_up, NO_ACTIVATION, True, HAS_GATE, False, "",
                BLOCK_N_OUT, BLOCK_K_OUT)
-        if LAST_PHASE >= 2:
-            w, w_up = _first_tile(gate_up_ptr, INTERMEDIATE, HIDDEN, True, BLOCK_N_UP, BLOCK_K_UP)
-            _grid_barrier(counter_ptr, programs)
-            allow_next_kernel(USE_PDL)  # past a barrier: every program of this launch is resident
-    if FIRST_PHASE <= 2 and LAST_PHASE >= 2:
+    elif PHASE == 2:
         _phase(hidden_ptr, stride_hm, gate_up_ptr, act_ptr, stride_am, act_ptr, stride_am, gate_ptr, stride_gm,
                norm_ptr, eps, M, INTERMEDIATE, HIDDEN, w, w_up, SWIGLU, False, False, True, ".cg",
                BLOCK_N_UP, BLOCK_K_UP)
-        if LAST_PHASE == 3:
-            w, w_up = _first_tile(down_ptr, HIDDEN, INTERMEDIATE, False, BLOCK_N_DOWN, BLOCK_K_DOWN)
-            _grid_barrier(counter_ptr, (3 - FIRST_PHASE) * programs)
-            if FIRST_PHASE == 2:
-                allow_next_kernel(USE_PDL)
-    if LAST_PHASE == 3:
+    else:
         _phase(act_ptr, stride_am, down_ptr, hidden_ptr, stride_hm, hidden_ptr, stride_hm, gate_ptr, stride_gm,
                norm_ptr, eps, M, HIDDEN, INTERMEDIATE, w, w_up, NO_ACTIVATION, True, False, False, ".cg",
                BLOCK_N_DOWN, BLOCK_K_DOWN)
-    if FIRST_PHASE < LAST_PHASE:
-        # the last program through this count resets the counter: every other program is past its last
-        # barrier, so none polls it again in this launch
-        final = (LAST_PHASE - FIRST_PHASE + 1) * programs
-        if tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") == final - 1:
-            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-
-
-_counters: dict = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 barrier counter of a device (each launch leaves it zero)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def _tile(N: int, K: int, programs: int, pair: bool) -> tuple[int, int]:
@@ -260,7 +202,6 @@ def out_projection_mlp(
     act: torch.Tensor | None = None,
     pdl: bool = False,
     programs: int | None = None,
-    one_launch: bool | None = None,
     head_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """hidden += out-projection of x (gated by sigmoid(gate) if given), then hidden += MLP(hidden); in place.
@@ -268,10 +209,8 @@ def out_projection_mlp(
     x [M, A] (unit last stride); out_weight [H, A]; hidden [M, H] (the residual stream, updated in place);
     norm_weight [H] (the MLP's zero-centred RMSNorm: x (1 + w)); gate_up_weight [2I, H] (gate rows, then
     up rows); down_weight [H, I]; gate [M, A] or None; act [M, I]: the swiglu activations' buffer
-    (allocated when None). Returns hidden. programs: the grid (default: one per SM; at most the
-    SM count, so that every program is resident). one_launch: the three phases in one launch with grid
-    barriers, or as three launches (the interpreter's way; on a GPU the default is ONE_LAUNCH). pdl:
-    programmatic dependent launch (Hopper; see the module docstring for when it lets the next kernel launch).
+    (allocated when None). Returns hidden. programs: the grid of each phase (default: one per SM). pdl:
+    programmatic dependent launch (Hopper; operators/common.py).
     head_norm: (z [M, A], weight [D]): x is a Gated DeltaNet's delta-rule output o [M, A] of A / D heads
     of D values, and the out-projection reads gated_rms_norm(o, z, weight, eps) instead (gated_rms_norm.py,
     the same roundings), formed by each program for the whole row; not with gate.
@@ -312,27 +251,21 @@ def out_projection_mlp(
         check_same_device(x=x, z=z, head_norm_weight=head_norm_weight)
     if rows == 0:
         return hidden
-    available = sm_count(x.device)
-    programs = available if programs is None else programs
-    if not 1 <= programs <= available:
-        raise ValueError(f"programs must be 1 to {available} (the SM count: all must be resident), got {programs}")
-    if one_launch is None:
-        one_launch = ONE_LAUNCH and not interpreting()
-    if one_launch and interpreting():
-        raise ValueError("one_launch needs a GPU: the interpreter runs programs one at a time, so a grid barrier "
-                         "would wait forever")
+    programs = sm_count(x.device) if programs is None else programs
+    if programs < 1:
+        raise ValueError(f"programs must be at least 1, got {programs}")
     block_n_out, block_k_out = _tile(size, attended, programs, pair=False)
     heads = attended // head_dim
     block_n_up, block_k_up = _tile(intermediate, size, programs, pair=True)
     block_n_down, block_k_down = _tile(size, intermediate, programs, pair=False)
-    for first, last in ([(1, 3)] if one_launch else [(1, 1), (2, 2), (3, 3)]):
+    for phase in (1, 2, 3):
         _out_projection_mlp_kernel[(programs,)](
             x, x if gate is None else gate, out_weight, hidden, norm_weight, gate_up_weight, down_weight, act,
-            _counter(x.device), z, head_norm_weight,
+            z, head_norm_weight,
             rows, eps, x.stride(0), 0 if gate is None else gate.stride(0), hidden.stride(0), act.stride(0),
             z.stride(0),
             HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate, HAS_GATE=gate is not None,
-            FIRST_PHASE=first, LAST_PHASE=last, USE_PDL=pdl,
+            PHASE=phase, USE_PDL=pdl,
             BLOCK_N_OUT=block_n_out, BLOCK_K_OUT=block_k_out, BLOCK_N_UP=block_n_up, BLOCK_K_UP=block_k_up,
             BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down,
             HEAD_NORM=head_norm is not None, HEADS=heads if head_norm is not None else 1, HEAD_DIM=head_dim,
