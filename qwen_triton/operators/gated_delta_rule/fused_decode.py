@@ -4,7 +4,9 @@ It computes exactly what this chain of launchers computes, with the same roundin
     mixed = causal_conv1d_step(x, conv_weight, conv_state)          x: the q | k | v columns [B, C]
     o = gated_delta_rule_recurrent(q, k, v, a, b, A_log, dt_bias, state)   (q, k, v split from mixed)
     y = gated_rms_norm(o, z, norm_weight, eps)
-but launches one kernel instead of three and never writes `mixed`.
+but launches one kernel instead of three and never writes `mixed`. With normalize=False it stops at o
+(the engine's decode step: out_projection_mlp's first launch norms the row in its prologue, `head_norm`,
+measured 5 us a step faster on the H200; docs/perf-notes.md).
 
 `_fused_step_kernel`, grid (B x Hv, Dv / BLOCK_V), the recurrent kernel's blocking: a program runs the
 conv step of the channels it needs (its key head's q and k, recomputed by each of the head's programs from
