@@ -27,6 +27,18 @@ from .gating import ACTIVATION_DTYPES
 
 
 @triton.jit
+def gated_rms_norm_values(x, z, weight, eps, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, dtype):
+    """The norm of a tile of heads in registers: x, z [heads, BLOCK_D] and weight [BLOCK_D] in float32 (zero
+    past HEAD_DIM); returns y [heads, BLOCK_D] in float32, to be rounded once to dtype (x's)."""
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    normed = normed.to(dtype).to(tl.float32)
+    product = weight[None, :] * normed
+    if ROUND_PRODUCT:
+        product = product.to(dtype).to(tl.float32)
+    return product * (z / (1.0 + tl.exp(-z)))
+
+
+@triton.jit
 def gated_rms_norm_heads(x_row, stride_xh, z_row, weight_ptr, out_row, head, eps,
                          HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
                          BLOCK_D: tl.constexpr, X_FROM_L2: tl.constexpr):
@@ -40,15 +52,10 @@ def gated_rms_norm_heads(x_row, stride_xh, z_row, weight_ptr, out_row, head, eps
                     cache_modifier=".cg").to(tl.float32)
     else:
         x = tl.load(x_row + head[:, None] * stride_xh + lane[None, :], mask=mask, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-    normed = normed.to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + lane, mask=lane < HEAD_DIM, other=0.0).to(tl.float32)
-    product = weight[None, :] * normed
-    if ROUND_PRODUCT:
-        product = product.to(dtype).to(tl.float32)
     channel = head[:, None] * HEAD_DIM + lane[None, :]
     z = tl.load(z_row + channel, mask=mask, other=0.0).to(tl.float32)
-    y = product * (z / (1.0 + tl.exp(-z)))
+    y = gated_rms_norm_values(x, z, weight, eps, HEAD_DIM, ROUND_PRODUCT, dtype)
     tl.store(out_row + channel, y.to(out_row.dtype.element_ty), mask=mask)
 
 

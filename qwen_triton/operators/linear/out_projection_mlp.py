@@ -38,10 +38,13 @@ from ..common import (
     sm_count,
     wait_for_previous_kernel,
 )
+from ..gated_delta_rule.gated_rms_norm import gated_rms_norm_values
 from .fusion import NO_ACTIVATION, SWIGLU, accumulate_row, load_weight_tile, row_rstd, store_output
 
 WARPS = 8
 TILE_ELEMENTS = 16384  # weight elements per program and K step (32 KiB of bf16; gate and up: twice that)
+
+
 @triton.jit
 def _program_rows(N, BLOCK_N: tl.constexpr):
     """This program's share of N output rows: (offsets [BLOCK_N], end), ceil(N / programs) rows from
@@ -112,14 +115,9 @@ def _head_normed_row(x_ptr, z_ptr, weight_ptr, eps, HEADS: tl.constexpr, HEAD_DI
     mask = (head < HEADS)[:, None] & (lane < HEAD_DIM)[None, :]
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + channel, mask=mask, other=0.0).to(tl.float32)
-    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-    normed = normed.to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + lane, mask=lane < HEAD_DIM, other=0.0).to(tl.float32)
-    product = weight[None, :] * normed
-    if ROUND_PRODUCT:
-        product = product.to(dtype).to(tl.float32)
     z = tl.load(z_ptr + channel, mask=mask, other=0.0).to(tl.float32)
-    return (product * (z / (1.0 + tl.exp(-z)))).to(dtype)
+    return gated_rms_norm_values(x, z, weight, eps, HEAD_DIM, ROUND_PRODUCT, dtype).to(dtype)
 
 
 @triton.jit
