@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import json
 import statistics
 
 import torch
-import triton.language as tl
 
-from qwen_triton.benchmark.harness import EngineRunner, time_calls
+from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
 
 
 def parse_options(text: str) -> dict:
@@ -37,17 +35,6 @@ def parse_options(text: str) -> dict:
         name, value = item.split("=", 1)
         options[name.strip()] = ast.literal_eval(value.strip())
     return options
-
-
-def apply_setting(text: str) -> None:
-    """'package.module.NAME=VALUE': set the module constant (wrapped in tl.constexpr where it is one)."""
-    target, value = text.split("=", 1)
-    module_name, name = target.rsplit(".", 1)
-    module = importlib.import_module(module_name)
-    if not hasattr(module, name):
-        raise SystemExit(f"{module_name} has no constant {name}")
-    value = ast.literal_eval(value.strip())
-    setattr(module, name, tl.constexpr(value) if isinstance(getattr(module, name), tl.constexpr) else value)
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="*", default=[], help="module.NAME=VALUE constants, set first")
     args = parser.parse_args()
     for setting in args.settings:
-        apply_setting(setting)
+        set_module_constant(setting)
     contexts = [int(c) for c in args.contexts.split(",")]
     max_length = max(contexts) + args.rounds * (args.steps + args.warmup) + 8
     runners = {text: EngineRunner("triton+split_k+cuda_graph", "0.8b", max_length, "cuda", torch.bfloat16,

@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from qwen_triton.benchmark.harness import EngineRunner, time_calls
+from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
 from qwen_triton.benchmark.profile import cuda_kernel_events
 from qwen_triton.operators.gated_delta_rule import chunk
 
@@ -69,8 +69,7 @@ def main() -> None:
     rows = []
     for setting in args.settings:
         if setting:
-            name, value = setting.split("=", 1)
-            setattr(chunk, name, int(value))
+            set_module_constant(setting, chunk)
         for length in lengths:
             token_ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to("cuda")
             for config in configs if args.configs == "all" else [None]:

@@ -3,6 +3,8 @@ harness cannot rot: the JSON schema, the table and the plot."""
 
 import json
 
+import pytest
+
 from qwen_triton.cli import main
 
 # the Triton variants differ only on a GPU (split-K configs, CUDA graphs); one of them keeps CI short
@@ -33,3 +35,26 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert f"FLOPs per prefill: 8 tokens: {prefill_flops:,}." in table
     # whether transformers ran with flash-linear-attention's kernels is said in the output, not only the JSON
     assert f"transformers: {report['notes']['transformers']}." in table and "flash-linear-attention" in table
+
+
+def test_set_module_constant_keeps_constexpr_and_names_a_missing_constant():
+    import sys
+
+    import triton.language as tl
+
+    from qwen_triton.benchmark.harness import set_module_constant
+    from qwen_triton.operators.gated_delta_rule import chunk
+    from qwen_triton.operators.linear import fusion
+
+    module = sys.modules["qwen_triton.operators.linear.out_projection_mlp"]
+    saved = (module.TILE_ELEMENTS, chunk.SHORT_PROMPT_CHUNKS, fusion.SWIGLU)
+    try:
+        set_module_constant("qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192")
+        set_module_constant("SHORT_PROMPT_CHUNKS=0", chunk)
+        set_module_constant("qwen_triton.operators.linear.fusion.SWIGLU=3")
+        assert module.TILE_ELEMENTS == 8192 and chunk.SHORT_PROMPT_CHUNKS == 0
+        assert isinstance(fusion.SWIGLU, tl.constexpr) and fusion.SWIGLU.value == 3
+        with pytest.raises(SystemExit, match="has no constant NOPE"):
+            set_module_constant("NOPE=1", chunk)
+    finally:
+        module.TILE_ELEMENTS, chunk.SHORT_PROMPT_CHUNKS, fusion.SWIGLU = saved

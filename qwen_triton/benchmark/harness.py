@@ -28,7 +28,9 @@ host timers and host ceilings, so that it is tested in CI; its numbers there mea
 
 from __future__ import annotations
 
+import ast
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -400,3 +402,20 @@ def plot(report: dict, path: Path) -> None:
     figure.suptitle(f"Qwen3.5-0.8B shape, bf16, {report['gpu']}, {report['date']}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def set_module_constant(setting: str, module=None) -> None:
+    """'package.module.NAME=VALUE' (or 'NAME=VALUE' of `module`): set a module constant before any kernel
+    compiles, for benchmark scripts that compare settings (VALUE a Python literal; a constant that is a
+    `tl.constexpr` stays one)."""
+    import triton.language as tl
+
+    target, value = setting.split("=", 1)
+    if module is None:
+        module_name, target = target.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+    name = target.strip()
+    if not hasattr(module, name):
+        raise SystemExit(f"{module.__name__} has no constant {name}")
+    value = ast.literal_eval(value.strip())
+    setattr(module, name, tl.constexpr(value) if isinstance(getattr(module, name), tl.constexpr) else value)

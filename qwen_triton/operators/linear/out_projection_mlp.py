@@ -236,7 +236,7 @@ def out_projection_mlp(
     check_same_device(x=x, out_weight=out_weight, hidden=hidden, norm_weight=norm_weight,
                       gate_up_weight=gate_up_weight, down_weight=down_weight, act=act,
                       **({"gate": gate} if gate is not None else {}))
-    z, head_norm_weight, head_dim = x, norm_weight, 1
+    z, head_norm_weight, heads, head_dim = x, norm_weight, 1, 1  # stand-ins, unused without head_norm
     if head_norm is not None:
         if gate is not None:
             raise ValueError("head_norm and gate exclude each other: the gate belongs to attention layers")
@@ -247,13 +247,13 @@ def out_projection_mlp(
             raise ValueError(f"head_norm weight has {head_dim} values: expected a divisor of x's {attended} columns")
         check_tensor("head_norm z", z, shape=(rows, attended), dtype=x.dtype)
         check_same_device(x=x, z=z, head_norm_weight=head_norm_weight)
+        heads = attended // head_dim
     if rows == 0:
         return hidden
     programs = sm_count(x.device) if programs is None else programs
     if programs < 1:
         raise ValueError(f"programs must be at least 1, got {programs}")
     block_n_out, block_k_out = _tile(size, attended, programs, pair=False)
-    heads = attended // head_dim
     block_n_up, block_k_up = _tile(intermediate, size, programs, pair=True)
     block_n_down, block_k_down = _tile(size, intermediate, programs, pair=False)
     for phase in (1, 2, 3):
@@ -266,10 +266,9 @@ def out_projection_mlp(
             PHASE=phase, USE_PDL=pdl,
             BLOCK_N_OUT=block_n_out, BLOCK_K_OUT=block_k_out, BLOCK_N_UP=block_n_up, BLOCK_K_UP=block_k_up,
             BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down,
-            HEAD_NORM=head_norm is not None, HEADS=heads if head_norm is not None else 1, HEAD_DIM=head_dim,
+            HEAD_NORM=head_norm is not None, HEADS=heads, HEAD_DIM=head_dim,
             ROUND_PRODUCT=x.dtype != torch.float32,
-            BLOCK_H=triton.next_power_of_2(heads) if head_norm is not None else 1,
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=WARPS, num_stages=1, **launch_options(pdl),
         )
     return hidden
