@@ -190,7 +190,7 @@ def test_chunked_start_states_are_the_prefix_states(device):
     initial = random_state((heads, key_dim, value_dim), device)
     scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    chunk_module._launch_state_pass(inputs["k"], initial.clone(), scratch)
+    chunk_module._launch_state_pass(initial.clone(), scratch)
     assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
     for chunk in (1, 2):
@@ -221,9 +221,9 @@ def _invert_blocks_kernel(a_ptr, x_ptr, BLOCKS: tl.constexpr, SIZE: tl.constexpr
 
 
 @triton.jit
-def _invert_chunk_kernel(a_ptr, x_ptr, SIZE: tl.constexpr):
+def _invert_chunk_kernel(a_ptr, scratch_ptr, x_ptr, SIZE: tl.constexpr):
     index = tl.arange(0, SIZE)[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
-    tl.store(x_ptr + index, chunk_module._invert_chunk(tl.load(a_ptr + index)))
+    tl.store(x_ptr + index, chunk_module._invert_chunk(tl.load(a_ptr + index), scratch_ptr))
 
 
 def chunk_systems(blocks, size, correlation, seed):
@@ -268,12 +268,14 @@ def test_invert_unit_lower(device, blocks, size, correlation):
 @pytest.mark.parametrize("correlation", [0.0, 0.9, 1.0])
 def test_invert_chunk(device, correlation):
     """The chunk's whole inverse as _chunk_prepare_kernel forms it: doubling inside the 16 x 16 blocks, then
-    the merges into 32 x 32 and 64 x 64."""
+    the merges into 32 x 32 and 64 x 64, through a scratch block (garbage before: every entry is written
+    before it is read)."""
     size = chunk_module.CHUNK
     system = chunk_systems(3, size, correlation, seed=1)
     for a in system:
         x = torch.empty(size, size, device=device)
-        _invert_chunk_kernel[(1,)](a.float().to(device), x, SIZE=size)
+        scratch = torch.full((size, size), float("nan"), device=device)
+        _invert_chunk_kernel[(1,)](a.float().to(device), scratch, x, SIZE=size)
         assert inverse_error(x.cpu(), a) < INVERSE_TOLERANCE
 
 

@@ -62,6 +62,13 @@ def _prune_prefill(configs, named_args, **kwargs):
     return configs
 
 
+@triton.jit
+def _store_silu(out_ptr, rows, cols, row_mask, col_mask, stride_ot, acc):
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
 @triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH", "length_bucket"], restore_value=["state_ptr"],
                  prune_configs_by={"early_config_prune": _prune_prefill}, cache_results=True)
 @triton.jit(do_not_specialize=["length_bucket"])  # a tuning key only: no recompilation per bucket
@@ -79,21 +86,30 @@ def _causal_conv1d_kernel(
     col_mask = cols < channels
 
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for j in tl.static_range(WIDTH):
-        source = rows - (WIDTH - 1) + j  # the input this tap reads; negative: the old state
-        from_x = row_mask & (source >= 0)
-        from_state = row_mask & (source < 0)
-        x = tl.load(x_ptr + source[:, None] * stride_xt + cols[None, :],
-                    mask=from_x[:, None] & col_mask[None, :], other=0.0)
-        old = tl.load(state_ptr + cols[None, :] * stride_sc + (WIDTH - 1 + source)[:, None],
-                      mask=from_state[:, None] & col_mask[None, :], other=0.0)
-        tap = tl.load(weight_ptr + cols * stride_wc + j, mask=col_mask, other=0.0).to(tl.float32)
-        acc += (x.to(tl.float32) + old.to(tl.float32)) * tap[None, :]
-    y = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    # two branches (the first time block's programs read and write the state; the others only x): the
+    # others compile to vector loads of x alone, without the state's masked loads and layout conversions
+    if time_block > 0:
+        # every tap reads x (BLOCK_T >= MAX_WIDTH > W - 1): W shifted loads of one tile, the halo rows cache hits
+        for j in tl.static_range(WIDTH):
+            x = tl.load(x_ptr + (rows - (WIDTH - 1) + j)[:, None] * stride_xt + cols[None, :],
+                        mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            tap = tl.load(weight_ptr + cols * stride_wc + j, mask=col_mask, other=0.0).to(tl.float32)
+            acc += x.to(tl.float32) * tap[None, :]
+        _store_silu(out_ptr, rows, cols, row_mask, col_mask, stride_ot, acc)  # (in each branch: no layout merge)
+    else:
+        # the first rows' taps read the old state; these programs then write the new state
+        for j in tl.static_range(WIDTH):
+            source = rows - (WIDTH - 1) + j  # the input this tap reads; negative: the old state
+            from_x = row_mask & (source >= 0)
+            from_state = row_mask & (source < 0)
+            x = tl.load(x_ptr + source[:, None] * stride_xt + cols[None, :],
+                        mask=from_x[:, None] & col_mask[None, :], other=0.0)
+            old = tl.load(state_ptr + cols[None, :] * stride_sc + (WIDTH - 1 + source)[:, None],
+                          mask=from_state[:, None] & col_mask[None, :], other=0.0)
+            tap = tl.load(weight_ptr + cols * stride_wc + j, mask=col_mask, other=0.0).to(tl.float32)
+            acc += (x.to(tl.float32) + old.to(tl.float32)) * tap[None, :]
+        _store_silu(out_ptr, rows, cols, row_mask, col_mask, stride_ot, acc)
 
-    if time_block == 0:
         # the last W-1 inputs: x's tail, or (T < W-1) the old state's tail then all of x
         slot = tl.arange(0, BLOCK_W)
         tail = length - (WIDTH - 1) + slot  # (names differ from the loop's: a branch may not reshape them)
