@@ -353,17 +353,17 @@ class TritonModel:
                     mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot])
                 q, k, v = self._heads(mixed)
 
-                def delta_cost():
+                def delta_cost():  # q, k, v and z in, the normed output out
                     per_token_head = 2 * 64 * (c.linear_key_head_dim + c.linear_value_head_dim) + \
                         6 * c.linear_key_head_dim * c.linear_value_head_dim
-                    return (self._state_bytes(1) + tokens * (c.linear_conv_dim + c.linear_value_dim) * element,
+                    return (self._state_bytes(1) + tokens * (c.linear_conv_dim + 2 * c.linear_value_dim) * element,
                             tokens * c.linear_num_value_heads * per_token_head)
 
-                with self._operator("gated delta rule (chunked)", i, delta_cost):
-                    out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot])
-                with self._operator("gated rms norm", i, lambda: (3 * tokens * c.linear_value_dim * element, 0)):
-                    out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps)
-                x = self._layer_tail(i, "deltanet out-projection", out, w.out, x, mlp)
+                # the gated RMSNorm in the chunked rule's output kernel (each of its programs holds whole head rows)
+                with self._operator("gated delta rule (chunked) + gated norm", i, delta_cost):
+                    out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot],
+                                                   output_norm=(z, w.norm, c.rms_norm_eps))
+                x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         self._layer_done = None

@@ -74,10 +74,12 @@ OPERATORS: tuple[Operator, ...] = (
              ("gated_delta_rule.fused_decode:_fused_step_kernel",),
              "prefill: chunk 64, UT form, fp32 state; decode: one recurrent step on the fp32 state in place"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",
-             ("gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",),
+             ("gated_delta_rule.chunk:_chunk_output_kernel",),
              (LAYER_TAIL_DECODE,),
-             "decode: the out-projection's prologue (phase 1 of the layer's out_projection_mlp kernel, each "
-             "program for the whole row); without out_projection_mlp, the fused step's last program per head"),
+             "prefill: the chunked rule's output kernel, each program whole head rows (standalone: "
+             "gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel); decode: the out-projection's prologue "
+             "(phase 1 of the layer's out_projection_mlp kernel, each program for the whole row); without "
+             "out_projection_mlp, the fused step's last program per head"),
     Operator("26", "final RMSNorm", (PROLOGUE_PREFILL, LINEAR_DECODE), ("lm_head.argmax:_lm_head_argmax_kernel",),
              "the LM head's prologue, or its row pass when it projects more than 16 rows "
              "(standalone: norm.rms_norm:_rms_norm_kernel)"),

@@ -200,6 +200,39 @@ def test_chunked_start_states_are_the_prefix_states(device):
         torch.testing.assert_close(scratch.chunk_states[chunk], state, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                  (torch.float16, torch.float32)])
+def test_chunked_output_norm_equals_norming_after(device, dtype, weight_dtype):
+    """output_norm: the output kernel writes gated_rms_norm(o, z) (o rounded first, as the norm kernel reads
+    it): the same as the two calls, for a head width (40) below its power of two and two chunks."""
+    rows, heads, key_dim, value_dim, eps = 70, 3, 16, 40, 1e-6
+    inputs = make_inputs(rows, 1, heads, key_dim, value_dim, dtype, device, seed=12)
+    weight = (1 + 0.3 * torch.randn(value_dim, generator=torch.Generator().manual_seed(3))).to(device, weight_dtype)
+    state = random_state((heads, key_dim, value_dim), device)
+    plain_state = state.clone()
+    o = gated_delta_rule_chunked(*kernel_arguments(inputs), plain_state)
+    expected = gated_rms_norm(o, inputs["z"], weight, eps)
+    normed_state = state.clone()
+    normed = gated_delta_rule_chunked(*kernel_arguments(inputs), normed_state, output_norm=(inputs["z"], weight, eps))
+    assert normed.shape == (rows, heads, value_dim)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+    torch.testing.assert_close(normed.reshape(rows, -1), expected, **tolerance)
+    assert not torch.allclose(normed.reshape(rows, -1).float(), o.reshape(rows, -1).float(), atol=1e-2)  # normed
+    torch.testing.assert_close(normed_state, plain_state, rtol=0, atol=0)  # the same state pass
+
+
+def test_chunked_output_norm_arguments(device):
+    inputs = make_inputs(8, 1, 2, 16, 16, torch.float32, device, seed=1)
+    state = torch.zeros(2, 16, 16, device=device)
+    weight = torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="tuple"):
+        gated_delta_rule_chunked(*kernel_arguments(inputs), state, output_norm=(inputs["z"], weight))
+    with pytest.raises(ValueError, match="z"):
+        gated_delta_rule_chunked(*kernel_arguments(inputs), state, output_norm=(inputs["z"][:, :-1], weight, 1e-6))
+    with pytest.raises(ValueError, match="weight"):
+        gated_delta_rule_chunked(*kernel_arguments(inputs), state, output_norm=(inputs["z"], weight[:-1], 1e-6))
+
+
 @pytest.mark.parametrize("precision", ["tf32", "ieee"])
 def test_chunked_precision_options(device, precision):
     inputs = make_inputs(20, 1, 2, 16, 16, torch.float16, device, seed=7)

@@ -82,6 +82,7 @@ import triton
 import triton.language as tl
 
 from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
+from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
 
@@ -312,7 +313,9 @@ def _chunk_prepare_kernel(
 
 def _state_configs():
     """num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's
-    cp.async copies); 1: the reference point, no prefetch."""
+    cp.async copies). (num_stages=1, no prefetch, was the reference point until the state pass read the
+    decayed keys: compiled so, it faulted with an illegal address on the H200 under Triton 3.6, 2026-11-30,
+    in the autotuning of a 4096-token prefill and in benchmarks/chunk_sweep.py.)"""
     return autotune_configs([
         triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=2),
         triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=2),
@@ -320,7 +323,6 @@ def _state_configs():
         triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=2),
         triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_V": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=1),
     ])
 
 
@@ -390,23 +392,37 @@ def _output_configs():
     ])
 
 
-@triton.autotune(configs=_output_configs(), key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _short_prompt_pick("output")}, cache_results=True)
+def _prune_output(configs, named_args, **kwargs):
+    """With the output norm a program writes whole head rows whatever BLOCK_V: the configs of the largest
+    BLOCK_V stand for the warp counts. Then the short-prompt pick."""
+    if kwargs.get("NORM"):
+        widest = max(c.kwargs["BLOCK_V"] for c in configs)
+        configs = [c for c in configs if c.kwargs["BLOCK_V"] == widest]
+    return _short_prompt_pick("output")(configs, named_args, **kwargs)
+
+
+@triton.autotune(configs=_output_configs(), key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM"],
+                 prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr,
-    length, chunk_bucket, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
+    length, chunk_bucket, scale, eps,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
-    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state."""
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
+    1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
+    instead, O rounded to the output dtype first, as the norm kernel reads it."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
-    values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    if NORM:
+        values = tl.arange(0, BLOCK_D)
+    else:
+        values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
@@ -420,6 +436,11 @@ def _chunk_output_kernel(
                           scale)
     q = q * tl.exp(decay)[:, None]
     out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
+    if NORM:
+        dtype = out_ptr.dtype.element_ty
+        z = _load_rows(z_ptr + head * V_DIM, rows, length, stride_zt, values, V_DIM)
+        weight = tl.load(norm_weight_ptr + values, mask=values < V_DIM, other=0.0).to(tl.float32)
+        out = gated_rms_norm_values(out.to(dtype).to(tl.float32), z, weight, eps, V_DIM, ROUND_PRODUCT, dtype)
     _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
 
 
@@ -435,10 +456,13 @@ def gated_delta_rule_chunked(
     chunk_size: int = CHUNK,
     out: torch.Tensor | None = None,
     dot_precision: str | None = None,
+    output_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Prefill of one sequence: o [T, Hv, Dv]; state [Hv, Dk, Dv] float32 carried in place.
 
     dot_precision: None (the default mix, see the module docstring), "tf32" or "ieee" (float32 operands).
+    output_norm: (z [T, Hv * Dv], weight [Dv], eps): return gated_rms_norm(o, z, weight, eps) instead of o
+    (gated_rms_norm.py's roundings, o rounded to v's dtype first), formed by the output kernel.
     """
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
@@ -457,13 +481,20 @@ def gated_delta_rule_chunked(
     check_same_device(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, out=out)
     if dot_precision not in (None, "tf32", "ieee"):
         raise ValueError(f"dot_precision must be None, 'tf32' or 'ieee', got {dot_precision!r}")
+    if output_norm is not None:
+        if not (isinstance(output_norm, tuple) and len(output_norm) == 3):
+            raise ValueError("output_norm must be a tuple (z, weight, eps)")
+        z, weight, _ = output_norm
+        check_tensor("output_norm's z", z, shape=(length, value_heads * value_dim), dtype=v.dtype)
+        check_tensor("output_norm's weight", weight, shape=(value_dim,), dtype=ACTIVATION_DTYPES, contiguous=True)
+        check_same_device(v=v, z=z, weight=weight)
     if length == 0:
         return out
 
     scratch = _scratch(q, v, dot_precision)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
     _launch_state_pass(state, scratch)
-    _launch_output(q, out, scratch)
+    _launch_output(q, out, scratch, output_norm)
     return out
 
 
@@ -534,18 +565,26 @@ def _launch_state_pass(state, scratch: _Scratch) -> None:
     )
 
 
-def _launch_output(q, out, scratch: _Scratch) -> None:
-    """Kernel 3: o written into out."""
+def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
+    """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    grid = lambda meta: (chunks, value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
+    z, weight, eps = output_norm if output_norm is not None else (out, out, 0.0)  # unused stand-ins without it
+
+    def grid(meta):
+        return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
+
     _chunk_output_kernel[grid](
-        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out,
-        length, triton.next_power_of_2(chunks), key_dim**-0.5,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
+        BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
+        NORM=output_norm is not None,
+        # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
+        ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
     )
 
 
