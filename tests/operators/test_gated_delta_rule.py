@@ -580,6 +580,28 @@ def test_gpu_chunked(length):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 5, 63, 65])
+def test_gpu_chunked_short_prompts(length):
+    """Prompts of one partial chunk or two, at the real shape: a one-chunk prompt of one token compiles the
+    state pass's loop without pipelining (length and chunks specialised to 1), which faulted with an illegal
+    address when the decayed keys were loaded [C, Dk] and transposed; the output norm as norming after."""
+    inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=23)
+    initial = random_state((HEADS, DIM, DIM), "cuda") * 0.2
+    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
+    ref_out, ref_state = reference_chunked(float_inputs, initial.clone())
+    state = initial.clone()
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    torch.cuda.synchronize()
+    assert frobenius_error(out, ref_out) < 1.5e-2
+    assert frobenius_error(state, ref_state) < 1e-2
+    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
+    normed = gated_delta_rule_chunked(*kernel_arguments(inputs), initial.clone(),
+                                      output_norm=(inputs["z"], weight, 1e-6))
+    expected = gated_rms_norm(out, inputs["z"], weight, 1e-6)
+    assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3
+
+
+@pytest.mark.gpu
 def test_gpu_chunked_grouped_heads():
     """Hv = 2 Hk at Dk = Dv = 128 (the grouping other Qwen3.5 sizes use), crossing chunk boundaries."""
     inputs = make_inputs(300, 8, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=21)

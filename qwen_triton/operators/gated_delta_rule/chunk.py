@@ -263,8 +263,9 @@ def _chunk_prepare_kernel(
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
-    h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
-    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
+    h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys (diag(exp(G_C - G)) K)^T [Dk, C]
+    (into [Hv, Dk, chunks * C]), through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of
+    system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -296,8 +297,11 @@ def _chunk_prepare_kernel(
         offsets = tl.arange(0, CHUNK_ROWS)
         last = tl.minimum(length - chunk * CHUNK_ROWS, CHUNK_ROWS) - 1
         decay_last = tl.sum(tl.where(offsets == last, decay, 0.0))
-        _store_rows(decayed_keys_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM,
-                    k * tl.exp(decay_last - decay)[:, None])
+        # (all C rows, those past the sequence's end zeros: the state pass loads whole chunks, unmasked in time)
+        padded = tl.num_programs(0) * CHUNK_ROWS  # the transposed keys' row: every chunk's C columns
+        tl.store(decayed_keys_ptr + (head * K_DIM + keys[None, :]) * padded + rows[:, None],
+                 (k * tl.exp(decay_last - decay)[:, None]).to(decayed_keys_ptr.dtype.element_ty),
+                 mask=keys[None, :] < K_DIM)
 
         # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
         # inverse is reused by every row)
@@ -313,9 +317,7 @@ def _chunk_prepare_kernel(
 
 def _state_configs():
     """num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's
-    cp.async copies). (num_stages=1, no prefetch, was the reference point until the state pass read the
-    decayed keys: compiled so, it faulted with an illegal address on the H200 under Triton 3.6, 2026-11-30,
-    in the autotuning of a 4096-token prefill and in benchmarks/chunk_sweep.py.)"""
+    cp.async copies). (num_stages=1, no prefetch, the reference point before, is no longer timed.)"""
     return autotune_configs([
         triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=2),
         triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=2),
@@ -327,14 +329,17 @@ def _state_configs():
 
 
 @triton.jit
-def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys, values,
+def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, padded, keys, values,
                       K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
-    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the decayed keys [C, Dk]
-    and G_C. Rows past the sequence's end load as zeros."""
+    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the decayed keys
+    transposed [Dk, C] (row stride chunks * C) and G_C. Rows past the sequence's end load as zeros."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
     u = _load_rows(u_base, rows, length, V_DIM, values, V_DIM, False)
-    decayed_keys = _load_rows(keys_base, rows, length, K_DIM, keys, K_DIM, False)
+    # stored transposed: loaded as the product's [Dk, C] operand as it is (a tl.trans of a [C, Dk] load
+    # faulted with an illegal address on the H200 where the loop is not pipelined: num_stages=1, or T = 1)
+    # (zeros past the sequence's end, written so: no mask in time, so that the loads stay vectors whatever T)
+    decayed_keys = tl.load(keys_base + keys[:, None] * padded + rows[None, :], mask=(keys < K_DIM)[:, None], other=0.0)
     decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
     return w, u, decayed_keys, decay_last
 
@@ -362,7 +367,8 @@ def _chunk_state_kernel(
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
-    keys_base = decayed_keys_ptr + head * length * K_DIM
+    padded = chunks * CHUNK_ROWS
+    keys_base = decayed_keys_ptr + head * K_DIM * padded
     decay_base = decay_ptr + head * length
     w_base = w_ptr + head * length * K_DIM
     u_base = u_ptr + head * length * V_DIM
@@ -372,13 +378,13 @@ def _chunk_state_kernel(
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, decayed_keys, decay_last = _state_step_tiles(
-            w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+            w_base, u_base, keys_base, decay_base, chunk, length, padded, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-        state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
+        state = state * tl.exp(decay_last) + _mm(decayed_keys, new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
 
 
@@ -507,7 +513,7 @@ class _Scratch(NamedTuple):
     u: torch.Tensor  # [Hv, T, Dv] float32
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
-    decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
+    decayed_keys: torch.Tensor  # [Hv, Dk, chunks * C]: (diag(exp(G_C - G)) K)^T of each chunk (normalised keys)
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
     new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
@@ -528,7 +534,7 @@ def _scratch(q, v, dot_precision) -> _Scratch:
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
         qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
-        decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
+        decayed_keys=torch.empty(value_heads, key_dim, chunks * CHUNK, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
         new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
