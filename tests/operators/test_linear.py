@@ -406,3 +406,24 @@ def test_prefill_gemm_keeps_the_in_graph_winner_for_short_prompts():
     assert kept(128, 2048, allowed=False) == [(128, 64, 1), (64, 64, 1)]  # the winner's split not allowed
     assert kept(4096, 1024) == [(128, 64, 1), (64, 64, 1)]  # long prompts: the autotuner chooses
     assert kept(128, 1024, candidates=[configs[0], configs[3]]) == [(128, 64, 1), (128, 64, 2)]  # not among them
+
+
+def test_prefill_gemm_keeps_the_in_graph_winner_for_long_prompts():
+    import triton
+
+    from qwen_triton.operators.linear import gemm
+
+    def config(block_n, warps, stages):
+        return triton.Config({"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1},
+                             num_warps=warps, num_stages=stages)
+
+    configs = [config(64, 4, 4), config(128, 8, 3), config(256, 8, 3), config(128, 4, 4)]
+
+    def kept(bucket, N, candidates=configs):
+        pruned = gemm._prune(candidates, {"M_BUCKET": bucket, "K": 2048, "N": N}, ACTIVATION=0, SPLIT_ALLOWED=False)
+        return [(c.kwargs["BLOCK_N"], c.num_warps) for c in pruned]
+
+    assert kept(4096, 1024) == [(256, 8)]  # the out-projections and down
+    assert kept(8192, 8224) == [(128, 8)]  # the wide ones, and longer prompts
+    assert kept(2048, 1024) == [(64, 4), (128, 8), (256, 8), (128, 4)]  # shorter: the autotuner chooses
+    assert kept(4096, 1024, candidates=[configs[0], configs[1]]) == [(64, 4), (128, 8)]  # not among them

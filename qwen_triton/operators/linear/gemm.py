@@ -34,7 +34,8 @@ applies the epilogue, stores and resets the counter (so a CUDA graph can replay 
 Autotuning: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages per (bucket of M = next power of two, N,
 K, epilogues, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps
 the choice in Triton's cache directory across processes (see linear.py). For prompts of up to
-MAX_SPLIT_ROWS tokens the config measured fastest in a CUDA graph is the only candidate (PREFERRED_BY_K).
+MAX_SPLIT_ROWS tokens, and of LONG_PROMPT_ROWS or more, the config measured fastest in a CUDA graph is the only
+candidate (PREFERRED_BY_K, PREFERRED_LONG_BY_N).
 """
 
 from __future__ import annotations
@@ -90,10 +91,27 @@ def _preferred(K: int) -> tuple[int, int, int, int]:
     return next(choice for limit, choice in PREFERRED_BY_K if limit is None or K <= limit)
 
 
+# Prompts of LONG_PROMPT_ROWS tokens or more: the configs fastest in the same setting at M = 4096
+# (benchmarks/gemm_sweep.py, commit 23ea421, `gemm-sweep-2026-11-29-NVIDIA-H200-23ea421.json`): 128 x 256
+# tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
+# (in-projections, gate/up), 8 warps, 3 stages. The autotuner's one-launch timings picked others from run
+# to run: the 4096-token profiles of 2026-11-30 ran the down projection at 48.5 and 66.3 us per layer and
+# the DeltaNet out-projection at 33.7 and 40.6 with its different picks (commits 4ca1bd6, a9e4d1b).
+LONG_PROMPT_ROWS = 4096
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the largest N it serves
+PREFERRED_LONG_BY_N = ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
+
+
+def _preferred_long(N: int) -> dict:
+    choice = next(choice for limit, choice in PREFERRED_LONG_BY_N if limit is None or N <= limit)
+    return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), choice))
+
+
 def _prune(configs, named_args, **kwargs):
     """Drop tiles taller than the bucket of M, accumulators over 128 float32 registers per thread, and
     splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
-    keep the in-graph winner for this K where it is among them (see PREFERRED_BY_K)."""
+    keep the in-graph winner for this K where it is among them (see PREFERRED_BY_K), for a long one that
+    for this N (PREFERRED_LONG_BY_N)."""
     bucket = named_args["M_BUCKET"]
     accumulators = 2 if kwargs["ACTIVATION"] == 1 else 1
     split_allowed = kwargs["SPLIT_ALLOWED"] and bucket <= MAX_SPLIT_ROWS
@@ -106,6 +124,8 @@ def _prune(configs, named_args, **kwargs):
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
         kept = keep_preferred(kept, dict(zip(fields, _preferred(named_args["K"]))))
+    if bucket >= LONG_PROMPT_ROWS and "N" in named_args:
+        kept = keep_preferred(kept, _preferred_long(named_args["N"]))
     if kept:
         return kept
     first = configs[0]
