@@ -190,7 +190,7 @@ def test_chunked_start_states_are_the_prefix_states(device):
     initial = random_state((heads, key_dim, value_dim), device)
     scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    chunk_module._launch_state_pass(initial.clone(), scratch)
+    chunk_module._launch_state_pass(inputs["k"], initial.clone(), scratch)
     assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
     for chunk in (1, 2):
@@ -582,9 +582,10 @@ def test_gpu_chunked(length):
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [1, 5, 63, 65])
 def test_gpu_chunked_short_prompts(length):
-    """Prompts of one partial chunk or two, at the real shape: a one-chunk prompt of one token compiles the
-    state pass's loop without pipelining (length and chunks specialised to 1), which faulted with an illegal
-    address when the decayed keys were loaded [C, Dk] and transposed; the output norm as norming after."""
+    """Prompts of one partial chunk or two, at the real shape: a one-chunk prompt compiles the state pass's
+    loop unrolled, without pipelining (chunks specialised to 1), where a version of the state pass that read
+    stored decayed keys faulted with an illegal address on the H200 (2026-11-30); the output norm as norming
+    after."""
     inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=23)
     initial = random_state((HEADS, DIM, DIM), "cuda") * 0.2
     float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())

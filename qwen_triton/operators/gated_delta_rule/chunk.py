@@ -256,16 +256,15 @@ def _prune_prepare(configs, named_args, **kwargs):
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, system_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
-    h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys (diag(exp(G_C - G)) K)^T [Dk, C]
-    (into [Hv, Dk, chunks * C]), through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of
-    system_ptr)."""
+    h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32, formed in its
+    [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -292,17 +291,6 @@ def _chunk_prepare_kernel(
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
         k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
-        # the decayed keys the state pass multiplies by V' (G_C: G at the chunk's last row, as the state pass
-        # reads it)
-        offsets = tl.arange(0, CHUNK_ROWS)
-        last = tl.minimum(length - chunk * CHUNK_ROWS, CHUNK_ROWS) - 1
-        decay_last = tl.sum(tl.where(offsets == last, decay, 0.0))
-        # (all C rows, those past the sequence's end zeros: the state pass loads whole chunks, unmasked in time)
-        padded = tl.num_programs(0) * CHUNK_ROWS  # the transposed keys' row: every chunk's C columns
-        tl.store(decayed_keys_ptr + (head * K_DIM + keys[None, :]) * padded + rows[:, None],
-                 (k * tl.exp(decay_last - decay)[:, None]).to(decayed_keys_ptr.dtype.element_ty),
-                 mask=keys[None, :] < K_DIM)
-
         # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
         # inverse is reused by every row)
         system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
@@ -316,8 +304,8 @@ def _chunk_prepare_kernel(
 
 
 def _state_configs():
-    """num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's
-    cp.async copies). (num_stages=1, no prefetch, the reference point before, is no longer timed.)"""
+    """num_stages >= 2: the next chunk's W, U, k and G prefetched (for sm_90, Triton 3.6 compiles all four into
+    cp.async copies, without spills); 1: the reference point, no prefetch."""
     return autotune_configs([
         triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=2),
         triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=2),
@@ -325,23 +313,22 @@ def _state_configs():
         triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=2),
         triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_V": 64}, num_warps=8, num_stages=2),
+        triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=1),
     ])
 
 
 @triton.jit
-def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, padded, keys, values,
+def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values,
                       K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
-    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the decayed keys
-    transposed [Dk, C] (row stride chunks * C) and G_C. Rows past the sequence's end load as zeros."""
+    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the raw k [C, Dk], G [C]
+    and G_C. Rows past the sequence's end load as zeros."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
     u = _load_rows(u_base, rows, length, V_DIM, values, V_DIM, False)
-    # stored transposed: loaded as the product's [Dk, C] operand as it is (a tl.trans of a [C, Dk] load
-    # faulted with an illegal address on the H200 where the loop is not pipelined: num_stages=1, or T = 1)
-    # (zeros past the sequence's end, written so: no mask in time, so that the loads stay vectors whatever T)
-    decayed_keys = tl.load(keys_base + keys[:, None] * padded + rows[None, :], mask=(keys < K_DIM)[:, None], other=0.0)
+    k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+    decay = tl.load(decay_base + rows, mask=rows < length, other=0.0)
     decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
-    return w, u, decayed_keys, decay_last
+    return w, u, k, decay, decay_last
 
 
 @triton.autotune(
@@ -352,9 +339,10 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, padd
 )
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_state_kernel(
-    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
     length, chunks, chunk_bucket,
-    V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    stride_kt, stride_kh,
+    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -367,8 +355,7 @@ def _chunk_state_kernel(
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
-    padded = chunks * CHUNK_ROWS
-    keys_base = decayed_keys_ptr + head * K_DIM * padded
+    k_base = k_ptr + (head // GROUP) * stride_kh
     decay_base = decay_ptr + head * length
     w_base = w_ptr + head * length * K_DIM
     u_base = u_ptr + head * length * V_DIM
@@ -377,14 +364,15 @@ def _chunk_state_kernel(
     for chunk in range(chunks):
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
-        w, u, decayed_keys, decay_last = _state_step_tiles(
-            w_base, u_base, keys_base, decay_base, chunk, length, padded, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        w, u, k, decay, decay_last = _state_step_tiles(
+            w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-        state = state * tl.exp(decay_last) + _mm(decayed_keys, new_values, DOT_DTYPE, PRECISION)
+        decayed_keys = l2_normalize_rows(k.to(tl.float32), 1.0) * tl.exp(decay_last - decay)[:, None]
+        state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
 
 
@@ -499,7 +487,7 @@ def gated_delta_rule_chunked(
 
     scratch = _scratch(q, v, dot_precision)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_state_pass(state, scratch)
+    _launch_state_pass(k, state, scratch)
     _launch_output(q, out, scratch, output_norm)
     return out
 
@@ -513,7 +501,6 @@ class _Scratch(NamedTuple):
     u: torch.Tensor  # [Hv, T, Dv] float32
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
-    decayed_keys: torch.Tensor  # [Hv, Dk, chunks * C]: (diag(exp(G_C - G)) K)^T of each chunk (normalised keys)
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
     new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
@@ -534,7 +521,6 @@ def _scratch(q, v, dot_precision) -> _Scratch:
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
         qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
-        decayed_keys=torch.empty(value_heads, key_dim, chunks * CHUNK, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
         new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
@@ -546,8 +532,7 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
     _chunk_prepare_kernel[(chunks, value_heads, 2)](
-        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-        scratch.system,
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.system,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
@@ -556,16 +541,16 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     )
 
 
-def _launch_state_pass(state, scratch: _Scratch) -> None:
+def _launch_state_pass(k, state, scratch: _Scratch) -> None:
     """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
-    value_heads, key_dim, value_dim = state.shape
-    length = scratch.decay.shape[1]
+    (length, key_heads), (value_heads, key_dim, value_dim) = k.shape[:2], state.shape
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
-        scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
+        k, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
         length, chunks, triton.next_power_of_2(chunks),
-        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
+        k.stride(0), k.stride(1),
+        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
