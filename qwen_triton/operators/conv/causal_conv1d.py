@@ -12,11 +12,15 @@ Blocking. Prefill: a program computes a [BLOCK_T, BLOCK_C] tile from W shifted l
 halo rows are cache hits); its first rows read the old state. The grid is (channel blocks, time blocks),
 channel blocks first, so programs that run together cover whole rows. The new state is written by the
 programs of the first time block, the only readers of the old state, after a barrier: no program reads
-what another writes. Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
+what another writes. Those programs and the others run two branches of the kernel (since 93cc029): the
+others load x alone, as 16-byte vectors, without the state's masked gathers and the layout conversions
+they brought (the profiles' conv at 4096 tokens: 72.9 us per layer at 4ca1bd6, 57.9 at fb3e19c with the
+64 x 64 tile its autotuner picked there, 71.6 at a9e4d1b with 64 x 128 at 8 warps; 3.68 -> 3.55 us at 128 tokens,
+501113a -> fb3e19c). Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
 weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
 
-Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads and writes T x 12 KiB (x in, y out) plus
-the 48 KiB weight: 50 MB for T = 4096, ~1.6 MB for T = 128; 2W + 4 FLOPs per element. Decode per
+Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads 12 KiB of x and writes 12 KiB of y per
+token, plus the 48 KiB weight: 101 MB for T = 4096, ~3.2 MB for T = 128; 2W + 4 FLOPs per element. Decode per
 sequence: 12 KiB of x and y, 36 KiB of state read and written, 48 KiB of weight: ~130 KB, one launch of
 latency. The decode step is CUDA-graph capturable (no host reads, `out=`, state in place).
 """

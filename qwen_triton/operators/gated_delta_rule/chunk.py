@@ -31,19 +31,40 @@ Three kernels:
    and W and U formed by two programs that each invert (23.8 us; faster alone, 16.6 against 20.5 us, in
    benchmarks/chunk_sweep.py, but not in the prefill); and V loaded after the inverse, which cuts the spills
    for sm_90 at 8 warps from 304 to 64 bytes per thread (18.4 us; commit 863ccc9).
+   The blocks move through memory, not registers (`_invert_chunk`, since 93cc029): the program stores A in
+   its own [C, C] float32 block of a scratch (16 KiB per chunk and head, L2-resident), loads each step's
+   operands in the shapes its products take ([4, 16, 16] diagonal blocks, [2, 16, 16] pairs, [32, 32]
+   halves) and writes each result over the block of A it replaces, with a barrier between. The version before
+   cut the blocks out of register tensors with reshapes and masked sums (layout conversions through shared
+   memory). For sm_90 (`python3 benchmarks/sass_counts.py prepare`, a CPU compile with Triton's ptxas) at 8
+   warps 3,544 SASS instructions against 4,144 (175 registers against 217, no spills either way); at 4 warps
+   6,248 against 6,792, and 152 bytes of spills per thread against 352 (commits fb3e19c against 17a173e).
+   Measured (profiles of the engine's prefill, H200): the kernel 18.02 -> 16.26 us at 128 tokens (commits
+   501113a -> fb3e19c), 147.97 -> 139.71 us at 4096 (4ca1bd6 -> fb3e19c), medians over the 18 layers.
 2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
    program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
    per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
    S = exp(G_C) S + (diag(exp(G_C - G)) K)^T V', re-reading and re-normalising the chunk's raw k rather
    than storing a decayed copy. Its critical path is two dependent matmuls per chunk (W S, then K^T V');
    no load depends on the state, so the software pipeliner (num_stages >= 2) prefetches the next chunk's
-   W, U, k and G behind those products.
+   W, U, k and G behind those products. (Kernel 1 storing the decayed keys, so that this kernel multiplies
+   them as loaded, without the norm and the exponentials, took it from 118.4 to 106.2 us per layer in the
+   4096-token profiles (commits 4ca1bd6 -> a9e4d1b); but compiled for one chunk (the loop unrolled, not
+   pipelined) it faulted with an illegal address on the H200, in the engine's prefills of 3, 8 and 12
+   tokens and at T = 1 (benchmarks/fault_probe.py, commit e80ad2e), whether kernel 1 stored the keys
+   transposed or this kernel transposed them. Reverted; test_gpu_chunked_short_prompts keeps prompts of 1,
+   5, 63 and 65 tokens on the GPU.)
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
    its Q K^T (kernel 1's) and q, re-read and re-normalised. Folding this into the state pass for short
    prompts (one launch fewer) was measured no faster in the prefill of 128 tokens (commit 4ca1bd6: the
    state pass 6.2 -> 9.8 us per layer against 4.0 us for this kernel; the prefill 2.126 / 2.243 ms without
    it, 2.280 / 2.449 ms with it, two rounds, benchmarks/prefill_configs.py --settings) and was removed.
+   With `output_norm` (the engine's prefill) each program takes whole head rows (BLOCK_D >= Dv columns, grid
+   (chunks, Hv, 1)) and writes the layer's gated RMSNorm of O instead of O (gated_rms_norm.py's roundings:
+   O rounded to the output dtype first), in place of the norm kernel's launch and its read and write of O:
+   measured 33.7 + 21.3 (norm kernel) -> 39.7 us per layer at 4096 tokens (profiles 4ca1bd6 -> fb3e19c),
+   4.0 + 1.8 -> 6.2 us at 128 (501113a -> fb3e19c; there the launch it saves is the gain).
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
@@ -62,7 +83,9 @@ KiB per token, which kernel 2 (W, U, G) and kernel 3 (Q K^T, G) read back; kerne
 KiB per token) and the chunk start states (bf16 [Dk, Dv] per chunk and head: 512 KiB per chunk, 8 KiB per
 token; 64 x 16 x 128 x 128 x 2 B = 32 MiB at T = 4096), which kernel 3 reads once: 12 KiB per token
 more written and read (48 MiB each way at T = 4096), the price of taking Q S and (Q K^T) V' off the
-sequential path. Under the float32 options V' and the chunk states are float32: twice that.
+sequential path. Under the float32 options V' and the chunk states are float32: twice that. Kernel 1's
+inverse works in a float32 [C, C] block per chunk and head (16 KiB; 16 MiB at T = 4096), written and read
+back by the same program.
 ~10 MFLOP per 64-token chunk and head (K K^T and Q K^T 1.3M, W and U 1.3M, W S, Q S, K^T V' 6.3M and
 (Q K^T) V' 1M): ~10.7 GFLOP for T = 4096, of which kernel 2 does W S and K^T V' (4.2M per chunk and
 head) in sequence. (Kernel 1 forms K K^T and Q K^T whole, upper halves included, as one tensor-core

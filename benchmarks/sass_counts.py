@@ -1,0 +1,79 @@
+"""Registers, spills and SASS instruction counts of the chunked delta rule's kernels compiled for sm_90, on the CPU.
+
+No GPU: Triton compiles the kernel for an H100/H200 target with its bundled ptxas, and cuobjdump (bundled
+too) reports the registers and stack (spills) per thread and disassembles it. The arguments are specialised
+as the engine's are (pointers and strides divisible by 16, the real shape, bf16). A static count, not a
+timing: fewer instructions on a latency-bound kernel's critical path is a prediction to measure on the GPU.
+
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+
+from qwen_triton.operators.gated_delta_rule import chunk
+
+FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
+INTEGERS = {"length", "chunks", "chunk_bucket"}
+
+
+def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
+    signature, constexprs = {}, {}
+    for name in kernel.arg_names:
+        if name.endswith("_ptr"):
+            signature[name] = "*fp32" if name in FLOAT32_POINTERS else "*bf16"
+        elif name in ("scale", "eps"):
+            signature[name] = "fp32"
+        elif name in INTEGERS or name.startswith("stride"):
+            signature[name] = "i32"
+        else:
+            signature[name], constexprs[name] = "constexpr", constants[name]
+    divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+                 if name.endswith("_ptr") or name.startswith("stride")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                           check=True).stdout
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
+                          check=True).stdout
+    opcodes = collections.Counter(
+        match.group(1).split(".")[0] for match in
+        (re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line) for line in sass.splitlines()) if match)
+    registers, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return dict(registers=registers, stack_bytes=stack, instructions=sum(opcodes.values()),
+                top=dict(opcodes.most_common(8)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("kernel", choices=["prepare", "state"])
+    parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
+    args = parser.parse_args()
+    kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
+    constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=64, PRECISION="tf32",
+                     BLOCK_V=128 if args.kernel == "prepare" else args.block_v, DOT_DTYPE=tl.bfloat16)
+    for warps in args.warps:
+        counts = compile_counts(kernel, constants, warps, args.stages)
+        print(f"{args.kernel}, {warps} warps, {args.stages} stages:", counts)
+
+
+if __name__ == "__main__":
+    main()
