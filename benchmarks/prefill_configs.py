@@ -13,7 +13,8 @@ launches of 3 prefills, from the CUDA profiler).
 state pass with and without the output); --configs pinned keeps the kernel's own config choice instead of
 each config in turn.
 
-    python3 benchmarks/prefill_configs.py [--kernel chunk_prepare] [--tokens 128,256] [--steps 30] [--out f.json]
+    python3 benchmarks/prefill_configs.py [--kernel chunk_prepare|chunk_state|chunk_output|causal_conv1d]
+        [--tokens 128,256] [--steps 30] [--out f.json]
         [--settings SHORT_PROMPT_CHUNKS=0 SHORT_PROMPT_CHUNKS=4] [--configs all|pinned]
 """
 
@@ -27,12 +28,14 @@ import torch
 
 from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
 from qwen_triton.benchmark.profile import cuda_kernel_events
+from qwen_triton.operators.conv import causal_conv1d as conv
 from qwen_triton.operators.gated_delta_rule import chunk
 
 KERNELS = {
     "chunk_prepare": chunk._chunk_prepare_kernel,
     "chunk_state": chunk._chunk_state_kernel,
     "chunk_output": chunk._chunk_output_kernel,
+    "causal_conv1d": conv._causal_conv1d_kernel,
 }
 
 
