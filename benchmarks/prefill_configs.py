@@ -28,14 +28,14 @@ import torch
 
 from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
 from qwen_triton.benchmark.profile import cuda_kernel_events
-from qwen_triton.operators.conv import causal_conv1d as conv
+from qwen_triton.operators.conv.causal_conv1d import _causal_conv1d_kernel
 from qwen_triton.operators.gated_delta_rule import chunk
 
 KERNELS = {
     "chunk_prepare": chunk._chunk_prepare_kernel,
     "chunk_state": chunk._chunk_state_kernel,
     "chunk_output": chunk._chunk_output_kernel,
-    "causal_conv1d": conv._causal_conv1d_kernel,
+    "causal_conv1d": _causal_conv1d_kernel,
 }
 
 
