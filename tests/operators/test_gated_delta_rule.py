@@ -746,7 +746,8 @@ for name in ("prepare", "state", "output"):
     kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32")) for bucket in (2, 4, 8, 64)]
     picks[name] = [kept, len(kernel.configs)]
 kernel = conv._causal_conv1d_kernel
-picks["conv"] = [[len(kernel.early_config_prune(kernel.configs, dict(length_bucket=n))) for n in (128, 256, 512, 4096)],
+kept = [kernel.early_config_prune(kernel.configs, dict(length_bucket=n)) for n in (128, 256, 512, 4096)]
+picks["conv"] = [[[(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"], c.num_warps) for c in configs] for configs in kept],
                  len(kernel.configs)]
 print(json.dumps(picks))
 """
@@ -754,7 +755,10 @@ print(json.dumps(picks))
 
 def test_short_prompts_run_the_swept_configs():
     # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
-    # exactly the pinned config of each prefill kernel, longer ones the whole tuning space
+    # exactly the pinned config of each chunk kernel, longer ones the whole tuning space; the prefill conv
+    # its one pinned config at every length
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
+    conv_kept, conv_every = picks.pop("conv")
+    assert conv_every > 1 and conv_kept == [[[16, 128, 4]]] * 4, conv_kept
     for name, (kept, every) in picks.items():
         assert every > 1 and kept == [1, 1, every, every], (name, kept, every)

@@ -14,10 +14,10 @@ channel blocks first, so programs that run together cover whole rows. The new st
 programs of the first time block, the only readers of the old state, after a barrier: no program reads
 what another writes. Those programs and the others run two branches of the kernel (since 93cc029): the
 others load x alone, as 16-byte vectors, without the state's masked gathers and the layout conversions
-they brought (the profiles' conv at 4096 tokens: 72.9 us per layer at 4ca1bd6, 57.9 at fb3e19c with the
-64 x 64 tile its autotuner picked there, 71.6 at a9e4d1b with 64 x 128 at 8 warps; 3.68 -> 3.55 us at 128 tokens,
-501113a -> fb3e19c). Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the
-weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
+they brought: at 4096 tokens 72.9 us per layer with the 16 x 128 tile (profile of 4ca1bd6) -> 49.5 us with
+the same tile in the prefill (benchmarks/prefill_configs.py, 62e2f1a; PREFILL_PICK below); 3.68 -> 3.55 us
+at 128 tokens (profiles of 501113a, fb3e19c). Decode: a program owns BLOCK_C channels of one sequence; it
+reads the state and the weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
 
 Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads 12 KiB of x and writes 12 KiB of y per
 token, plus the 48 KiB weight: 101 MB for T = 4096, ~3.2 MB for T = 128; 2W + 4 FLOPs per element. Decode per
@@ -50,20 +50,20 @@ def _prefill_configs():
     ])
 
 
-# length_bucket (the prompt length rounded up to a power of two, at most 4096) keys the tuning only: a
-# 4096-token prompt gets its own tiles rather than those tuned on the first (short) prompt. Each output
-# element is the same 4-tap sum in the same order whatever the tiles: no result depends on the bucket.
-# Prompts of up to SHORT_PROMPT tokens: the config of the fastest 128-token profiles on the H200 (4.5 us per
-# layer in two runs, against 5.7 and 8.0 us with the autotuner's other picks; profiles of commits f3827f2,
-# aee88c5, d5cf3a2, a0111c5): at that size its one-launch timings pick differently from run to run.
-SHORT_PROMPT = 256
-SHORT_PROMPT_PICK = dict(BLOCK_T=16, BLOCK_C=128, num_warps=4)
+# Every prompt length runs one config, PREFILL_PICK: the fastest in the prefill at 128 tokens (the 128-token
+# profiles of commits f3827f2, aee88c5, d5cf3a2, a0111c5: 4.5 us per layer in two runs, against 5.7 and 8.0
+# us with the autotuner's other picks) and at 4096 (benchmarks/prefill_configs.py --kernel causal_conv1d
+# --tokens 4096, commit 62e2f1a, `prefill-configs-conv-2026-11-30-NVIDIA-H200-62e2f1a.json`: 49.5 us per
+# layer against 58.0-71.4 for the other five configs, the prefill 15.55 ms against 15.89-16.40). The
+# autotuner's one-launch timings picked differently from run to run (at 4096: 64 x 64 and 64 x 128 at 8
+# warps in the profiles of fb3e19c and a9e4d1b, 57.9 and 71.6 us). The other configs stay for the sweep;
+# length_bucket (the prompt length rounded up to a power of two, at most 4096) still keys the tuning. Each
+# output element is the same 4-tap sum in the same order whatever the tiles: no result depends on them.
+PREFILL_PICK = dict(BLOCK_T=16, BLOCK_C=128, num_warps=4)
 
 
 def _prune_prefill(configs, named_args, **kwargs):
-    if named_args.get("length_bucket", SHORT_PROMPT + 1) <= SHORT_PROMPT:
-        return keep_preferred(configs, SHORT_PROMPT_PICK)
-    return configs
+    return keep_preferred(configs, PREFILL_PICK)
 
 
 @triton.jit
