@@ -557,13 +557,20 @@ def test_chunked_every_value_tiling(state_block_v, output_block_v, monkeypatch):
     assert frobenius_error(state, ref_state) < 1e-4
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [128, 4096])
-def test_gpu_chunked(length):
-    inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=20)
+def real_shape_chunked_case(length, seed):
+    """bf16 inputs at the real shape on the GPU, a non-zero initial state, and the float32 reference's output
+    and final state from them."""
+    inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=seed)
     initial = random_state((HEADS, DIM, DIM), "cuda") * 0.2
     float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
     ref_out, ref_state = reference_chunked(float_inputs, initial.clone())
+    return inputs, initial, ref_out, ref_state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [128, 4096])
+def test_gpu_chunked(length):
+    inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=20)
     state = initial.clone()
     out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
     assert frobenius_error(out, ref_out) < 1.5e-2
@@ -586,10 +593,7 @@ def test_gpu_chunked_short_prompts(length):
     loop unrolled, without pipelining (chunks specialised to 1), where a version of the state pass that read
     stored decayed keys faulted with an illegal address on the H200 (2026-11-30); the output norm as norming
     after."""
-    inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=23)
-    initial = random_state((HEADS, DIM, DIM), "cuda") * 0.2
-    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
-    ref_out, ref_state = reference_chunked(float_inputs, initial.clone())
+    inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=23)
     state = initial.clone()
     out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
     torch.cuda.synchronize()
