@@ -8,10 +8,12 @@ the time per launch of
 - `tuned`: `linear()` as the model calls it, with the autotuner's pick;
 - every config of the GEMM's search space (pruned as the autotuner prunes it);
 - `bare`: a tiled matmul with no fusions, no split and no masks on K (Triton's tutorial form) at each
-  config's tiles: what the fused kernel's structure costs.
+  config's tiles: what the fused kernel's structure costs;
+- `tma tuned`, `tma config`: the same kernel with its tiles loaded through tensor descriptors (gemm.py's
+  TMA path, `gemm(tma=True)`), the autotuner's pick and each of its configs (--loads pointer: skipped).
 Floors: weight bytes / copy bandwidth and FLOPs / matmul rate, both measured in the same run.
 
-    python3 benchmarks/gemm_sweep.py [--tokens 128,4096] [--out gemm.json]
+    python3 benchmarks/gemm_sweep.py [--tokens 128,4096] [--loads pointer|both] [--out gemm.json]
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ def with_configs(autotuner, configs):
     autotuner.cache = {}
 
 
-def sweep(M: int, hbm: float, matmul: float) -> list[dict]:
-    rows = []
-    kernel = gemm._gemm_split
-    all_configs = list(kernel.configs)
+def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None = None, save=lambda: None) -> list:
+    """Rows of timings at M tokens (appended to rows; save() after each shape): cuBLAS, then for the pointer
+    loads (and with loads=2 the TMA loads) the autotuner's pick and each config the prune allows at this M."""
+    rows = [] if rows is None else rows
+    use_tma = gemm.USE_TMA
+    kernel_configs = {"": list(gemm._gemm_split.configs), "tma ": list(gemm._gemm_tma_split.configs)}
     for name, weight_rows, K, options in SHAPES:
         N = weight_rows // (2 if options.get("activation") else 1)
         weight_bytes = weight_rows * K * 2
@@ -87,44 +91,54 @@ def sweep(M: int, hbm: float, matmul: float) -> list[dict]:
                    residual=out if options.get("residual") else None, out=out if options.get("residual") else None)
 
         record("cublas", "", graph_us(lambda i: torch.matmul(x, weights[i].T, out=plain), copies))
-        with_configs(kernel, all_configs)
-        launch(0)  # tunes
-        pick = kernel.best_config
-        record("tuned", str(pick), graph_us(launch, copies))
         bucket = triton.next_power_of_2(M)
-        kept = gemm._prune(all_configs, dict(M_BUCKET=bucket), ACTIVATION=1 if options.get("activation") else 0,
-                           SPLIT_ALLOWED=bucket <= gemm.MAX_SPLIT_ROWS)
-        for config in kept:
-            with_configs(kernel, [config])
-            launch(0)
-            record("config", str(config), graph_us(launch, copies))
-            meta = config.kwargs
-            if meta["SPLIT_K"] == 1 and K % meta["BLOCK_K"] == 0:
+        for prefix, kernel, tma in (("", gemm._gemm_split, False), ("tma ", gemm._gemm_tma_split, True))[:loads]:
+            gemm.USE_TMA = tma
+            all_configs = kernel_configs[prefix]
+            with_configs(kernel, all_configs)
+            launch(0)  # tunes
+            record(prefix + "tuned", str(kernel.best_config), graph_us(launch, copies))
+            # the prune's rules of size and split (no N, K: the in-graph pins are not applied)
+            kept = gemm._prune(all_configs, dict(M_BUCKET=bucket), ACTIVATION=1 if options.get("activation") else 0,
+                               SPLIT_ALLOWED=bucket <= gemm.MAX_SPLIT_ROWS)
+            for config in kept:
+                with_configs(kernel, [config])
+                launch(0)
+                record(prefix + "config", str(config), graph_us(launch, copies))
+                meta = config.kwargs
+                if tma or meta["SPLIT_K"] != 1 or K % meta["BLOCK_K"]:
+                    continue
                 def bare(i, meta=meta, config=config):
                     grid = (triton.cdiv(weight_rows, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))
                     _bare_matmul[grid](x, weights[i], plain, M, weight_rows, K, x.stride(0), K, plain.stride(0),
                                        BLOCK_M=meta["BLOCK_M"], BLOCK_N=meta["BLOCK_N"], BLOCK_K=meta["BLOCK_K"],
                                        num_warps=config.num_warps, num_stages=config.num_stages)
                 record("bare", str(config), graph_us(bare, copies))
-        with_configs(kernel, all_configs)
+            with_configs(kernel, all_configs)
+        gemm.USE_TMA = use_tma
         weights.clear()
         torch.cuda.empty_cache()
+        save()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="128,4096")
+    parser.add_argument("--loads", choices=["pointer", "both"], default="both")
     parser.add_argument("--out")
     args = parser.parse_args()
     hbm = measure_hbm_bandwidth()
     matmul = measure_matmul_rate()
     rows = []
-    for M in (int(m) for m in args.tokens.split(",")):
-        rows += sweep(M, hbm, matmul)
+
+    def save():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, rows=rows), f, indent=1)
+
+    for M in (int(m) for m in args.tokens.split(",")):
+        sweep(M, hbm, matmul, loads=1 if args.loads == "pointer" else 2, rows=rows, save=save)
     print(f"copy {hbm:.2f} TB/s, matmul {matmul:.0f} TFLOP/s; us per launch, back to back in a CUDA graph")
     for M in dict.fromkeys(r["M"] for r in rows):
         for shape in dict.fromkeys(r["shape"] for r in rows):
@@ -132,13 +146,16 @@ def main() -> None:
             if not mine:
                 continue
             by = {v: sorted((r for r in mine if r["variant"] == v), key=lambda r: r["us"]) for v in
-                  ("cublas", "tuned", "config", "bare")}
+                  ("cublas", "tuned", "config", "bare", "tma tuned", "tma config")}
             line = f"M={M} {shape}: floor {mine[0]['floor_us']:.1f} us; cublas {by['cublas'][0]['us']:.1f}; "
             line += f"tuned {by['tuned'][0]['us']:.1f} ({by['tuned'][0]['config']})"
             if by["config"]:
                 line += f"; best config {by['config'][0]['us']:.1f} ({by['config'][0]['config']})"
             if by["bare"]:
                 line += f"; best bare {by['bare'][0]['us']:.1f} ({by['bare'][0]['config']})"
+            for variant in ("tma tuned", "tma config"):
+                if by[variant]:
+                    line += f"; {variant} {by[variant][0]['us']:.1f} ({by[variant][0]['config']})"
             print(line)
 
 

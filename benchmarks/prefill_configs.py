@@ -8,12 +8,13 @@ does (`time_calls`: reset + prefill of the same random prompt, each timed by CUD
 captured in the warm-up), and the kernel's own duration inside the replayed graph (the median over its
 launches of 3 prefills, from the CUDA profiler).
 
---settings NAME=VALUE ... runs the whole sweep once per setting of an integer module constant of chunk.py
-(e.g. SHORT_PROMPT_CHUNKS=0 and =4: the short-prompt pins off and on; at commit 4ca1bd6 it compared the
-state pass with and without the output); --configs pinned keeps the kernel's own config choice instead of
-each config in turn.
+--settings NAME=VALUE ... runs the whole sweep once per setting of a module constant of chunk.py (e.g.
+SHORT_PROMPT_CHUNKS=0 and =4: the short-prompt pins off and on; at commit 4ca1bd6 it compared the state
+pass with and without the output), or of another module named in full
+(qwen_triton.operators.linear.gemm.USE_TMA=True); --configs pinned keeps the kernel's own config choice
+instead of each config in turn.
 
-    python3 benchmarks/prefill_configs.py [--kernel chunk_prepare|chunk_state|chunk_output|causal_conv1d]
+    python3 benchmarks/prefill_configs.py [--kernel chunk_prepare|chunk_state|chunk_output|causal_conv1d|gemm]
         [--tokens 128,256] [--steps 30] [--out f.json]
         [--settings SHORT_PROMPT_CHUNKS=0 SHORT_PROMPT_CHUNKS=4] [--configs all|pinned]
 """
@@ -30,12 +31,14 @@ from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, tim
 from qwen_triton.benchmark.profile import cuda_kernel_events
 from qwen_triton.operators.conv.causal_conv1d import _causal_conv1d_kernel
 from qwen_triton.operators.gated_delta_rule import chunk
+from qwen_triton.operators.linear import gemm
 
 KERNELS = {
     "chunk_prepare": chunk._chunk_prepare_kernel,
     "chunk_state": chunk._chunk_state_kernel,
     "chunk_output": chunk._chunk_output_kernel,
     "causal_conv1d": _causal_conv1d_kernel,
+    "gemm": gemm._gemm_split,
 }
 
 
@@ -59,7 +62,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="chunk_prepare")
     parser.add_argument("--tokens", default="128,256")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--settings", nargs="*", default=[""], help="NAME=VALUE module constants of chunk.py")
+    parser.add_argument("--settings", nargs="*", default=[""],
+                        help="NAME=VALUE module constants of chunk.py, or package.module.NAME=VALUE")
     parser.add_argument("--configs", choices=["all", "pinned"], default="all")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -72,7 +76,8 @@ def main() -> None:
     rows = []
     for setting in args.settings:
         if setting:
-            set_module_constant(setting, chunk)
+            # NAME=VALUE: a constant of chunk.py; package.module.NAME=VALUE: of that module
+            set_module_constant(setting, None if "." in setting.split("=", 1)[0] else chunk)
         for length in lengths:
             token_ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to("cuda")
             for config in configs if args.configs == "all" else [None]:

@@ -185,6 +185,60 @@ def test_linear_rejects_overlapping_out():
         linear(x, weight, residual=residual[:, 1:], out=residual[:, :33])
 
 
+# The GEMM's tiles through tensor descriptors (gemm(tma=True); the interpreter emulates TMA): K and the
+# row strides 16-byte aligned (K 64 / 96 / 128 in float16, 40 in float32), M and N no multiple of a block.
+TMA_CASES = [
+    (17, 64, 70, (), True, torch.float16),
+    (40, 96, 48, ("norm", "swiglu", "residual"), True, torch.float16),
+    (33, 128, 40, ("gate", "inplace"), False, torch.float16),
+    (20, 40, 33, ("swiglu",), True, torch.float32),
+]
+
+
+def run_gemm(x, weight, kwargs, split_k, tma):
+    """gemm() as linear calls it (out allocated, or the residual for "inplace"), with the tma choice."""
+    from qwen_triton.operators.linear import gemm
+
+    residual = kwargs.get("residual")
+    rows = weight.shape[0] // (2 if "activation" in kwargs else 1)
+    out = residual if kwargs.get("inplace") else torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    return gemm.gemm(x, weight, out, residual=residual, gate=kwargs.get("gate"),
+                     norm_weight=kwargs.get("norm_weight"), activation=1 if "activation" in kwargs else 0,
+                     split_k=split_k, tma=tma)
+
+
+def described_operands(monkeypatch) -> list:
+    """The shapes of the tensors gemm() makes descriptors of, from now on."""
+    from qwen_triton.operators.linear import gemm
+
+    shapes, describe = [], gemm._described
+    monkeypatch.setattr(gemm, "_described", lambda t: shapes.append(tuple(t.shape)) or describe(t))
+    return shapes
+
+
+@pytest.mark.parametrize("M, K, N, options, split_k, dtype", TMA_CASES)
+def test_gemm_tensor_descriptor_loads(device, monkeypatch, M, K, N, options, split_k, dtype):
+    x, weight, kwargs = inputs(M, K, N, dtype, device, options)
+    x = x.contiguous()
+    kwargs["inplace"] = "inplace" in options
+    ref = reference(x, weight, **{k: v for k, v in kwargs.items() if k != "inplace"})
+    described = described_operands(monkeypatch)
+    result = run_gemm(x, weight, kwargs, split_k, tma=True)
+    assert described == [(M, K), tuple(weight.shape)]
+    if kwargs["inplace"]:
+        assert result is kwargs["residual"]
+    assert_close(result, ref, dtype)
+
+
+def test_gemm_tensor_descriptors_need_aligned_rows(device, monkeypatch):
+    """x rows of 100 float16 (200 bytes) cannot be described: the pointer loads serve, with the same result."""
+    x, weight, kwargs = inputs(17, 100, 70, torch.float16, device, ("residual",))
+    described = described_operands(monkeypatch)
+    result = run_gemm(x.contiguous(), weight, kwargs, True, tma=True)
+    assert described == []
+    assert_close(result, reference(x, weight, **kwargs), torch.float16)
+
+
 # ---- GPU: the real shapes of Qwen3.5-0.8B, bfloat16 ----------------------------------------------------
 
 HIDDEN = 1024
@@ -263,6 +317,20 @@ def test_gpu_prefill_projections(name, rows, K, options, M):
     out = linear(x, weight, **kwargs)
     assert relative_norm_error(out, ref) < GPU_BOUND
     assert torch.equal(linear(x, weight, **kwargs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+@pytest.mark.parametrize("M", [100, 128, 4096])
+def test_gpu_prefill_projections_tensor_descriptors(monkeypatch, name, rows, K, options, M):
+    """Every projection with its tiles through TMA (gemm(tma=True)), short and long prompts, bf16."""
+    x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
+    ref = reference(x, weight, **kwargs)
+    described = described_operands(monkeypatch)
+    out = run_gemm(x, weight, kwargs, True, tma=True)
+    assert len(described) == 2
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    assert torch.equal(run_gemm(x, weight, kwargs, True, tma=True), out)
 
 
 @pytest.mark.gpu

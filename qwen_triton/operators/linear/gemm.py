@@ -44,11 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, keep_preferred
-from .fusion import SWIGLU, accumulate, prologue, row_rstd, split_workspace, store_output, store_split_output
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..common import autotune_configs, interpreting, keep_preferred
+from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
+USE_TMA = False  # the default of gemm(tma=None) on devices with tensor descriptors
 MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
 
 
@@ -72,9 +75,36 @@ def _configs(split: bool) -> list[triton.Config]:
     return autotune_configs(configs)
 
 
+def _describe_blocks(nargs) -> None:
+    """A TMA config's pre-hook: the descriptors' block shapes are the config's tiles."""
+    nargs["x_ptr"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _tma_configs(split: bool) -> list[triton.Config]:
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); BLOCK_K = 64: a 128-byte row of bf16,
+    # the TMA's widest swizzled box
+    # first: the interpreter's (as in _configs)
+    configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 2 if split else 1},
+                             num_warps=4, num_stages=2, pre_hook=_describe_blocks)]
+    for block_m, block_n, block_k, warps, stages, split_k in [
+        (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 3, 1),
+        (128, 256, 64, 8, 4, 1), (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1),
+        (64, 64, 64, 4, 4, 1), (64, 64, 64, 4, 6, 1), (64, 32, 64, 4, 4, 1),
+        (64, 64, 64, 4, 4, 2), (64, 64, 64, 4, 4, 4), (128, 64, 64, 4, 4, 4), (64, 128, 64, 4, 4, 2),
+    ]:
+        if split or split_k == 1:
+            configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                          "GROUP_M": 8, "SPLIT_K": split_k}, num_warps=warps, num_stages=stages,
+                                         pre_hook=_describe_blocks))
+    return autotune_configs(configs)
+
+
 SPLIT_CONFIGS = _configs(split=True)
 NO_SPLIT_CONFIGS = _configs(split=False)
-MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS)
+TMA_SPLIT_CONFIGS = _tma_configs(split=True)
+TMA_NO_SPLIT_CONFIGS = _tma_configs(split=False)
+MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS)
 
 
 # The configs that were fastest for a 128-token prompt in the prefill's own setting (benchmarks/gemm_sweep.py
@@ -152,15 +182,35 @@ def _prologue_kernel(x_ptr, gate_ptr, norm_ptr, out_ptr, M, K, stride_xm, stride
 
 
 @triton.jit
+def accumulate_described(x_desc, w_desc, m_start, n_start, up_rows, k_start, k_end, PAIR: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`accumulate` with the tiles loaded through tensor descriptors (the TMA unit on Hopper: one
+    instruction per tile, no address arithmetic in the loop, zero fill past the tensor's edges): x rows
+    m_start.. and weight rows n_start.. (and with PAIR the up rows up_rows further), columns k_start..k_end
+    (a multiple of BLOCK_K from k_start, or the end of K, past which the descriptor reads zeros)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        x = x_desc.load([m_start, k0])
+        acc = dot(x, w_desc.load([n_start, k0]).T, acc)
+        if PAIR:
+            acc_up = dot(x, w_desc.load([up_rows + n_start, k0]).T, acc_up)
+    if not PAIR:
+        acc_up = acc
+    return acc, acc_up
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
     M, N, K, M_BUCKET,
     stride_xm, stride_wn, stride_om, stride_rm,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False,
 ):
-    # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed)
+    # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
+    # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -175,8 +225,12 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N, k_start, k_end,
-                             ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+    if TMA:
+        acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
+                                           ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
+                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
@@ -192,6 +246,11 @@ _gemm_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by=
                               restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
 _gemm_no_split = triton.autotune(configs=NO_SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
                                  restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
+_gemm_tma_split = triton.autotune(configs=TMA_SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                                  restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
+_gemm_tma_no_split = triton.autotune(configs=TMA_NO_SPLIT_CONFIGS, key=_KEY,
+                                     prune_configs_by={"early_config_prune": _prune},
+                                     restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _prologue_outputs: dict[tuple, torch.Tensor] = {}
@@ -221,12 +280,36 @@ def _apply_prologue(x, gate, norm_weight, eps):
     return out
 
 
-def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True):
+def tma_available(device) -> bool:
+    """Whether the GEMM can load its tiles through tensor descriptors on `device`: Hopper or later, or the
+    interpreter (which emulates them)."""
+    device = torch.device(device)
+    if interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: 16-byte aligned base and row stride, unit last stride."""
+    return (t.data_ptr() % 16 == 0 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def _described(t: torch.Tensor) -> TensorDescriptor:
+    # the block shape is a placeholder: each config's pre-hook sets its own (_describe_blocks)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
+
+
+def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
+         tma=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
-    chooses)."""
+    chooses). tma: load the tiles through tensor descriptors (None: where USE_TMA says and the device has
+    them); x and weight must then be describable (16-byte aligned), else the pointer loads serve."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps)
+    if tma is None:
+        tma = USE_TMA and tma_available(x.device)
+    tma = tma and _describable(x) and _describable(weight)
     M, K = x.shape
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
@@ -235,15 +318,20 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         partial, counters = _workspace(x.device, bucket, N)
     else:
         partial, counters = x, x  # never touched: every config kept has SPLIT_K = 1
-    kernel = _gemm_split if split_k else _gemm_no_split
+    if tma:
+        kernel = _gemm_tma_split if split_k else _gemm_tma_no_split
+        x_operand, w_operand = _described(x), _described(weight)
+    else:
+        kernel = _gemm_split if split_k else _gemm_no_split
+        x_operand, w_operand = x, weight
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     kernel[grid](
-        x, weight, out, out if residual is None else residual, partial, counters,
+        x_operand, w_operand, out, out if residual is None else residual, partial, counters,
         M, N, K, bucket,
         x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
+        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
     )
     return out
