@@ -46,12 +46,13 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common import autotune_configs, interpreting, keep_preferred
+from ..common import autotune_configs, interpreting, keep_preferred, sm_count
 from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
 USE_TMA = False  # the default of gemm(tma=None) on devices with tensor descriptors
+USE_PERSISTENT = False  # the default of gemm(persistent=None): TMA prompts of no split on the persistent kernel
 MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
 
 
@@ -77,8 +78,9 @@ def _configs(split: bool) -> list[triton.Config]:
 
 def _describe_blocks(nargs) -> None:
     """A TMA config's pre-hook: the descriptors' block shapes are the config's tiles."""
-    nargs["x_ptr"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    for operand, rows in (("x", "BLOCK_M"), ("w", "BLOCK_N")):
+        descriptor = nargs[f"{operand}_desc"] if f"{operand}_desc" in nargs else nargs[f"{operand}_ptr"]
+        descriptor.block_shape = [nargs[rows], nargs["BLOCK_K"]]
 
 
 def _tma_configs(split: bool) -> list[triton.Config]:
@@ -100,10 +102,22 @@ def _tma_configs(split: bool) -> list[triton.Config]:
     return autotune_configs(configs)
 
 
+def _persistent_configs() -> list[triton.Config]:
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), the first the interpreter's
+    shapes = [(32, 32, 32, 4, 2), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+              (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+    return autotune_configs([
+        triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "SPLIT_K": 1},
+                      num_warps=warps, num_stages=stages, pre_hook=_describe_blocks)
+        for block_m, block_n, block_k, warps, stages in shapes
+    ])
+
+
 SPLIT_CONFIGS = _configs(split=True)
 NO_SPLIT_CONFIGS = _configs(split=False)
 TMA_SPLIT_CONFIGS = _tma_configs(split=True)
 TMA_NO_SPLIT_CONFIGS = _tma_configs(split=False)
+PERSISTENT_CONFIGS = _persistent_configs()
 MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS)
 
 
@@ -201,6 +215,38 @@ def accumulate_described(x_desc, w_desc, m_start, n_start, up_rows, k_start, k_e
 
 
 @triton.jit
+def _tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile number `tile`, in groups of GROUP_M row blocks (the tiles
+    running at once share weight tiles in L2)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // in_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % group_rows, (tile % in_group) // group_rows
+
+
+@triton.jit
+def _gemm_persistent_kernel(
+    x_desc, w_desc, out_ptr, residual_ptr,
+    M, N, K, M_BUCKET, stride_om, stride_rm,
+    ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The TMA GEMM on a grid of at most one program per SM, each taking every P-th output tile: with the
+    tile loop flattened into the K loop, the software pipeline loads the next tile's first blocks while
+    this tile's epilogue runs (Triton's persistent matmul). No split of K."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc, acc_up = accumulate_described(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, 0, K,
+                                           ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                     ACTIVATION, HAS_RESIDUAL)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
     M, N, K, M_BUCKET,
@@ -213,13 +259,7 @@ def _gemm_kernel(
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -251,6 +291,9 @@ _gemm_tma_split = triton.autotune(configs=TMA_SPLIT_CONFIGS, key=_KEY, prune_con
 _gemm_tma_no_split = triton.autotune(configs=TMA_NO_SPLIT_CONFIGS, key=_KEY,
                                      prune_configs_by={"early_config_prune": _prune},
                                      restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
+
+_gemm_persistent = triton.autotune(configs=PERSISTENT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
+                                   restore_value=["out_ptr"], cache_results=True)(_gemm_persistent_kernel)
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _prologue_outputs: dict[tuple, torch.Tensor] = {}
@@ -300,7 +343,7 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None):
+         tma=None, persistent=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: where USE_TMA says and the device has
@@ -310,6 +353,7 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     if tma is None:
         tma = USE_TMA and tma_available(x.device)
     tma = tma and _describable(x) and _describable(weight)
+    persistent = USE_PERSISTENT if persistent is None else persistent
     M, K = x.shape
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
@@ -318,6 +362,17 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         partial, counters = _workspace(x.device, bucket, N)
     else:
         partial, counters = x, x  # never touched: every config kept has SPLIT_K = 1
+    if tma and persistent and not split_allowed:
+        def persistent_grid(meta):
+            tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+            return (min(tiles, sm_count(x.device)),)
+
+        _gemm_persistent[persistent_grid](
+            _described(x), _described(weight), out, out if residual is None else residual,
+            M, N, K, bucket, out.stride(0), 0 if residual is None else residual.stride(0),
+            ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
+        )
+        return out
     if tma:
         kernel = _gemm_tma_split if split_k else _gemm_tma_no_split
         x_operand, w_operand = _described(x), _described(weight)
