@@ -107,7 +107,7 @@ def _persistent_configs() -> list[triton.Config]:
     shapes = [(32, 32, 32, 4, 2), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
               (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
     return autotune_configs([
-        triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8, "SPLIT_K": 1},
+        triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
                       num_warps=warps, num_stages=stages, pre_hook=_describe_blocks)
         for block_m, block_n, block_k, warps, stages in shapes
     ])
@@ -163,7 +163,7 @@ def _prune(configs, named_args, **kwargs):
         c for c in configs
         if c.kwargs["BLOCK_M"] <= max(bucket, 64)
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
-        and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
+        and (c.kwargs.get("SPLIT_K", 1) == 1 or split_allowed)  # (the persistent kernel's have none)
     ]
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
@@ -173,7 +173,8 @@ def _prune(configs, named_args, **kwargs):
     if kept:
         return kept
     first = configs[0]
-    return [triton.Config(dict(first.kwargs, SPLIT_K=1), num_warps=first.num_warps, num_stages=first.num_stages)]
+    kwargs = dict(first.kwargs, SPLIT_K=1) if "SPLIT_K" in first.kwargs else first.kwargs
+    return [triton.Config(kwargs, num_warps=first.num_warps, num_stages=first.num_stages, pre_hook=first.pre_hook)]
 
 
 @triton.jit
