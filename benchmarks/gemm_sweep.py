@@ -10,9 +10,9 @@ the time per launch of
 - `bare`: a tiled matmul with no fusions, no split and no masks on K (Triton's tutorial form) at each
   config's tiles: what the fused kernel's structure costs;
 - `tma tuned`, `tma config`: the same kernel with its tiles loaded through tensor descriptors (gemm.py's
-  TMA path, `gemm(tma=True)`), the autotuner's pick and each of its configs (--loads pointer: skipped);
-- `persistent tuned`, `persistent config`: the persistent TMA kernel (`gemm(tma=True, persistent=True)`),
-  for prompts past MAX_SPLIT_ROWS (--loads pointer: skipped).
+  TMA path, `gemm(tma=True)`), the autotuner's pick and each of its configs (--loads pointer: skipped).
+  (At commit 8e66760 it also timed a persistent TMA kernel, since removed:
+  benchmarks/results/gemm-sweep-4096-1024-2026-11-30-NVIDIA-H200-8e66760.json.)
 Floors: weight bytes / copy bandwidth and FLOPs / matmul rate, both measured in the same run.
 
     python3 benchmarks/gemm_sweep.py [--tokens 128,4096] [--loads pointer|both] [--out gemm.json]
@@ -69,9 +69,8 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
     """Rows of timings at M tokens (appended to rows; save() after each shape): cuBLAS, then for the pointer
     loads (and with loads=2 the TMA loads) the autotuner's pick and each config the prune allows at this M."""
     rows = [] if rows is None else rows
-    use_tma, use_persistent = gemm.USE_TMA, gemm.USE_PERSISTENT
-    kernel_configs = {"": list(gemm._gemm_split.configs), "tma ": list(gemm._gemm_tma_split.configs),
-                      "persistent ": list(gemm._gemm_persistent.configs)}
+    tma_rows = gemm.TMA_ROWS
+    kernel_configs = {"": list(gemm._gemm_split.configs), "tma ": list(gemm._gemm_tma_split.configs)}
     for name, weight_rows, K, options in SHAPES:
         N = weight_rows // (2 if options.get("activation") else 1)
         weight_bytes = weight_rows * K * 2
@@ -95,10 +94,8 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
 
         record("cublas", "", graph_us(lambda i: torch.matmul(x, weights[i].T, out=plain), copies))
         bucket = triton.next_power_of_2(M)
-        variants = (("", gemm._gemm_split, False, False), ("tma ", gemm._gemm_tma_split, True, False),
-                    ("persistent ", gemm._gemm_persistent, True, True))
-        for prefix, kernel, tma, persistent in variants[:loads + (loads > 1 and bucket > gemm.MAX_SPLIT_ROWS)]:
-            gemm.USE_TMA, gemm.USE_PERSISTENT = tma, persistent
+        for prefix, kernel, tma in (("", gemm._gemm_split, False), ("tma ", gemm._gemm_tma_split, True))[:loads]:
+            gemm.TMA_ROWS = 0 if tma else 2**62
             all_configs = kernel_configs[prefix]
             with_configs(kernel, all_configs)
             launch(0)  # tunes
@@ -120,7 +117,7 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
                                        num_warps=config.num_warps, num_stages=config.num_stages)
                 record("bare", str(config), graph_us(bare, copies))
             with_configs(kernel, all_configs)
-        gemm.USE_TMA, gemm.USE_PERSISTENT = use_tma, use_persistent
+        gemm.TMA_ROWS = tma_rows
         weights.clear()
         torch.cuda.empty_cache()
         save()
@@ -151,15 +148,14 @@ def main() -> None:
             if not mine:
                 continue
             by = {v: sorted((r for r in mine if r["variant"] == v), key=lambda r: r["us"]) for v in
-                  ("cublas", "tuned", "config", "bare", "tma tuned", "tma config",
-                                        "persistent tuned", "persistent config")}
+                  ("cublas", "tuned", "config", "bare", "tma tuned", "tma config")}
             line = f"M={M} {shape}: floor {mine[0]['floor_us']:.1f} us; cublas {by['cublas'][0]['us']:.1f}; "
             line += f"tuned {by['tuned'][0]['us']:.1f} ({by['tuned'][0]['config']})"
             if by["config"]:
                 line += f"; best config {by['config'][0]['us']:.1f} ({by['config'][0]['config']})"
             if by["bare"]:
                 line += f"; best bare {by['bare'][0]['us']:.1f} ({by['bare'][0]['config']})"
-            for variant in ("tma tuned", "tma config", "persistent tuned", "persistent config"):
+            for variant in ("tma tuned", "tma config"):
                 if by[variant]:
                     line += f"; {variant} {by[variant][0]['us']:.1f} ({by[variant][0]['config']})"
             print(line)

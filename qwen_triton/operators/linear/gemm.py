@@ -46,13 +46,12 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common import autotune_configs, interpreting, keep_preferred, sm_count
+from ..common import autotune_configs, interpreting, keep_preferred
 from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
-USE_TMA = False  # the default of gemm(tma=None) on devices with tensor descriptors
-USE_PERSISTENT = False  # the default of gemm(persistent=None): TMA prompts of no split on the persistent kernel
+TMA_ROWS = MAX_SPLIT_ROWS + 1  # gemm(tma=None) loads through descriptors from this many rows on, where it can
 MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
 
 
@@ -78,9 +77,8 @@ def _configs(split: bool) -> list[triton.Config]:
 
 def _describe_blocks(nargs) -> None:
     """A TMA config's pre-hook: the descriptors' block shapes are the config's tiles."""
-    for operand, rows in (("x", "BLOCK_M"), ("w", "BLOCK_N")):
-        descriptor = nargs[f"{operand}_desc"] if f"{operand}_desc" in nargs else nargs[f"{operand}_ptr"]
-        descriptor.block_shape = [nargs[rows], nargs["BLOCK_K"]]
+    nargs["x_ptr"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 def _tma_configs(split: bool) -> list[triton.Config]:
@@ -102,22 +100,10 @@ def _tma_configs(split: bool) -> list[triton.Config]:
     return autotune_configs(configs)
 
 
-def _persistent_configs() -> list[triton.Config]:
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), the first the interpreter's
-    shapes = [(32, 32, 32, 4, 2), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-              (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
-    return autotune_configs([
-        triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
-                      num_warps=warps, num_stages=stages, pre_hook=_describe_blocks)
-        for block_m, block_n, block_k, warps, stages in shapes
-    ])
-
-
 SPLIT_CONFIGS = _configs(split=True)
 NO_SPLIT_CONFIGS = _configs(split=False)
 TMA_SPLIT_CONFIGS = _tma_configs(split=True)
 TMA_NO_SPLIT_CONFIGS = _tma_configs(split=False)
-PERSISTENT_CONFIGS = _persistent_configs()
 MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS)
 
 
@@ -163,7 +149,7 @@ def _prune(configs, named_args, **kwargs):
         c for c in configs
         if c.kwargs["BLOCK_M"] <= max(bucket, 64)
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
-        and (c.kwargs.get("SPLIT_K", 1) == 1 or split_allowed)  # (the persistent kernel's have none)
+        and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
     ]
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
@@ -173,8 +159,8 @@ def _prune(configs, named_args, **kwargs):
     if kept:
         return kept
     first = configs[0]
-    kwargs = dict(first.kwargs, SPLIT_K=1) if "SPLIT_K" in first.kwargs else first.kwargs
-    return [triton.Config(kwargs, num_warps=first.num_warps, num_stages=first.num_stages, pre_hook=first.pre_hook)]
+    return [triton.Config(dict(first.kwargs, SPLIT_K=1), num_warps=first.num_warps, num_stages=first.num_stages,
+                          pre_hook=first.pre_hook)]
 
 
 @triton.jit
@@ -227,27 +213,6 @@ def _tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _gemm_persistent_kernel(
-    x_desc, w_desc, out_ptr, residual_ptr,
-    M, N, K, M_BUCKET, stride_om, stride_rm,
-    ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """The TMA GEMM on a grid of at most one program per SM, each taking every P-th output tile: with the
-    tile loop flattened into the K loop, the software pipeline loads the next tile's first blocks while
-    this tile's epilogue runs (Triton's persistent matmul). No split of K."""
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = _tile_coordinates(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc, acc_up = accumulate_described(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, 0, K,
-                                           ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                     ACTIVATION, HAS_RESIDUAL)
-
-
-@triton.jit
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
     M, N, K, M_BUCKET,
@@ -292,9 +257,6 @@ _gemm_tma_split = triton.autotune(configs=TMA_SPLIT_CONFIGS, key=_KEY, prune_con
 _gemm_tma_no_split = triton.autotune(configs=TMA_NO_SPLIT_CONFIGS, key=_KEY,
                                      prune_configs_by={"early_config_prune": _prune},
                                      restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
-
-_gemm_persistent = triton.autotune(configs=PERSISTENT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                                   restore_value=["out_ptr"], cache_results=True)(_gemm_persistent_kernel)
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _prologue_outputs: dict[tuple, torch.Tensor] = {}
@@ -344,18 +306,17 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, persistent=None):
+         tma=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
-    chooses). tma: load the tiles through tensor descriptors (None: where USE_TMA says and the device has
-    them); x and weight must then be describable (16-byte aligned), else the pointer loads serve."""
+    chooses). tma: load the tiles through tensor descriptors (None: from TMA_ROWS rows on, where the device
+    has them); x and weight must then be describable (16-byte aligned rows), else the pointer loads serve."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps)
-    if tma is None:
-        tma = USE_TMA and tma_available(x.device)
-    tma = tma and _describable(x) and _describable(weight)
-    persistent = USE_PERSISTENT if persistent is None else persistent
     M, K = x.shape
+    if tma is None:
+        tma = M >= TMA_ROWS and tma_available(x.device)
+    tma = tma and _describable(x) and _describable(weight)
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
     split_allowed = bool(split_k) and bucket <= MAX_SPLIT_ROWS
@@ -363,17 +324,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         partial, counters = _workspace(x.device, bucket, N)
     else:
         partial, counters = x, x  # never touched: every config kept has SPLIT_K = 1
-    if tma and persistent and not split_allowed:
-        def persistent_grid(meta):
-            tiles = triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
-            return (min(tiles, sm_count(x.device)),)
-
-        _gemm_persistent[persistent_grid](
-            _described(x), _described(weight), out, out if residual is None else residual,
-            M, N, K, bucket, out.stride(0), 0 if residual is None else residual.stride(0),
-            ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
-        )
-        return out
     if tma:
         kernel = _gemm_tma_split if split_k else _gemm_tma_no_split
         x_operand, w_operand = _described(x), _described(weight)
