@@ -31,11 +31,28 @@ K range: they write float32 partial tiles to a workspace, count their arrival on
 tile, and the last to arrive sums the partials in split order (deterministic whichever arrives last),
 applies the epilogue, stores and resets the counter (so a CUDA graph can replay it): the GEMV's scheme.
 
+Loads. For prompts of TMA_ROWS (257) tokens or more, on Hopper, the x and weight tiles come through tensor
+descriptors (`accumulate_described`: one TMA instruction per tile into shared memory, no per-element
+address arithmetic or masks in the loop, zero fill past the edges) instead of pointer loads; the kernel,
+its epilogues and its tile order are otherwise the same. Measured on the H200 (benchmarks/gemm_sweep.py,
+back to back in a CUDA graph, 2026-11-30, commit 8e66760) at M = 4096, best pointer config -> best TMA
+config -> cuBLAS's bare product, us: DeltaNet in-projection 149.6 -> 116.5 -> 96.8, gate/up 127.0 ->
+106.2 -> 87.2, down 51.7 -> 46.7 -> 41.6, out-projection 32.2 -> 28.6 -> 26.5, attention in-projection
+92.0 -> 75.9 -> 65.8; at M = 1024 14-26% faster. In the engine's prefill (benchmarks/prefill_configs.py
+--kernel gemm --configs pinned, commits 4109275, 8e66760, 657be08) 15.59-15.76 -> 14.34 ms at 4096
+tokens, 3.58-3.77 -> 3.11-3.59 at 384 and 512 (the GEMMs' median 20 -> 14 us), 4.77-5.06 -> 4.72-4.80 at
+1024 (25 -> 22.5 us). At 128 tokens (split-K, the short prompts' pins) the TMA loads were slower in the
+prefill (the GEMMs' median 9.0 -> 11.0 us), so short prompts keep the pointer loads.
+A persistent TMA kernel (one program per SM looping over tiles, the tile loop flattened into the K loop
+so that the next tile's loads overlap this one's epilogue: Triton's persistent matmul) was faster for
+the in-projections in isolation (109.0 us) but slower for gate/up (127.1) and in the prefill (15.45 and
+15.59 ms at 4096 tokens against 14.34); removed (commit 657be08, docs/perf-notes.md).
+
 Autotuning: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages per (bucket of M = next power of two, N,
 K, epilogues, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps
 the choice in Triton's cache directory across processes (see linear.py). For prompts of up to
 MAX_SPLIT_ROWS tokens, and of LONG_PROMPT_ROWS or more, the config measured fastest in a CUDA graph is the only
-candidate (PREFERRED_BY_K, PREFERRED_LONG_BY_N).
+candidate (PREFERRED_BY_K, PREFERRED_LONG_BY_N; at 4096 tokens the same tiles won with the TMA loads).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@
     epilogue:  activation="swiglu" -> silu(x @ Wg.T) * (x @ Wu.T), weight = [Wg; Wu] of [2I, K], out [M, I]
                residual    -> + residual                         (out may be residual itself: in place)
 
-Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py).
+Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py), whose
+tiles come through TMA descriptors from 257 tokens on (Hopper).
 Accumulation is float32; the output is rounded once to x's dtype (or float32 with out_dtype, for logits).
 
 Autotuning and its disk cache. Both kernels are `triton.autotune`d with `cache_results=True`: the first
