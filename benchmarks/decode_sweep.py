@@ -1,5 +1,6 @@
 """Every config of the decode GEMV and of the fused DeltaNet step, timed as the engine runs them; and a layer's
-out-projection + MLP by out_projection_mlp against the three GEMVs (--parts tail).
+out-projection + MLP by out_projection_mlp against the three GEMVs (--parts tail); the decode attention's configs
+and split counts at contexts 4096 and 32768 (--parts attention).
 
 The autotuner times one launch at a time after flushing L2; a decode step runs them back to back inside
 a CUDA graph with programmatic dependent launch. Here each config runs as a graph of `layers` launches
@@ -7,7 +8,7 @@ on as many distinct weights (or states): more bytes than the 60 MB L2, so each l
 in the model, and each launch overlaps its neighbours as in the model. Prints, per shape, every config's
 time per launch and its share of the copy bandwidth, and the autotuner's own pick.
 
-    python3 benchmarks/decode_sweep.py [--parts gemv,step,tail] [--pdl on|off|both] [--out sweep.json]
+    python3 benchmarks/decode_sweep.py [--parts gemv,step,tail,attention] [--pdl on|off|both] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -142,16 +143,52 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
     return rows
 
 
+def sweep_attention(layers: int, hbm: float, pdl: bool, contexts=(4096, 32768)) -> list[dict]:
+    """Decode attention (split-KV + merge) at each context: every split-kernel config at split counts of 1, 2,
+    4 and 8 programs per SM, on `layers` distinct KV caches of the engine's shape (8 query heads, 2 KV
+    heads of 256, bf16) and the bench's cache length."""
+    from qwen_triton.operators.attention import decode as attention
+
+    heads, kv_heads, dim, cache_length = 8, 2, 256, 32980
+    caches = [(torch.randn(1, kv_heads, cache_length, dim, device="cuda", dtype=torch.bfloat16),
+               torch.randn(1, kv_heads, cache_length, dim, device="cuda", dtype=torch.bfloat16))
+              for _ in range(layers)]
+    q = torch.randn(1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    default = attention.decode_splits(1, kv_heads, cache_length, "cuda")
+    all_configs = list(attention._decode_split_kernel.configs)
+    rows = []
+    for context in contexts:
+        lengths = torch.full((1,), context, device="cuda", dtype=torch.int32)
+        moved = 2 * kv_heads * context * dim * 2
+        for splits in sorted({default // 2, default, 2 * default, 4 * default}):
+            def launch(i, splits=splits):
+                attention.attention_decode(q, *caches[i], lengths, out=out, num_splits=splits, pdl=pdl)
+
+            with_configs(attention._decode_split_kernel, all_configs)
+            launch(0)
+            pick = attention._decode_split_kernel.best_config
+            for config in all_configs:
+                with_configs(attention._decode_split_kernel, [config])
+                us = graph_time_us(launch, layers)
+                rows.append(dict(shape=f"decode attention @{context}, {splits} splits per KV head",
+                                 config=str(config), us=us, pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12),
+                                 autotuner_pick=str(config) == str(pick), pdl=pdl,
+                                 engine_default=splits == default))
+    with_configs(attention._decode_split_kernel, all_configs)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--out")
-    parser.add_argument("--parts", default="gemv,step,tail", help="gemv, step, tail (comma-separated)")
+    parser.add_argument("--parts", default="gemv,step,tail", help="gemv, step, tail, attention (comma-separated)")
     parser.add_argument("--pdl", choices=("on", "off", "both"), default="both")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts or parts - {"gemv", "step", "tail"}:
-        parser.error(f"--parts: gemv, step and/or tail, got {args.parts!r}")
+    if not parts or parts - {"gemv", "step", "tail", "attention"}:
+        parser.error(f"--parts: gemv, step, tail and/or attention, got {args.parts!r}")
     hbm = measure_hbm_bandwidth()
     rows = []
     for pdl in {"on": (True,), "off": (False,), "both": (True, False)}[args.pdl]:
@@ -161,6 +198,8 @@ def main() -> None:
             rows += sweep_delta_step(18, hbm, pdl)
         if "tail" in parts:
             rows += sweep_layer_tail(args.layers, hbm, pdl)
+        if "attention" in parts:
+            rows += sweep_attention(6, hbm, pdl)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(hbm_copy_TBps=hbm, rows=rows), f, indent=2)

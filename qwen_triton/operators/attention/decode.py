@@ -47,6 +47,7 @@ from .prefill import online_softmax_step
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2_E = 1.4426950408889634
 DEFAULT_SPLIT_ALIGN = 64
+PROGRAMS_PER_SM = 2  # decode_splits' target: split programs per SM at full length
 
 
 def _split_configs():
@@ -184,12 +185,13 @@ _WORKSPACES: dict = {}
 def decode_splits(
     batch: int, num_kv_heads: int, max_length: int, device, split_align: int = DEFAULT_SPLIT_ALIGN
 ) -> int:
-    """The split count S: about two programs per SM at full length, no split shorter than split_align.
+    """The split count S: about PROGRAMS_PER_SM programs per SM at full length, no split shorter than
+    split_align.
 
     Host-only: S depends on the shapes and the device, never on the current lengths.
     """
     device = torch.device(device)
-    wanted = triton.cdiv(2 * sm_count(device), max(1, batch * num_kv_heads))
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(1, batch * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(max_length, split_align)))
 
 
