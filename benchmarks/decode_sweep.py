@@ -167,7 +167,7 @@ def sweep_attention(layers: int, hbm: float, pdl: bool, contexts=(4096, 32768)) 
 
             with_configs(attention._decode_split_kernel, all_configs)
             launch(0)
-            pick = attention._decode_split_kernel.best_config
+            pick = attention._decode_split_kernel.best_config  # the pinned config (SPLIT_PICK), if among them
             for config in all_configs:
                 with_configs(attention._decode_split_kernel, [config])
                 us = graph_time_us(launch, layers)

@@ -37,6 +37,7 @@ from ..common import (
     allow_next_kernel,
     autotune_configs,
     check_same_device,
+    keep_preferred,
     check_tensor,
     launch_options,
     sm_count,
@@ -47,7 +48,7 @@ from .prefill import online_softmax_step
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2_E = 1.4426950408889634
 DEFAULT_SPLIT_ALIGN = 64
-PROGRAMS_PER_SM = 2  # decode_splits' target: split programs per SM at full length
+PROGRAMS_PER_SM = 1  # decode_splits' target: split programs per SM at full length (see decode_splits)
 
 
 def _split_configs():
@@ -62,7 +63,18 @@ def _split_configs():
     ])
 
 
-@triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"], cache_results=True)
+# The split kernel's config, pinned: the fastest at 4096 and 32768 keys back to back in a CUDA graph
+# (benchmarks/decode_sweep.py --parts attention); the autotuner's one-launch timing, made at whatever
+# context the first call has, picked others (at 32768 keys up to 28% slower).
+SPLIT_PICK = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def _prune_split(configs, named_args, **kwargs):
+    return keep_preferred(configs, SPLIT_PICK)
+
+
+@triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"],
+                 prune_configs_by={"early_config_prune": _prune_split}, cache_results=True)
 @triton.jit
 def _decode_split_kernel(
     q, key, value, lengths, partial_acc, partial_max, partial_sum,
@@ -191,7 +203,7 @@ def decode_splits(
     Host-only: S depends on the shapes and the device, never on the current lengths.
     """
     device = torch.device(device)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(1, batch * num_kv_heads))
+    wanted = math.ceil(PROGRAMS_PER_SM * sm_count(device) / max(1, batch * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(max_length, split_align)))
 
 
