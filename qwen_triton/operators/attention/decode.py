@@ -142,7 +142,16 @@ def _merge_configs():
     ])
 
 
-@triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"], cache_results=True)
+# The merge kernel's config where pinned (None: the autotuner's one-launch choice)
+MERGE_PICK = None
+
+
+def _prune_merge(configs, named_args, **kwargs):
+    return configs if MERGE_PICK is None else keep_preferred(configs, MERGE_PICK)
+
+
+@triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"],
+                 prune_configs_by={"early_config_prune": _prune_merge}, cache_results=True)
 @triton.jit
 def _decode_merge_kernel(
     partial_acc, partial_max, partial_sum, lengths, out,
