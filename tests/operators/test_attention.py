@@ -407,3 +407,32 @@ def test_gpu_decode_step_cuda_graph():
         assert torch.equal(graph_out, out)
         ref = reference_decode(q_out.double(), key_cache.double(), value_cache.double(), lengths)
         assert_bf16_close(out, ref)
+
+
+def test_decode_split_count(monkeypatch):
+    """About PROGRAMS_PER_SM split programs per SM at full length, never a split shorter than split_align."""
+    from qwen_triton.operators.attention import decode
+
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    assert decode.decode_splits(1, 2, 32980, "cpu") == 132  # 2 per SM over the 2 KV heads
+    assert decode.decode_splits(1, 2, 100, "cpu") == 2  # 64-key splits
+    assert decode.decode_splits(4, 2, 32980, "cpu") == 33
+    monkeypatch.setattr(decode, "PROGRAMS_PER_SM", 0.5)
+    assert decode.decode_splits(1, 2, 32980, "cpu") == 33
+
+
+def test_decode_kernels_pinnable(monkeypatch):
+    """SPLIT_PICK / MERGE_PICK None: the autotuner chooses among all configs; set: the matching config alone."""
+    from qwen_triton.operators.attention import decode
+
+    monkeypatch.setattr(decode, "autotune_configs", lambda configs: configs)  # every config, interpreter or not
+    split_configs = decode._split_configs()
+    assert len(split_configs) > 1 and decode._prune_split(split_configs, {}) == split_configs
+    monkeypatch.setattr(decode, "SPLIT_PICK", dict(BLOCK_N=64, num_warps=4, num_stages=3))
+    kept = decode._prune_split(split_configs, {})
+    assert [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept] == [(64, 4, 3)]
+    merge_configs = decode._merge_configs()
+    assert len(merge_configs) > 1 and decode._prune_merge(merge_configs, {}) == merge_configs
+    monkeypatch.setattr(decode, "MERGE_PICK", dict(BLOCK_S=32, BLOCK_D=64, num_warps=4))
+    kept = decode._prune_merge(merge_configs, {})
+    assert [(c.kwargs["BLOCK_S"], c.kwargs["BLOCK_D"]) for c in kept] == [(32, 64)]

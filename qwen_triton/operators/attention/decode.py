@@ -37,8 +37,8 @@ from ..common import (
     allow_next_kernel,
     autotune_configs,
     check_same_device,
-    keep_preferred,
     check_tensor,
+    keep_preferred,
     launch_options,
     sm_count,
     wait_for_previous_kernel,
@@ -48,7 +48,7 @@ from .prefill import online_softmax_step
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2_E = 1.4426950408889634
 DEFAULT_SPLIT_ALIGN = 64
-PROGRAMS_PER_SM = 1  # decode_splits' target: split programs per SM at full length (see decode_splits)
+PROGRAMS_PER_SM = 2  # decode_splits' target: split programs per SM at full length (see decode_splits)
 
 
 def _split_configs():
@@ -63,14 +63,22 @@ def _split_configs():
     ])
 
 
-# The split kernel's config, pinned: the fastest at 4096 and 32768 keys back to back in a CUDA graph
-# (benchmarks/decode_sweep.py --parts attention); the autotuner's one-launch timing, made at whatever
-# context the first call has, picked others (at 32768 keys up to 28% slower).
-SPLIT_PICK = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+# The split and merge kernels' configs where pinned (None: the autotuner's one-launch choice), and the split
+# count's PROGRAMS_PER_SM above: settings for comparisons in the engine (benchmarks/engine_options.py
+# --settings). Measured on the H200 (docs/perf-notes.md, ninth session): alone, back to back in a CUDA
+# graph (benchmarks/decode_sweep.py --parts attention), one program per SM and 64-key tiles at 3 stages took
+# 23.5 us at 32768 keys against 26.0 for the defaults' split count; in the engine's decode step no pinned
+# combination was faster at both 128 and 32768 keys than these defaults (it moved the step by -20 to +35 us).
+SPLIT_PICK = None
+MERGE_PICK = None
 
 
 def _prune_split(configs, named_args, **kwargs):
-    return keep_preferred(configs, SPLIT_PICK)
+    return configs if SPLIT_PICK is None else keep_preferred(configs, SPLIT_PICK)
+
+
+def _prune_merge(configs, named_args, **kwargs):
+    return configs if MERGE_PICK is None else keep_preferred(configs, MERGE_PICK)
 
 
 @triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"],
@@ -140,14 +148,6 @@ def _merge_configs():
         triton.Config({"BLOCK_S": 8, "BLOCK_D": 256}, num_warps=4),
         triton.Config({"BLOCK_S": 32, "BLOCK_D": 32}, num_warps=2),
     ])
-
-
-# The merge kernel's config where pinned (None: the autotuner's one-launch choice)
-MERGE_PICK = None
-
-
-def _prune_merge(configs, named_args, **kwargs):
-    return configs if MERGE_PICK is None else keep_preferred(configs, MERGE_PICK)
 
 
 @triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"],
