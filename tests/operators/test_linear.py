@@ -231,15 +231,17 @@ def test_gemm_tensor_descriptor_loads(device, monkeypatch, M, K, N, options, spl
 
 
 def test_gemm_loads_long_prompts_through_descriptors(device, monkeypatch):
-    """gemm(tma=None), as linear calls it: descriptors from TMA_ROWS rows on (the interpreter has them),
-    pointer loads below."""
+    """gemm(tma=None), as linear calls it: descriptors for 16-bit x from TMA_ROWS rows on (the interpreter has
+    them), pointer loads below and for float32."""
     from qwen_triton.operators.linear import gemm
 
     described = described_operands(monkeypatch)
-    for M, expected in ((gemm.TMA_ROWS - 1, []), (gemm.TMA_ROWS, [(gemm.TMA_ROWS, 64), (40, 64)])):
-        x, weight, kwargs = inputs(M, 64, 40, torch.float16, device, ("residual",), seed=M)
+    cases = ((gemm.TMA_ROWS - 1, torch.float16, []), (gemm.TMA_ROWS, torch.float16, [(gemm.TMA_ROWS, 64), (40, 64)]),
+             (gemm.TMA_ROWS, torch.float32, []))  # float32: pointer loads unless asked (TMA measured in bf16)
+    for M, dtype, expected in cases:
+        x, weight, kwargs = inputs(M, 64, 40, dtype, device, ("residual",), seed=M)
         x = x.contiguous()
-        assert_close(linear(x, weight, **kwargs), reference(x, weight, **kwargs), torch.float16)
+        assert_close(linear(x, weight, **kwargs), reference(x, weight, **kwargs), dtype)
         assert described == expected
         described.clear()
 

@@ -31,9 +31,10 @@ K range: they write float32 partial tiles to a workspace, count their arrival on
 tile, and the last to arrive sums the partials in split order (deterministic whichever arrives last),
 applies the epilogue, stores and resets the counter (so a CUDA graph can replay it): the GEMV's scheme.
 
-Loads. For prompts of TMA_ROWS (257) tokens or more, on Hopper, the x and weight tiles come through tensor
-descriptors (`accumulate_described`: one TMA instruction per tile into shared memory, no per-element
-address arithmetic or masks in the loop, zero fill past the edges) instead of pointer loads; the kernel,
+Loads. For prompts of TMA_ROWS (257) tokens or more in 16-bit types, on Hopper, the x and weight tiles come
+through tensor descriptors (`accumulate_described`: one TMA instruction per tile into shared memory, no
+per-element address arithmetic or masks in the loop, zero fill past the edges) instead of pointer loads
+(float32 keeps them unless gemm(tma=True) asks: only bf16 was measured on the GPU); the kernel,
 its epilogues and its tile order are otherwise the same. Measured on the H200 (benchmarks/gemm_sweep.py,
 back to back in a CUDA graph, 2026-11-30, commit 8e66760) at M = 4096, best pointer config -> best TMA
 config -> cuBLAS's bare product, us: DeltaNet in-projection 149.6 -> 116.5 -> 96.8, gate/up 127.0 ->
@@ -326,13 +327,14 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
          tma=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
-    chooses). tma: load the tiles through tensor descriptors (None: from TMA_ROWS rows on, where the device
-    has them); x and weight must then be describable (16-byte aligned rows), else the pointer loads serve."""
+    chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
+    the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
+    loads serve."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps)
     M, K = x.shape
     if tma is None:
-        tma = M >= TMA_ROWS and tma_available(x.device)
+        tma = M >= TMA_ROWS and x.element_size() == 2 and tma_available(x.device)  # measured in bf16 only
     tma = tma and _describable(x) and _describable(weight)
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
