@@ -26,6 +26,7 @@ import json
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from qwen_triton.benchmark.harness import measure_hbm_bandwidth, measure_matmul_rate, time_graph
 from qwen_triton.operators.linear import gemm
@@ -105,7 +106,11 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
                                SPLIT_ALLOWED=bucket <= gemm.MAX_SPLIT_ROWS)
             for config in kept:
                 with_configs(kernel, [config])
-                launch(0)
+                try:
+                    launch(0)
+                except OutOfResources:  # more shared memory than an SM has (e.g. deep stages of 128-wide K)
+                    record(prefix + "config", str(config), float("nan"))
+                    continue
                 record(prefix + "config", str(config), graph_us(launch, copies))
                 meta = config.kwargs
                 if tma or meta["SPLIT_K"] != 1 or K % meta["BLOCK_K"]:

@@ -40,7 +40,7 @@ KERNELS = {
     "chunk_state": chunk._chunk_state_kernel,
     "chunk_output": chunk._chunk_output_kernel,
     "causal_conv1d": _causal_conv1d_kernel,
-    "gemm": gemm._gemm_split,
+    "gemm": gemm._gemm_tma_split,  # the prefill's GEMM from 257 tokens on (below that, _gemm_split)
 }
 
 

@@ -511,3 +511,27 @@ def test_prefill_gemm_keeps_the_in_graph_winner_for_long_prompts():
     assert kept(8192, 8224) == [(128, 8)]  # the wide ones, and longer prompts
     assert kept(2048, 1024) == [(64, 4), (128, 8), (256, 8), (128, 4)]  # shorter: the autotuner chooses
     assert kept(4096, 1024, candidates=[configs[0], configs[1]]) == [(64, 4), (128, 8)]  # not among them
+
+
+def test_prefill_gemm_keeps_the_in_graph_winner_for_medium_prompts_on_tma():
+    """Prompts of 513-1024 tokens (bucket 1024) on the TMA loads: the tiles measured fastest there, by N;
+    the pointer loads and other buckets: the autotuner chooses."""
+    import triton
+
+    from qwen_triton.operators.linear import gemm
+
+    def config(block_m, block_n, warps, stages):
+        return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1},
+                             num_warps=warps, num_stages=stages)
+
+    configs = [config(64, 128, 4, 4), config(128, 128, 8, 3), config(128, 64, 4, 4)]
+
+    def kept(bucket, N, tma=True):
+        pruned = gemm._prune(configs, {"M_BUCKET": bucket, "K": 2048, "N": N}, ACTIVATION=0, SPLIT_ALLOWED=False,
+                             TMA=tma)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in pruned]
+
+    assert kept(1024, 1024) == [(64, 128)]  # down, out-projections
+    assert kept(1024, 8224) == [(128, 128)]  # in-projections, gate/up
+    assert kept(1024, 1024, tma=False) == [(64, 128), (128, 128), (128, 64)]
+    assert kept(2048, 1024) == [(64, 128), (128, 128), (128, 64)]

@@ -100,8 +100,9 @@ def _describe_blocks(nargs) -> None:
 
 
 def _tma_configs(split: bool) -> list[triton.Config]:
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); BLOCK_K = 64: a 128-byte row of bf16,
-    # the TMA's widest swizzled box
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); BLOCK_K = 64 is a 128-byte row of bf16 (the
+    # widest swizzled box), BLOCK_K = 128 two of them per tile (in shared memory 192-288 KiB at 3 stages: the
+    # larger do not launch and the autotuner passes over them)
     # first: the interpreter's (as in _configs)
     configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 2 if split else 1},
                              num_warps=4, num_stages=2, pre_hook=_describe_blocks)]
@@ -110,6 +111,7 @@ def _tma_configs(split: bool) -> list[triton.Config]:
         (128, 256, 64, 8, 4, 1), (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1),
         (64, 64, 64, 4, 4, 1), (64, 64, 64, 4, 6, 1), (64, 32, 64, 4, 4, 1),
         (64, 64, 64, 4, 4, 2), (64, 64, 64, 4, 4, 4), (128, 64, 64, 4, 4, 4), (64, 128, 64, 4, 4, 2),
+        (128, 128, 128, 8, 2, 1), (128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 2, 1),
     ]:
         if split or split_k == 1:
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
@@ -150,8 +152,16 @@ LONG_PROMPT_ROWS = 4096
 PREFERRED_LONG_BY_N = ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
 
 
-def _preferred_long(N: int) -> dict:
-    choice = next(choice for limit, choice in PREFERRED_LONG_BY_N if limit is None or N <= limit)
+# Prompts of 513-1024 tokens on the TMA loads (the bucket of M = 1024): the TMA configs fastest at M = 1024 in
+# the same setting (benchmarks/gemm_sweep.py, commit 8e66760, `gemm-sweep-4096-1024-...-8e66760.json`): 64 x
+# 128 tiles at 4 warps for the N = 1024 projections (down 16.6 us, out-projection 11.6, attention gate + out
+# 14.8, where the autotuner's one-launch picks ran 21.0, 12.3, 15.9), 128 x 128 at 8 warps for the wide ones.
+MEDIUM_PROMPT_BUCKET = 1024
+PREFERRED_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
+
+
+def _preferred_by_n(table, N: int) -> dict:
+    choice = next(choice for limit, choice in table if limit is None or N <= limit)
     return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), choice))
 
 
@@ -159,7 +169,8 @@ def _prune(configs, named_args, **kwargs):
     """Drop tiles taller than the bucket of M, accumulators over 128 float32 registers per thread, and
     splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
     keep the in-graph winner for this K where it is among them (see PREFERRED_BY_K), for a long one that
-    for this N (PREFERRED_LONG_BY_N)."""
+    for this N (PREFERRED_LONG_BY_N), and on the TMA loads for one of 513-1024 tokens that of
+    PREFERRED_MEDIUM_BY_N."""
     bucket = named_args["M_BUCKET"]
     accumulators = 2 if kwargs["ACTIVATION"] == 1 else 1
     split_allowed = kwargs["SPLIT_ALLOWED"] and bucket <= MAX_SPLIT_ROWS
@@ -173,7 +184,9 @@ def _prune(configs, named_args, **kwargs):
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
         kept = keep_preferred(kept, dict(zip(fields, _preferred(named_args["K"]))))
     if bucket >= LONG_PROMPT_ROWS and "N" in named_args:
-        kept = keep_preferred(kept, _preferred_long(named_args["N"]))
+        kept = keep_preferred(kept, _preferred_by_n(PREFERRED_LONG_BY_N, named_args["N"]))
+    if bucket == MEDIUM_PROMPT_BUCKET and kwargs.get("TMA") and "N" in named_args:
+        kept = keep_preferred(kept, _preferred_by_n(PREFERRED_MEDIUM_BY_N, named_args["N"]))
     if kept:
         return kept
     first = configs[0]
