@@ -100,9 +100,10 @@ def _describe_blocks(nargs) -> None:
 
 
 def _tma_configs(split: bool) -> list[triton.Config]:
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); BLOCK_K = 64 is a 128-byte row of bf16 (the
-    # widest swizzled box), BLOCK_K = 128 two of them per tile (in shared memory 192-288 KiB at 3 stages: the
-    # larger do not launch and the autotuner passes over them)
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K); BLOCK_K = 64, a 128-byte row of bf16 (the
+    # widest swizzled box). BLOCK_K = 128 (128 x 128 and 128 x 256 tiles, 2-3 stages) was 16-70% slower for
+    # every projection at M = 4096 (benchmarks/gemm_sweep.py, commit fb1a75d) and 3.1 ms slower in the prefill
+    # when pinned: not among them
     # first: the interpreter's (as in _configs)
     configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8, "SPLIT_K": 2 if split else 1},
                              num_warps=4, num_stages=2, pre_hook=_describe_blocks)]
@@ -111,7 +112,6 @@ def _tma_configs(split: bool) -> list[triton.Config]:
         (128, 256, 64, 8, 4, 1), (128, 128, 64, 4, 4, 1), (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1),
         (64, 64, 64, 4, 4, 1), (64, 64, 64, 4, 6, 1), (64, 32, 64, 4, 4, 1),
         (64, 64, 64, 4, 4, 2), (64, 64, 64, 4, 4, 4), (128, 64, 64, 4, 4, 4), (64, 128, 64, 4, 4, 2),
-        (128, 128, 128, 8, 2, 1), (128, 128, 128, 8, 3, 1), (128, 256, 128, 8, 2, 1),
     ]:
         if split or split_k == 1:
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
@@ -156,6 +156,8 @@ PREFERRED_LONG_BY_N = ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)
 # the same setting (benchmarks/gemm_sweep.py, commit 8e66760, `gemm-sweep-4096-1024-...-8e66760.json`): 64 x
 # 128 tiles at 4 warps for the N = 1024 projections (down 16.6 us, out-projection 11.6, attention gate + out
 # 14.8, where the autotuner's one-launch picks ran 21.0, 12.3, 15.9), 128 x 128 at 8 warps for the wide ones.
+# In the engine's 1024-token prefill (benchmarks/prefill_configs.py --kernel gemm, commit fb1a75d): 4.52 and
+# 4.70 ms pinned against 5.40 ms with the autotuner's picks (the GEMMs' median 21.9 against 28.8 us).
 MEDIUM_PROMPT_BUCKET = 1024
 PREFERRED_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
 
