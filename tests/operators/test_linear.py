@@ -337,9 +337,10 @@ def test_gpu_prefill_projections(name, rows, K, options, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
-@pytest.mark.parametrize("M", [100, 128, 4096])
+@pytest.mark.parametrize("M", [100, 128, 1000, 4096])
 def test_gpu_prefill_projections_tensor_descriptors(monkeypatch, name, rows, K, options, M):
-    """Every projection with its tiles through TMA (gemm(tma=True)), short and long prompts, bf16."""
+    """Every projection with its tiles through TMA (gemm(tma=True)), short, medium (the 1024 bucket's pinned
+    tiles) and long prompts, bf16."""
     x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
     ref = reference(x, weight, **kwargs)
     described = described_operands(monkeypatch)
