@@ -47,15 +47,24 @@ def autotune_configs(configs: list) -> list:
     return configs
 
 
-def keep_preferred(configs: list, preferred: dict) -> list:
+def keep_preferred(configs: list, preferred: dict | None) -> list:
     """The configs whose kwargs, num_warps and num_stages match every entry of `preferred` (an
     `early_config_prune` helper: where an in-graph sweep found a winner the autotuner's own timing misses);
-    all of them when none matches (e.g. the interpreter's single config)."""
+    all of them when none matches (e.g. the interpreter's single config) or `preferred` is None."""
+    if preferred is None:
+        return configs
+
     def matches(config):
         settings = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         return all(settings.get(name) == value for name, value in preferred.items())
 
     return [c for c in configs if matches(c)] or configs
+
+
+def preferred_entry(table, size: int, fields: tuple[str, ...]) -> dict:
+    """A pin table's entry for `size` as config settings: table = ((largest size served, or None for any,
+    (value per field)), ...), the first entry that serves `size`."""
+    return dict(zip(fields, next(values for limit, values in table if limit is None or size <= limit)))
 
 
 def built_on_first_call(build):
@@ -122,10 +131,16 @@ def check_same_device(**tensors) -> None:
 # without the attribute simply waits for everything before it, as usual.
 
 
-def pdl_available(device) -> bool:
-    """Whether kernels on `device` can use programmatic dependent launch (compute capability >= 9.0)."""
+def hopper_or_later(device) -> bool:
+    """Whether `device` is a GPU of compute capability 9.0 or more (PDL, TMA)."""
     device = torch.device(device)
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_available(device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch (compute capability >= 9.0; not
+    under the interpreter)."""
+    return not interpreting() and hopper_or_later(device)
 
 
 def launch_options(pdl: bool) -> dict:

@@ -74,11 +74,11 @@ MERGE_PICK = None
 
 
 def _prune_split(configs, named_args, **kwargs):
-    return configs if SPLIT_PICK is None else keep_preferred(configs, SPLIT_PICK)
+    return keep_preferred(configs, SPLIT_PICK)
 
 
 def _prune_merge(configs, named_args, **kwargs):
-    return configs if MERGE_PICK is None else keep_preferred(configs, MERGE_PICK)
+    return keep_preferred(configs, MERGE_PICK)
 
 
 @triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"],

@@ -64,7 +64,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common import autotune_configs, interpreting, keep_preferred
+from ..common import autotune_configs, hopper_or_later, interpreting, keep_preferred, preferred_entry
 from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
@@ -137,10 +137,6 @@ MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS
 PREFERRED_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))
 
 
-def _preferred(K: int) -> tuple[int, int, int, int]:
-    return next(choice for limit, choice in PREFERRED_BY_K if limit is None or K <= limit)
-
-
 # Prompts of LONG_PROMPT_ROWS tokens or more: the configs fastest in the same setting at M = 4096
 # (benchmarks/gemm_sweep.py, commit 23ea421, `gemm-sweep-2026-11-29-NVIDIA-H200-23ea421.json`): 128 x 256
 # tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
@@ -162,9 +158,7 @@ MEDIUM_PROMPT_BUCKET = 1024
 PREFERRED_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
 
 
-def _preferred_by_n(table, N: int) -> dict:
-    choice = next(choice for limit, choice in table if limit is None or N <= limit)
-    return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), choice))
+TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # of the tables by N
 
 
 def _prune(configs, named_args, **kwargs):
@@ -184,11 +178,11 @@ def _prune(configs, named_args, **kwargs):
     ]
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
-        kept = keep_preferred(kept, dict(zip(fields, _preferred(named_args["K"]))))
+        kept = keep_preferred(kept, preferred_entry(PREFERRED_BY_K, named_args["K"], fields))
     if bucket >= LONG_PROMPT_ROWS and "N" in named_args:
-        kept = keep_preferred(kept, _preferred_by_n(PREFERRED_LONG_BY_N, named_args["N"]))
+        kept = keep_preferred(kept, preferred_entry(PREFERRED_LONG_BY_N, named_args["N"], TILE_FIELDS))
     if bucket == MEDIUM_PROMPT_BUCKET and kwargs.get("TMA") and "N" in named_args:
-        kept = keep_preferred(kept, _preferred_by_n(PREFERRED_MEDIUM_BY_N, named_args["N"]))
+        kept = keep_preferred(kept, preferred_entry(PREFERRED_MEDIUM_BY_N, named_args["N"], TILE_FIELDS))
     if kept:
         return kept
     first = configs[0]
@@ -322,10 +316,7 @@ def _apply_prologue(x, gate, norm_weight, eps):
 def tma_available(device) -> bool:
     """Whether the GEMM can load its tiles through tensor descriptors on `device`: Hopper or later, or the
     interpreter (which emulates them)."""
-    device = torch.device(device)
-    if interpreting():
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return interpreting() or hopper_or_later(device)
 
 
 def _describable(t: torch.Tensor) -> bool:

@@ -48,6 +48,7 @@ from ..common import (
     autotune_configs,
     interpreting,
     keep_preferred,
+    preferred_entry,
     launch_options,
     wait_for_previous_kernel,
 )
@@ -100,10 +101,6 @@ MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in SPLIT_CONFIGS + NO_SPLIT_CONFIGS)
 PREFERRED_BY_K = ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))
 
 
-def _preferred(K: int) -> tuple[int, int, int]:
-    return next(choice for limit, choice in PREFERRED_BY_K if limit is None or K <= limit)
-
-
 def _prune(configs, named_args, **kwargs):
     """Drop configs that split K into slices under one block, or whose one block overshoots K; then keep the
     in-graph winner for this K where it is among them (see PREFERRED_BY_K)."""
@@ -113,7 +110,7 @@ def _prune(configs, named_args, **kwargs):
         if (c.kwargs["SPLIT_K"] == 1 or K // c.kwargs["SPLIT_K"] >= c.kwargs["BLOCK_K"])
         and c.kwargs["BLOCK_K"] <= triton.next_power_of_2(K)
     ]
-    return keep_preferred(kept, dict(zip(("SPLIT_K", "BLOCK_N", "BLOCK_K"), _preferred(K)))) or configs[:1]
+    return keep_preferred(kept, preferred_entry(PREFERRED_BY_K, K, ("SPLIT_K", "BLOCK_N", "BLOCK_K"))) or configs[:1]
 
 
 @triton.jit
