@@ -46,7 +46,8 @@ KERNELS = {
 
 def describe(config) -> str:
     settings = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
-    return f"{settings} warps={config.num_warps} stages={config.num_stages}".strip()
+    return (f"{settings} warps={config.num_warps} stages={config.num_stages}" + (
+        f" maxnreg={config.maxnreg}" if config.maxnreg else "")).strip()
 
 
 def kernel_durations_us(run, name: str, repeats: int = 3) -> list[float]:

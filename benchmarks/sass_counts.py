@@ -7,6 +7,7 @@ timing: fewer instructions on a latency-bound kernel's critical path is a predic
 
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from triton.compiler.compiler import ASTSource
 
 from qwen_triton.operators.gated_delta_rule import chunk
 
-FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
+FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr", "increments_ptr",
+                    "norm_weight_ptr"}
 INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
@@ -62,14 +64,15 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kernel", choices=["prepare", "state"])
+    parser.add_argument("kernel", choices=["prepare", "state", "output"])
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
     args = parser.parse_args()
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=64, PRECISION="tf32",
-                     BLOCK_V=128 if args.kernel == "prepare" else args.block_v, DOT_DTYPE=tl.bfloat16)
+                     BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
+                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # output: the engine's, with the norm
     for warps in args.warps:
         counts = compile_counts(kernel, constants, warps, args.stages)
         print(f"{args.kernel}, {warps} warps, {args.stages} stages:", counts)

@@ -190,7 +190,7 @@ def test_chunked_start_states_are_the_prefix_states(device):
     initial = random_state((heads, key_dim, value_dim), device)
     scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    chunk_module._launch_state_pass(inputs["k"], initial.clone(), scratch)
+    chunk_module._launch_state_pass(initial.clone(), scratch)
     assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
     for chunk in (1, 2):
@@ -604,6 +604,36 @@ def test_gpu_chunked_short_prompts(length):
                                       output_norm=(inputs["z"], weight, 1e-6))
     expected = gated_rms_norm(out, inputs["z"], weight, 1e-6)
     assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_every_config():
+    """Each config of each of the three kernels pinned in turn (the others at their autotuner's pick), at the real
+    shape over four chunks (the last partial), with and without the output norm: a config the compiler gets wrong
+    (the output kernel's 32-column tiles at 4 warps did, 2026-11-30) fails here whatever the tuning picks."""
+    length = 200
+    inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=24)
+    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
+    kernels = {"prepare": (chunk_module._chunk_prepare_kernel, chunk_module.PREPARE_CONFIGS),
+               "state": (chunk_module._chunk_state_kernel, chunk_module.STATE_CONFIGS),
+               "output": (chunk_module._chunk_output_kernel, chunk_module.OUTPUT_CONFIGS)}
+    for name, (kernel, every) in kernels.items():
+        configs = list(kernel.configs)
+        try:
+            for config in every:
+                kernel.configs, kernel.cache = [config], {}
+                state = initial.clone()
+                out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+                torch.cuda.synchronize()
+                assert frobenius_error(out, ref_out) < 1.5e-2, (name, config)
+                assert max_error(out, ref_out) < 2e-2, (name, config)
+                assert frobenius_error(state, ref_state) < 1e-2, (name, config)
+                normed = gated_delta_rule_chunked(*kernel_arguments(inputs), initial.clone(),
+                                                  output_norm=(inputs["z"], weight, 1e-6))
+                expected = gated_rms_norm(out, inputs["z"], weight, 1e-6)
+                assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3, (name, config)
+        finally:
+            kernel.configs, kernel.cache = configs, {}
 
 
 @pytest.mark.gpu
