@@ -64,8 +64,7 @@ def initial_state(seed: int = 1) -> torch.Tensor:
 
 def short(config) -> str:
     meta = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
-    return (f"{meta} warps={config.num_warps} stages={config.num_stages}" + (
-        f" maxnreg={config.maxnreg}" if config.maxnreg else "")).strip()
+    return f"{meta} warps={config.num_warps} stages={config.num_stages}".strip()
 
 
 def tuned_picks(module) -> str:
@@ -174,10 +173,10 @@ def sweep(length: int, baseline=None) -> list[dict]:
         chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
 
     def state_only(i):
-        chunk._launch_state_pass(states[i], scratches[i])
+        chunk._launch_state_pass(sets[i]["k"], states[i], scratches[i])
 
     def output_only(i):
-        chunk._launch_output(sets[i]["q"], sets[i]["k"], outs[i], scratches[i])
+        chunk._launch_output(sets[i]["q"], outs[i], scratches[i])
 
     for name, launch in (("prepare", prepare_only), ("state", state_only), ("output", output_only)):
         kernel = kernels[name]

@@ -31,6 +31,7 @@ import torch
 
 from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
 from qwen_triton.benchmark.profile import cuda_kernel_events
+from qwen_triton.operators.attention.qk_norm_rotary import _qk_norm_rotary_kernel
 from qwen_triton.operators.conv.causal_conv1d import _causal_conv1d_kernel
 from qwen_triton.operators.gated_delta_rule import chunk
 from qwen_triton.operators.linear import gemm
@@ -40,14 +41,14 @@ KERNELS = {
     "chunk_state": chunk._chunk_state_kernel,
     "chunk_output": chunk._chunk_output_kernel,
     "causal_conv1d": _causal_conv1d_kernel,
+    "qk_norm_rotary": _qk_norm_rotary_kernel,
     "gemm": gemm._gemm_tma_split,  # the prefill's GEMM from 257 tokens on (below that, _gemm_split)
 }
 
 
 def describe(config) -> str:
     settings = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
-    return (f"{settings} warps={config.num_warps} stages={config.num_stages}" + (
-        f" maxnreg={config.maxnreg}" if config.maxnreg else "")).strip()
+    return f"{settings} warps={config.num_warps} stages={config.num_stages}".strip()
 
 
 def kernel_durations_us(run, name: str, repeats: int = 3) -> list[float]:

@@ -26,8 +26,7 @@ from triton.compiler.compiler import ASTSource
 
 from qwen_triton.operators.gated_delta_rule import chunk
 
-FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr", "increments_ptr",
-                    "norm_weight_ptr"}
+FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
 INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
@@ -72,7 +71,7 @@ def main() -> None:
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=64, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
-                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # output: the engine's, with the norm
+                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
     for warps in args.warps:
         counts = compile_counts(kernel, constants, warps, args.stages)
         print(f"{args.kernel}, {warps} warps, {args.stages} stages:", counts)

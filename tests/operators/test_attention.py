@@ -14,8 +14,11 @@ The reference is computed in float64/float32 from the same bf16 inputs, so the e
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
+import triton
 
 from qwen_triton.operators.attention import (
     attention_decode,
@@ -132,6 +135,32 @@ def test_qk_norm_rotary(heads, kv_heads, dim, rotary_dim, gated, dtype, device):
     untouched = ~written.to(device)
     assert torch.equal(key_cache.transpose(1, 2)[untouched], key_before.transpose(1, 2)[untouched])
     assert torch.equal(value_cache.transpose(1, 2)[untouched], value_before.transpose(1, 2)[untouched])
+
+
+@pytest.mark.parametrize("rows_per_program", [4, 16])
+def test_qk_norm_rotary_rows_per_program(rows_per_program, device, monkeypatch):
+    """A program taking several rows (the prompt configs) writes exactly what one program per row does: 5 and 21
+    rows, neither a multiple of the rows per program, the last program's missing rows untouched."""
+    kernel = importlib.import_module("qwen_triton.operators.attention.qk_norm_rotary")._qk_norm_rotary_kernel
+    heads, kv_heads, dim, rotary_dim, max_length = 4, 2, 32, 16, 40
+    width = (2 * heads + 2 * kv_heads) * dim
+    for rows in (5, 21):
+        generator = torch.Generator().manual_seed(rows)
+        qkv = torch.randn(rows, width, generator=generator).to(device)
+        weight = (torch.randn(dim, generator=generator) * 0.2).to(device)
+        table = rotary_table(max_length, rotary_dim, 1e4, device)
+        positions = torch.arange(rows, device=device, dtype=torch.int32) % max_length
+        slots = (torch.arange(rows, device=device, dtype=torch.int32) % 2)
+        results = []
+        for per_program in (1, rows_per_program):
+            monkeypatch.setattr(kernel, "configs", [triton.Config({"ROWS": per_program}, num_warps=2)])
+            monkeypatch.setattr(kernel, "cache", {})
+            cache = [torch.zeros(2, kv_heads, max_length, dim, device=device) for _ in range(2)]
+            q = qk_norm_rotary(qkv, weight, weight, table, positions, slots, *cache,
+                               num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+            results.append((q, *cache))
+        for one, several in zip(*results):
+            assert torch.equal(one, several)
 
 
 def test_qk_norm_rotary_out_argument(device):
@@ -331,6 +360,35 @@ def test_gpu_qk_norm_rotary(rows):
     written = torch.zeros(2, max_length, dtype=torch.bool, device=device)
     written[slots_long, positions_long] = True
     assert torch.count_nonzero(key_cache.transpose(1, 2)[~written]) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_qk_norm_rotary_every_config():
+    """Every config (rows per program, warps) pinned in turn at 4097 rows writes what one row per program does."""
+    module = importlib.import_module("qwen_triton.operators.attention.qk_norm_rotary")
+    kernel, configs = module._qk_norm_rotary_kernel, list(module._qk_norm_rotary_kernel.configs)
+    rows, max_length, dtype = 4097, 8200, torch.bfloat16
+    generator = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(rows, (2 * HEADS + 2 * KV_HEADS) * DIM, generator=generator) * 3).to("cuda", dtype)
+    weight = (torch.randn(DIM, generator=generator) * 0.3).to("cuda", dtype)
+    table = rotary_table(max_length, ROTARY, THETA, "cuda")
+    positions = torch.arange(rows, device="cuda", dtype=torch.int32) * 2 % max_length
+    slots = torch.zeros(rows, device="cuda", dtype=torch.int32)
+
+    def run(config):
+        kernel.configs, kernel.cache = [config], {}
+        cache = [torch.zeros(1, KV_HEADS, max_length, DIM, device="cuda", dtype=dtype) for _ in range(2)]
+        q = qk_norm_rotary(qkv, weight, weight, table, positions, slots, *cache,
+                           num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, eps=EPS)
+        return q, *cache
+
+    try:
+        expected = run(triton.Config({"ROWS": 1}, num_warps=2))
+        for config in module.CONFIGS:
+            for got, want in zip(run(config), expected):
+                assert torch.equal(got, want), config
+    finally:
+        kernel.configs, kernel.cache = configs, {}
 
 
 @pytest.mark.gpu

@@ -2,8 +2,11 @@
 
 CPU (interpreter) tests use float32 / float16 with channel counts that are no multiple of any block
 (37, 300), widths 2, 3 and 4, lengths shorter than the state (T < W-1), inside one time block and across
-several, inputs as strided row views of a wider buffer, and zero and non-zero incoming state. GPU tests
-use bfloat16 at the real shapes (6144 channels, W = 4).
+several, inputs as strided row views of a wider buffer, and zero and non-zero incoming state. The prefill's
+walking kernel (configs with WALK_BLOCKS > 0, pinned as benchmarks/prefill_configs.py pins them) must match
+the reference and the tile kernel bit for bit (y and state), at small blocks on the CPU and with every
+walking config of the autotuner's space on the CPU and at the real shape on the GPU. GPU tests use bfloat16
+at the real shapes (6144 channels, W = 4).
 
 GPU error bounds: the kernel computes in float32 and rounds once to bf16, so against a float64 reference
 from the same bf16 inputs each element is within one rounding: |err| <= 2^-9 |y| (+ float32 summation
@@ -12,13 +15,56 @@ order, ~1e-7); we allow rtol 2^-8, atol 1e-5. The conv state is a copy: it must 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import pytest
 import torch
+import triton
 
 from qwen_triton.operators.conv import benchmark_cases, causal_conv1d, causal_conv1d_step
 from qwen_triton.reference import functional as fn
 
+# the module (the package's `causal_conv1d` is the function)
+conv_module = importlib.import_module("qwen_triton.operators.conv.causal_conv1d")
+
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=1e-3)}
+
+# the interpreter converts one-element arrays to scalars in runtime-bounded loops (the walking kernel's)
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+# the tile kernel's pinned config, and small walking configs for the interpreter: several channel blocks at 37
+# and 300 channels, several segments and a partial last time block at a few dozen tokens, one-row time blocks
+TILE = triton.Config({"BLOCK_T": 16, "BLOCK_C": 128, "WALK_BLOCKS": 0}, num_warps=4)
+SMALL_WALKS = [
+    triton.Config({"BLOCK_T": 4, "BLOCK_C": 32, "WALK_BLOCKS": 2}, num_warps=1),
+    triton.Config({"BLOCK_T": 1, "BLOCK_C": 16, "WALK_BLOCKS": 3}, num_warps=1),
+    triton.Config({"BLOCK_T": 16, "BLOCK_C": 64, "WALK_BLOCKS": 1}, num_warps=2),
+]
+WALKS = [c for c in conv_module.prefill_config_space() if c.kwargs["WALK_BLOCKS"] > 0]
+
+
+def describe(config):
+    return "walk{BLOCK_T}x{BLOCK_C}x{WALK_BLOCKS}".format(**config.kwargs) + f"w{config.num_warps}"
+
+
+@contextlib.contextmanager
+def pinned_prefill(config):
+    """The prefill kernel with `config` alone, as benchmarks/prefill_configs.py pins it."""
+    kernel = conv_module._causal_conv1d_kernel
+    saved = kernel.configs, kernel.cache
+    kernel.configs, kernel.cache = [config], {}
+    try:
+        yield
+    finally:
+        kernel.configs, kernel.cache = saved
+
+
+def prefill_with(config, x, weight, state):
+    """(y, the new state) of one prefill call with `config` pinned; `state` is not modified."""
+    state = state.clone()
+    with pinned_prefill(config):
+        return causal_conv1d(x, weight, state), state
 
 
 def strided_rows(rows, channels, dtype, device, seed):
@@ -64,6 +110,85 @@ def test_prefill_wide_and_chained(device, dtype):
     causal_conv1d(x[40:], weight, state, out=out[40:])
     torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
     assert torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 16, 17, 40, 100])
+@pytest.mark.parametrize("config", SMALL_WALKS, ids=describe)
+def test_walking_prefill_matches_reference_and_tiles(device, length, config):
+    """The walking kernel against the reference, and bit for bit against the tile kernel (y and state)."""
+    channels, width, dtype = 37, 4, torch.float32
+    x = strided_rows(length, channels, dtype, device, seed=length)
+    weight = make_weight(channels, width, dtype, device)
+    initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
+    ref_out, ref_state = fn.causal_conv1d(x, weight, initial.clone())
+    out, state = prefill_with(config, x, weight, initial)
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    assert torch.equal(state, ref_state)
+    tile_out, tile_state = prefill_with(TILE, x, weight, initial)
+    assert torch.equal(out, tile_out) and torch.equal(state, tile_state)
+
+
+@pytest.mark.parametrize("width", [2, 3, 16])
+@pytest.mark.parametrize("length", [2, 20, 53])
+def test_walking_prefill_widths(device, width, length):
+    """Widths 2, 3 and the widest (a segment of 16 rows holds the W-1 = 15 inputs before the next)."""
+    channels, dtype = 37, torch.float16
+    config = triton.Config({"BLOCK_T": 4, "BLOCK_C": 32, "WALK_BLOCKS": 4}, num_warps=1)
+    x = strided_rows(length, channels, dtype, device, seed=length + width)
+    weight = make_weight(channels, width, dtype, device)
+    initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
+    ref_out, ref_state = fn.causal_conv1d(x, weight, initial.clone())
+    out, state = prefill_with(config, x, weight, initial)
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    assert torch.equal(state, ref_state)
+    tile_out, tile_state = prefill_with(TILE, x, weight, initial)
+    assert torch.equal(out, tile_out) and torch.equal(state, tile_state)
+
+
+@pytest.mark.parametrize("config", [
+    triton.Config({"BLOCK_T": 4, "BLOCK_C": 128, "WALK_BLOCKS": 2}, num_warps=1),
+    triton.Config({"BLOCK_T": 1, "BLOCK_C": 128, "WALK_BLOCKS": 3}, num_warps=1),
+], ids=describe)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_walking_prefill_chained(device, config, dtype):
+    """300 channels (no multiple of the block); the state carried over three calls, one shorter than W-1, equals
+    one call."""
+    channels, width, length = 300, 4, 45
+    x = strided_rows(length, channels, dtype, device, seed=8)
+    weight = make_weight(channels, width, dtype, device)
+    initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
+    ref_out, ref_state = fn.causal_conv1d(x, weight, initial.clone())
+    whole_out, whole_state = prefill_with(config, x, weight, initial)
+    state = initial.clone()
+    out = torch.empty(length, channels, device=device, dtype=dtype)
+    with pinned_prefill(config):
+        for begin, end in ((0, 17), (17, 19), (19, length)):
+            causal_conv1d(x[begin:end], weight, state, out=out[begin:end])
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
+    assert torch.equal(state, ref_state) and torch.equal(whole_state, ref_state)
+    assert torch.equal(out, whole_out)
+
+
+@pytest.mark.parametrize("config", WALKS, ids=describe)
+def test_walking_config_space(device, config):
+    """Every walking config of the autotuner's space, at 300 channels (one channel block, masked) and a
+    length that ends inside a time block: bit for bit the tile kernel."""
+    channels, width, dtype = 300, 4, torch.float16
+    weight = make_weight(channels, width, dtype, device)
+    initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
+    for length in (1, 2, 70):
+        x = strided_rows(length, channels, dtype, device, seed=length)
+        out, state = prefill_with(config, x, weight, initial)
+        tile_out, tile_state = prefill_with(TILE, x, weight, initial)
+        assert torch.equal(out, tile_out) and torch.equal(state, tile_state), length
+
+
+def test_pick_is_one_config():
+    """PREFILL_PICK names exactly one config of the space (the walking configs do not match the tile pin)."""
+    space = conv_module.prefill_config_space()
+    kept = conv_module.keep_preferred(space, conv_module.PREFILL_PICK)
+    assert len(kept) == 1 and len(space) > 1
+    assert all(conv_module.rows_per_program(c.kwargs) >= conv_module.MIN_BLOCK_T for c in space)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -158,6 +283,23 @@ def test_gpu_prefill(length):
     assert torch.equal(state.double(), ref_state)
     again = initial.clone()
     assert torch.equal(causal_conv1d(x, weight, again), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [128, 4096])
+@pytest.mark.parametrize("config", WALKS, ids=describe)
+def test_gpu_walking_prefill(length, config):
+    """Each walking config at the real shape (strided x): bit for bit the tile kernel's pinned config, which
+    test_gpu_prefill checks against the reference."""
+    x = strided_rows(length, CHANNELS, torch.bfloat16, "cuda", seed=20)
+    weight = make_weight(CHANNELS, WIDTH, torch.bfloat16, "cuda")
+    initial = torch.randn(CHANNELS, WIDTH - 1, device="cuda").to(torch.bfloat16)
+    tile_out, tile_state = prefill_with(TILE, x, weight, initial)
+    out, state = prefill_with(config, x, weight, initial)
+    assert torch.equal(out, tile_out)
+    assert torch.equal(state, tile_state)
+    ref_out, _ = fn.causal_conv1d(x.double(), weight.double(), initial.double())
+    torch.testing.assert_close(out.double(), ref_out, rtol=2**-8, atol=1e-5)
 
 
 @pytest.mark.gpu

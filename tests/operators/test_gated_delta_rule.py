@@ -190,7 +190,7 @@ def test_chunked_start_states_are_the_prefix_states(device):
     initial = random_state((heads, key_dim, value_dim), device)
     scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    chunk_module._launch_state_pass(initial.clone(), scratch)
+    chunk_module._launch_state_pass(inputs["k"], initial.clone(), scratch)
     assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
     for chunk in (1, 2):
@@ -610,7 +610,8 @@ def test_gpu_chunked_short_prompts(length):
 def test_gpu_chunked_every_config():
     """Each config of each of the three kernels pinned in turn (the others at their autotuner's pick), at the real
     shape over four chunks (the last partial), with and without the output norm: a config the compiler gets wrong
-    (the output kernel's 32-column tiles at 4 warps did, 2026-11-30) fails here whatever the tuning picks."""
+    fails here whatever the tuning picks (one did, 2026-11-30, in a version of the output kernel: docs/perf-notes.md,
+    tenth session)."""
     length = 200
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=24)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)

@@ -18,8 +18,10 @@ activation dtype.
 The cos/sin table (`rotary_table`) is float32 [max_length, R]: row p holds cos(p f_j) for j < R/2 in its
 first half and sin(p f_j) in its second half (the reference's repeated halves are stored once).
 
-Grid: (M, Hq + 2 Hkv), one program per (row, head), each a D-vector: the rotate-half partner of a lane is
-read again from memory (a cached re-read of the same 2D bytes) rather than shuffled across lanes.
+Grid: (M / ROWS, Hq + 2 Hkv): a program takes one head of ROWS consecutive rows, a D-vector each, one after
+the other (ROWS = 1 for a single row: a decode step; 4 or 16 otherwise, tuned per power-of-two row count): the
+rotate-half partner of a lane is read again from memory (a cached re-read of the same 2D bytes) rather than
+shuffled across lanes.
 
 Floor at the real shapes (Hq 8, Hkv 2, D 256, R 64, bf16), per token: reads q, k, v = 12 x 256 x 2 B
 = 6 KiB (the gate is skipped) plus 256 B of cos/sin; writes 6 KiB (q out, k and v cache). About 10 FLOPs
@@ -84,26 +86,16 @@ def _norm_rotate_head(
     return normed * cos + tl.where(first_half, -normed_partner, normed_partner) * sin
 
 
-def _configs():
-    return autotune_configs([triton.Config({}, num_warps=w) for w in (2, 1, 4)])
-
-
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"], cache_results=True)
 @triton.jit
-def _qk_norm_rotary_kernel(
-    qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out,
-    eps,
-    stride_qkv_row, stride_table_row,
-    stride_cache_batch, stride_cache_head, stride_cache_position,
+def _norm_rotate_row(
+    qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out, eps, row, head,
+    stride_qkv_row, stride_table_row, stride_cache_batch, stride_cache_head, stride_cache_position,
     stride_out_row, stride_out_head,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
+    """Head `head` of row `row`: q normed and rotated into q_out, or k normed and rotated into the key cache, or
+    v copied into the value cache."""
     position = tl.load(positions + row)
     slot = tl.load(slots + row).to(tl.int64)
     row_start = qkv + row.to(tl.int64) * stride_qkv_row
@@ -128,6 +120,41 @@ def _qk_norm_rotary_kernel(
         else:
             v = tl.load(row_start + V_START + kv_head * HEAD_DIM + lanes, mask=in_head, other=0.0)
             tl.store(value_cache + cache_offset + lanes, v.to(value_cache.dtype.element_ty), mask=in_head)
+
+
+# ROWS: the rows a program handles, one after the other (one head each): a single row for a decode step, more
+# for a prompt, where one program per (row, head) made 49,152 programs of one 512-byte vector at 4096 tokens
+CONFIGS = [triton.Config({"ROWS": rows}, num_warps=warps) for rows in (1, 4, 16) for warps in (2, 1, 4)]
+
+
+def _prune(configs, named_args, **kwargs):
+    """One row per program for a single row (decode); several for longer inputs."""
+    single = named_args["row_bucket"] == 1
+    return [c for c in configs if (c.kwargs["ROWS"] == 1) == single] or configs[:1]
+
+
+@triton.autotune(configs=autotune_configs(CONFIGS), key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS", "row_bucket"],
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
+@triton.jit(do_not_specialize=["row_bucket"])  # a tuning key only: no recompilation per bucket
+def _qk_norm_rotary_kernel(
+    qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out,
+    eps, rows, row_bucket,
+    stride_qkv_row, stride_table_row,
+    stride_cache_batch, stride_cache_head, stride_cache_position,
+    stride_out_row, stride_out_head,
+    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    for step in tl.static_range(ROWS):
+        row = tl.program_id(0) * ROWS + step
+        if row < rows:
+            _norm_rotate_row(qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out, eps,
+                             row, tl.program_id(1), stride_qkv_row, stride_table_row, stride_cache_batch,
+                             stride_cache_head, stride_cache_position, stride_out_row, stride_out_head,
+                             HEAD_DIM, ROTARY_DIM, NUM_HEADS, NUM_KV_HEADS, GATED, BLOCK_D)
 
 
 def qk_norm_rotary(
@@ -185,10 +212,10 @@ def qk_norm_rotary(
                       positions=positions, slots=slots, key_cache=key_cache, value_cache=value_cache, out=out)
     if rows == 0:
         return out
-    grid = (rows, num_heads + 2 * num_kv_heads)
+    grid = lambda meta: (triton.cdiv(rows, meta["ROWS"]), num_heads + 2 * num_kv_heads)  # noqa: E731
     _qk_norm_rotary_kernel[grid](
         qkv, q_norm_weight, k_norm_weight, cos_sin, positions, slots, key_cache, value_cache, out,
-        eps,
+        eps, rows, min(triton.next_power_of_2(rows), 4096),
         qkv.stride(0), cos_sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         out.stride(0), out.stride(1),

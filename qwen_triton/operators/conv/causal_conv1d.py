@@ -16,8 +16,26 @@ what another writes. Those programs and the others run two branches of the kerne
 others load x alone, as 16-byte vectors, without the state's masked gathers and the layout conversions
 they brought: at 4096 tokens 72.9 us per layer with the 16 x 128 tile (profile of 4ca1bd6) -> 49.5 us with
 the same tile in the prefill (benchmarks/prefill_configs.py, 62e2f1a; PREFILL_PICK below); 3.68 -> 3.55 us
-at 128 tokens (profiles of 501113a, fb3e19c). Decode: a program owns BLOCK_C channels of one sequence; it
-reads the state and the weight as [BLOCK_C, W] tiles, then shifts the state in place after a barrier.
+at 128 tokens (profiles of 501113a, fb3e19c). That tile kernel (WALK_BLOCKS = 0) still issues W loads per
+x element (3 of them L1/L2 hits) and reloads the taps, through a layout conversion, per tile.
+
+The walking kernel (configs with WALK_BLOCKS > 0; not yet measured on the GPU): a program walks down the
+time axis for one block of BLOCK_C channels, over WALK_BLOCKS consecutive time blocks of BLOCK_T rows (grid
+(channel blocks, segments of BLOCK_T x WALK_BLOCKS rows), channel blocks first). Every x row is a [BLOCK_C]
+vector (BLOCK_C = 8 x 32 x warps: one 16-byte load per thread and row; 4 x 32 x warps: 8 bytes, half the
+registers), loaded once: the program carries the last W-1 rows (float32) in registers from row to row, and
+reads only the W-1 rows before its segment twice (from x, or the old state in the first segment). The W
+taps are loaded once per program as float32 [BLOCK_C] vectors in the rows' layout, so the loop has no
+layout conversion. A time block's BLOCK_T loads are issued before its first store (the compiler may not
+hoist a load above a store through another pointer), BLOCK_T x 16 bytes in flight per thread. Each output is
+the tile kernel's sum (from zero, tap 0 first, same FMA chain) and SiLU, rounded once: bit-identical. The
+first segment's programs write the new state after a barrier, as the tile kernel's first time block does;
+a segment spans at least W-1 rows, so no other program reads the state. Per x element: 1 + (W-1)/(BLOCK_T x
+WALK_BLOCKS) loads instead of W (per 8 elements, one 16-byte load and one store instead of W loads and a
+store), and no shared-memory traffic in the loop (the tile kernel converts each tap through shared memory).
+
+Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the weight as [BLOCK_C, W]
+tiles, then shifts the state in place after a barrier.
 
 Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads 12 KiB of x and writes 12 KiB of y per
 token, plus the 48 KiB weight: 101 MB for T = 4096, ~3.2 MB for T = 128; 2W + 4 FLOPs per element. Decode per
@@ -35,19 +53,29 @@ from ..common import autotune_configs, check_same_device, check_tensor, keep_pre
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WIDTH = 16  # the state reads of a prefill program stay inside the first time block (BLOCK_T >= 16)
-MIN_BLOCK_T = 16
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the time blocks)
+MIN_BLOCK_T = 16  # the fewest rows of a prefill program, tile or walk (BLOCK_T x WALK_BLOCKS)
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the time blocks or segments)
 
 
-def _prefill_configs():
-    return autotune_configs([
-        triton.Config({"BLOCK_T": 16, "BLOCK_C": 128}, num_warps=4),
-        triton.Config({"BLOCK_T": 32, "BLOCK_C": 128}, num_warps=4),
-        triton.Config({"BLOCK_T": 64, "BLOCK_C": 128}, num_warps=8),
-        triton.Config({"BLOCK_T": 32, "BLOCK_C": 256}, num_warps=8),
-        triton.Config({"BLOCK_T": 16, "BLOCK_C": 256}, num_warps=4),
-        triton.Config({"BLOCK_T": 64, "BLOCK_C": 64}, num_warps=4),
-    ])
+def prefill_config_space() -> list:
+    """Every config of the prefill kernel (the autotuner's space before `autotune_configs`): the tile kernel's
+    (WALK_BLOCKS = 0), then the walking kernel's."""
+    def tile(block_t, block_c, warps):
+        return triton.Config({"BLOCK_T": block_t, "BLOCK_C": block_c, "WALK_BLOCKS": 0}, num_warps=warps)
+
+    def walk(block_t, block_c, warps, blocks):
+        # BLOCK_C = 8 x 32 x warps: a 16-byte vector of bf16 per thread and row; 4 x 32 x warps: 8 bytes, half
+        # the registers (the tuple of BLOCK_T rows, the taps and the window), more programs per SM
+        return triton.Config({"BLOCK_T": block_t, "BLOCK_C": block_c, "WALK_BLOCKS": blocks}, num_warps=warps)
+
+    return [
+        # the tile kernel; the first config is the interpreter's
+        tile(16, 128, 4), tile(32, 128, 4), tile(64, 128, 8), tile(32, 256, 8), tile(16, 256, 4), tile(64, 64, 4),
+        # the walking kernel: at 4096 tokens and 6144 channels, 384 to 1536 programs of 16 to 128 rows (the
+        # last, 6144 programs of 16 rows: 192 at 128 tokens)
+        walk(16, 1024, 4, 4), walk(16, 1024, 4, 2), walk(8, 1024, 4, 4), walk(16, 1024, 4, 1),
+        walk(16, 512, 2, 4), walk(16, 256, 1, 8), walk(16, 512, 4, 4), walk(8, 512, 4, 4), walk(8, 256, 1, 2),
+    ]
 
 
 # Every prompt length runs one config, PREFILL_PICK: the fastest in the prefill at 128 tokens (the 128-token
@@ -58,8 +86,16 @@ def _prefill_configs():
 # autotuner's one-launch timings picked differently from run to run (at 4096: 64 x 64 and 64 x 128 at 8
 # warps in the profiles of fb3e19c and a9e4d1b, 57.9 and 71.6 us). The other configs stay for the sweep;
 # length_bucket (the prompt length rounded up to a power of two, at most 4096) still keys the tuning. Each
-# output element is the same 4-tap sum in the same order whatever the tiles: no result depends on them.
-PREFILL_PICK = dict(BLOCK_T=16, BLOCK_C=128, num_warps=4)
+# output element is the same 4-tap sum in the same order whatever the tiles and the kernel (tile or walking):
+# no result depends on them. The walking configs are not yet measured on the GPU: benchmarks/prefill_configs.py
+# --kernel causal_conv1d times every config in the engine's prefill; setting PREFILL_PICK to one of them
+# (e.g. dict(BLOCK_T=16, BLOCK_C=1024, WALK_BLOCKS=4, num_warps=4)) runs it at every length.
+PREFILL_PICK = dict(BLOCK_T=16, BLOCK_C=128, WALK_BLOCKS=0, num_warps=4)
+
+
+def rows_per_program(meta) -> int:
+    """The rows of x one prefill program covers: a tile's (WALK_BLOCKS = 0) or a walk's time blocks."""
+    return meta["BLOCK_T"] * max(meta["WALK_BLOCKS"], 1)
 
 
 def _prune_prefill(configs, named_args, **kwargs):
@@ -73,14 +109,32 @@ def _store_silu(out_ptr, rows, cols, row_mask, col_mask, stride_ot, acc):
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=_prefill_configs(), key=["channels", "WIDTH", "length_bucket"], restore_value=["state_ptr"],
-                 prune_configs_by={"early_config_prune": _prune_prefill}, cache_results=True)
-@triton.jit(do_not_specialize=["length_bucket"])  # a tuning key only: no recompilation per bucket
-def _causal_conv1d_kernel(
-    x_ptr, weight_ptr, state_ptr, out_ptr,
-    length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):
+@triton.jit
+def _write_new_state(x_ptr, state_ptr, cols, col_mask, length, stride_xt, stride_sc,
+                     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The new state of channels `cols`, the last W-1 inputs: x's tail, or (T < W-1) the old state's tail then
+    all of x. The caller's program must be the only reader of these channels' old state (the barrier orders
+    its own reads before the overwrite)."""
+    slot = tl.arange(0, BLOCK_W)
+    tail = length - (WIDTH - 1) + slot
+    in_state = slot < WIDTH - 1
+    tail_from_x = in_state & (tail >= 0)
+    tail_from_state = in_state & (tail < 0)
+    tail_x = tl.load(x_ptr + tail[None, :] * stride_xt + cols[:, None],
+                     mask=tail_from_x[None, :] & col_mask[:, None], other=0.0)
+    tail_old = tl.load(state_ptr + cols[:, None] * stride_sc + (WIDTH - 1 + tail)[None, :],
+                       mask=tail_from_state[None, :] & col_mask[:, None], other=0.0)
+    new = tl.where(tail_from_x[None, :], tail_x.to(state_ptr.dtype.element_ty), tail_old)
+    tl.debug_barrier()  # every read of the old state in this program happens before it is overwritten
+    tl.store(state_ptr + cols[:, None] * stride_sc + slot[None, :], new,
+             mask=in_state[None, :] & col_mask[:, None])
+
+
+@triton.jit
+def _shifted_tiles(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
+                   stride_ot, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """The tile kernel: one [BLOCK_T, BLOCK_C] tile per program from W shifted loads of x."""
     # channel blocks vary fastest: the programs running together read and write whole rows of x and y
     # (contiguous), not a strip of each of many rows
     time_block = tl.program_id(1)
@@ -113,21 +167,78 @@ def _causal_conv1d_kernel(
             tap = tl.load(weight_ptr + cols * stride_wc + j, mask=col_mask, other=0.0).to(tl.float32)
             acc += (x.to(tl.float32) + old.to(tl.float32)) * tap[None, :]
         _store_silu(out_ptr, rows, cols, row_mask, col_mask, stride_ot, acc)
+        _write_new_state(x_ptr, state_ptr, cols, col_mask, length, stride_xt, stride_sc, WIDTH, BLOCK_W)
 
-        # the last W-1 inputs: x's tail, or (T < W-1) the old state's tail then all of x
-        slot = tl.arange(0, BLOCK_W)
-        tail = length - (WIDTH - 1) + slot  # (names differ from the loop's: a branch may not reshape them)
-        in_state = slot < WIDTH - 1
-        tail_from_x = in_state & (tail >= 0)
-        tail_from_state = in_state & (tail < 0)
-        tail_x = tl.load(x_ptr + tail[None, :] * stride_xt + cols[:, None],
-                         mask=tail_from_x[None, :] & col_mask[:, None], other=0.0)
-        tail_old = tl.load(state_ptr + cols[:, None] * stride_sc + (WIDTH - 1 + tail)[None, :],
-                           mask=tail_from_state[None, :] & col_mask[:, None], other=0.0)
-        new = tl.where(tail_from_x[None, :], tail_x.to(state_ptr.dtype.element_ty), tail_old)
-        tl.debug_barrier()  # every read of the old state in this program happens before it is overwritten
-        tl.store(state_ptr + cols[:, None] * stride_sc + slot[None, :], new,
-                 mask=in_state[None, :] & col_mask[:, None])
+
+@triton.jit
+def _walked_rows(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
+                 stride_ot, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_C: tl.constexpr, WALK_BLOCKS: tl.constexpr):
+    """The walking kernel: a program walks WALK_BLOCKS time blocks of BLOCK_T rows down BLOCK_C channels,
+    each x row loaded once as a [BLOCK_C] vector, the last W-1 rows carried in registers."""
+    # a segment spans at least W-1 rows: the W-1 rows before any later segment are x's, and only the first
+    # segment's programs, which write the new state, read the old one
+    tl.static_assert(BLOCK_T * WALK_BLOCKS >= WIDTH - 1)
+    segment = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < channels
+    start = segment * (WALK_BLOCKS * BLOCK_T)
+
+    # the taps once per program, float32 [BLOCK_C] vectors in the rows' layout (any conversion is out of the loop)
+    taps = ()
+    for j in tl.static_range(WIDTH):
+        taps = taps + (tl.load(weight_ptr + cols * stride_wc + j, mask=col_mask, other=0.0).to(tl.float32),)
+    # the window: the W-1 inputs before the next row, in float32, oldest first; before the segment they are
+    # x's rows, or (the first segment) the old state
+    window = ()
+    for j in tl.static_range(WIDTH - 1):
+        source = start - (WIDTH - 1) + j
+        earlier = tl.load(x_ptr + source * stride_xt + cols, mask=col_mask & (source >= 0), other=0.0)
+        old = tl.load(state_ptr + cols * stride_sc + (WIDTH - 1 + source), mask=col_mask & (source < 0), other=0.0)
+        window = window + (earlier.to(tl.float32) + old.to(tl.float32),)  # one of the two is zero: exact
+
+    for block in range(tl.minimum(WALK_BLOCKS, tl.cdiv(length - start, BLOCK_T))):
+        first = start + block * BLOCK_T
+        # all the block's loads before its first store: the compiler may not move a load above a store to
+        # another pointer (they could alias), and BLOCK_T independent vector loads per thread stay in flight
+        inputs = ()
+        for r in tl.static_range(BLOCK_T):
+            inputs = inputs + (tl.load(x_ptr + (first + r) * stride_xt + cols,
+                                       mask=col_mask & (first + r < length), other=0.0),)
+        for r in tl.static_range(BLOCK_T):
+            current = inputs[r].to(tl.float32)
+            # the tile kernel's sum: from zero, tap 0 (the oldest input) first
+            acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+            for j in tl.static_range(WIDTH - 1):
+                acc += window[j] * taps[j]
+            acc += current * taps[WIDTH - 1]
+            y = acc / (1.0 + tl.exp(-acc))
+            tl.store(out_ptr + (first + r) * stride_ot + cols, y.to(out_ptr.dtype.element_ty),
+                     mask=col_mask & (first + r < length))
+            window = window[1:] + (current,)
+
+    if segment == 0:  # the only readers of the old state write the new one
+        _write_new_state(x_ptr, state_ptr, cols, col_mask, length, stride_xt, stride_sc, WIDTH, BLOCK_W)
+
+
+@triton.autotune(configs=autotune_configs(prefill_config_space()), key=["channels", "WIDTH", "length_bucket"],
+                 restore_value=["state_ptr"], prune_configs_by={"early_config_prune": _prune_prefill},
+                 cache_results=True)
+@triton.jit(do_not_specialize=["length_bucket"])  # a tuning key only: no recompilation per bucket
+def _causal_conv1d_kernel(
+    x_ptr, weight_ptr, state_ptr, out_ptr,
+    length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    WALK_BLOCKS: tl.constexpr,
+):
+    # the grid: (channel blocks, time blocks) for the tile kernel (WALK_BLOCKS = 0), (channel blocks, segments
+    # of WALK_BLOCKS time blocks) for the walking kernel
+    if WALK_BLOCKS == 0:
+        _shifted_tiles(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
+                       stride_ot, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C)
+    else:
+        _walked_rows(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
+                     stride_ot, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C, WALK_BLOCKS)
 
 
 @triton.jit
@@ -247,7 +358,10 @@ def causal_conv1d(
         return out
     if triton.cdiv(length, MIN_BLOCK_T) > MAX_GRID_Y:
         raise ValueError(f"x has {length} rows: at most {MAX_GRID_Y * MIN_BLOCK_T} tokens in one prefill call")
-    grid = lambda meta: (triton.cdiv(channels, meta["BLOCK_C"]), triton.cdiv(length, meta["BLOCK_T"]))  # noqa: E731
+
+    def grid(meta):
+        return triton.cdiv(channels, meta["BLOCK_C"]), triton.cdiv(length, rows_per_program(meta))
+
     _causal_conv1d_kernel[grid](
         x, weight, conv_state, out,
         length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0),

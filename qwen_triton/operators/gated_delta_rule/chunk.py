@@ -238,12 +238,9 @@ def _store_rows(base, rows, length, stride_row, cols, width, value):
     tl.store(base + rows[:, None] * stride_row + cols[None, :], value.to(base.dtype.element_ty), mask=mask)
 
 
-# At 8 warps for sm_90 the prepare kernel takes 208 registers and 96 KiB of shared memory: one program per SM;
-# capped at 128 registers (some spilled), two fit.
 PREPARE_CONFIGS = [
     triton.Config({}, num_warps=8),
     triton.Config({}, num_warps=4),
-    triton.Config({}, num_warps=8, maxnreg=128),
 ]
 
 
@@ -253,9 +250,9 @@ PREPARE_CONFIGS = [
 # to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with its picks.
 SHORT_PROMPT_CHUNKS = 4
 SHORT_PROMPT_PICKS = {
-    "prepare": dict(num_warps=8, num_stages=3, maxnreg=None),
+    "prepare": dict(num_warps=8, num_stages=3),
     "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
-    "output": dict(BLOCK_V=128, num_warps=4, num_stages=3, maxnreg=None),
+    "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
 }
 
 
@@ -280,51 +277,56 @@ def _prune_prepare(configs, named_args, **kwargs):
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
-    k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, decay_ptr, system_ptr, transitions_ptr, increments_ptr,
-    length, chunk_bucket,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, system_ptr,
+    length, chunk_bucket, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (chunks, Hv): program (c, h) writes chunk c's G [C], W [C, Dk] and U [C, Dv] of head h, through
-    (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr), and the state step's P [Dk, Dk] and
-    B [Dk, Dv]."""
+    """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
+    h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32, formed in its
+    [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
-    k = _load_rows(k_ptr + key_head * stride_kh, rows, length, stride_kt, keys, K_DIM, False)
-    values = tl.arange(0, BLOCK_V)
-    v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
-    decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
-    tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
-    k = l2_normalize_rows(k.to(tl.float32), 1.0)
+    k_base = k_ptr + key_head * stride_kh
+    # each program issues its loads first, so that their latencies overlap
+    if tl.program_id(2) == 0:
+        # the intra-chunk attention, causal (the upper triangle is never read)
+        q = _load_rows(q_ptr + key_head * stride_qh, rows, length, stride_qt, keys, K_DIM, False)
+        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+        decay, _ = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        q = l2_normalize_rows(q.to(tl.float32), scale)
+        k = l2_normalize_rows(k.to(tl.float32), 1.0)
+        qk = _decayed_scores(q, k, decay, PRECISION, False)
+        offsets = tl.arange(0, CHUNK_ROWS)
+        tl.store(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS
+                 + offsets[None, :], qk.to(qk_ptr.dtype.element_ty), mask=offsets[:, None] >= offsets[None, :])
+    else:
+        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+        values = tl.arange(0, BLOCK_V)
+        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
+        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
+        k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
-    # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
-    # inverse is reused by every row)
-    system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
-    inverse = _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True), system_base)
+        # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
+        # inverse is reused by every row)
+        system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
+        inverse = _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True), system_base)
 
-    # W = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V, and the state step's operands
-    # P = K~^T W [Dk, Dk] and B = K~^T U [Dk, Dv], K~ = diag(exp(G_C - G)) K (rows past the end are zero)
-    offsets = tl.arange(0, CHUNK_ROWS)
-    decay_last = tl.sum(tl.where(offsets == CHUNK_ROWS - 1, decay, 0.0))  # G_C (padding keeps G constant)
-    decayed_keys = tl.trans(k * tl.exp(decay_last - decay)[:, None])
-    block = chunk * V_HEADS + head
-    w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
-    _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
-    transition = tl.dot(decayed_keys, w, input_precision=PRECISION)
-    _store_rows(transitions_ptr + block * (K_DIM * K_DIM), keys, K_DIM, K_DIM, keys, K_DIM, transition)
-    u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
-    _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
-    increment = tl.dot(decayed_keys, u, input_precision=PRECISION)
-    _store_rows(increments_ptr + block * (K_DIM * V_DIM), keys, K_DIM, V_DIM, values, V_DIM, increment)
+        # W = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V
+        w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
+        _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
+        u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+        _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
-# num_stages >= 2: the next chunk's P prefetched (cp.async copies into shared memory) while this chunk's product
-# runs; 1: the reference point, no prefetch.
+# num_stages >= 2: the next chunk's W, U, k and G prefetched (for sm_90, Triton 3.6 compiles all four into cp.async
+# copies, without spills); 1: the reference point, no prefetch.
 STATE_CONFIGS = [
     triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=2),
@@ -337,73 +339,70 @@ STATE_CONFIGS = [
 
 
 @triton.jit
-def _chunk_increment(increments_ptr, head, chunk, keys, values, slab_mask, chunks, V_HEADS: tl.constexpr,
-                     K_DIM: tl.constexpr, V_DIM: tl.constexpr):
-    """B's columns `values` [Dk, BLOCK_V] of chunk `chunk` of a head (zeros past the last chunk)."""
-    slab, _ = state_slab(increments_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    return tl.load(slab, mask=slab_mask & (chunk < chunks), other=0.0)
-
-
-@triton.jit
-def _chunk_decay_last(decay_ptr, head, chunk, length, chunks, CHUNK_ROWS: tl.constexpr):
-    """G_C of chunk `chunk` of a head: G at its last row (0 past the last chunk)."""
-    row = tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1
-    return tl.load(decay_ptr + head * length + row, mask=chunk < chunks, other=0.0)
+def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values,
+                      K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the raw k [C, Dk], G [C]
+    and G_C. Rows past the sequence's end load as zeros."""
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
+    u = _load_rows(u_base, rows, length, V_DIM, values, V_DIM, False)
+    k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
+    decay = tl.load(decay_base + rows, mask=rows < length, other=0.0)
+    decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
+    return w, u, k, decay, decay_last
 
 
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: P's dtype, in the key
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
     restore_value=["state_ptr"], cache_results=True,
 )
-# chunks: not specialised to 1 (Triton's default for an integer argument equal to 1 would unroll the loop)
-@triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
+@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_state_kernel(
-    transitions_ptr, increments_ptr, decay_ptr, state_ptr, chunk_states_ptr,
+    k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
     length, chunks, chunk_bucket,
-    V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    stride_kt, stride_kh,
+    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
-    S = exp(G_C) S + (B - P S) with kernel 1's P [Dk, Dk] and B [Dk, Dv], storing each chunk's start state
-    [chunks, Hv, Dk, Dv] (in DOT_DTYPE) on the way and the final state (float32) in place."""
+    storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
+    the final state (float32) in place."""
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
-    square = keys[:, None] * K_DIM + keys[None, :]
-    square_mask = (keys[:, None] < K_DIM) & (keys[None, :] < K_DIM)
-    # B and G_C do not feed the step's product, so the software pipeliner leaves their loads in the loop, where
-    # each would wait its full latency: they are loaded one chunk ahead by hand (P, the product's operand, is
-    # pipelined by the compiler)
-    increment = _chunk_increment(increments_ptr, head, 0, keys, values, slab_mask, chunks, V_HEADS, K_DIM, V_DIM)
-    decay_last = _chunk_decay_last(decay_ptr, head, 0, length, chunks, CHUNK_ROWS)
+
+    k_base = k_ptr + (head // GROUP) * stride_kh
+    decay_base = decay_ptr + head * length
+    w_base = w_ptr + head * length * K_DIM
+    u_base = u_ptr + head * length * V_DIM
+    new_values_base = new_values_ptr + head * length * V_DIM
+    offsets = tl.arange(0, CHUNK_ROWS)
     for chunk in range(chunks):
-        block = chunk * V_HEADS + head
-        transition = tl.load(transitions_ptr + block * (K_DIM * K_DIM) + square, mask=square_mask, other=0.0)
-        next_increment = _chunk_increment(increments_ptr, head, chunk + 1, keys, values, slab_mask, chunks,
-                                          V_HEADS, K_DIM, V_DIM)
-        next_decay_last = _chunk_decay_last(decay_ptr, head, chunk + 1, length, chunks, CHUNK_ROWS)
-        start_slab, _ = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+        # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
+        # tiles into shared memory (cp.async) while this chunk's products run
+        w, u, k, decay, decay_last = _state_step_tiles(
+            w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
+                                   K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
-        # B - P S = K~^T V' (they can cancel: the difference first)
-        state = state * tl.exp(decay_last) + (increment - _mm(transition, state, DOT_DTYPE, PRECISION))
-        increment, decay_last = next_increment, next_decay_last
+        new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
+        _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
+        decayed_keys = l2_normalize_rows(k.to(tl.float32), 1.0) * tl.exp(decay_last - decay)[:, None]
+        state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
 
 
-# (BLOCK_V 32 at 4 warps, the first config before, was dropped with V' formed here: for sm_90 Triton 3.6
-# compiled it to wrong outputs and illegal addresses on the H200, 2026-11-30, where the interpreter and the
-# other configs were right; test_gpu_chunked_every_config runs each config on the GPU.)
 OUTPUT_CONFIGS = [
-    triton.Config({"BLOCK_V": 128}, num_warps=4),
+    triton.Config({"BLOCK_V": 32}, num_warps=4),
     triton.Config({"BLOCK_V": 64}, num_warps=4),
     triton.Config({"BLOCK_V": 64}, num_warps=8),
+    triton.Config({"BLOCK_V": 128}, num_warps=4),
     triton.Config({"BLOCK_V": 128}, num_warps=8),
-    triton.Config({"BLOCK_V": 128}, num_warps=8, maxnreg=128),
 ]
 
 
@@ -420,16 +419,15 @@ def _prune_output(configs, named_args, **kwargs):
                  prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, k_ptr, decay_ptr, w_ptr, u_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
     length, chunk_bucket, scale, eps,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_zt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
-    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state and V' = U - W S (Q K^T
-    formed here, from q and k re-read and re-normalised). NORM: grid (chunks, Hv,
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
     instead, O rounded to the output dtype first, as the norm kernel reads it."""
     chunk = tl.program_id(0)
@@ -444,23 +442,13 @@ def _chunk_output_kernel(
     block = chunk * V_HEADS + head
     start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(start_slab, mask=slab_mask, other=0.0)
-    # rows past the end take G's last value, as kernel 1's cumulative sum pads (no exponent grows there)
-    decay_base = decay_ptr + head * length
-    decay = tl.load(decay_base + rows, mask=rows < length, other=0.0)
-    decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
-    decay = tl.where(rows < length, decay, decay_last)
-    # the intra-chunk attention, causal, from q and k re-read and re-normalised; then the operands rounded to
-    # DOT_DTYPE as soon as formed (as the products round them), so that fewer float32 tiles are live at once
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
+    qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
+                 mask=offsets[:, None] >= offsets[None, :], other=0.0)
+    decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
     q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
                           scale)
-    k = l2_normalize_rows(_load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, keys, K_DIM),
-                          1.0)
-    qk = _decayed_scores(q, k, decay, PRECISION, False).to(DOT_DTYPE)
-    q = (q * tl.exp(decay)[:, None]).to(DOT_DTYPE)
-    # V' = U - W S, as the step from S computes it
-    w = _load_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, False)
-    u = _load_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
-    new_values = (u - _mm(w, state, DOT_DTYPE, PRECISION)).to(DOT_DTYPE)
+    q = q * tl.exp(decay)[:, None]
     out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
     if NORM:
         dtype = out_ptr.dtype.element_ty
@@ -519,22 +507,22 @@ def gated_delta_rule_chunked(
 
     scratch = _scratch(q, v, dot_precision)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_state_pass(state, scratch)
-    _launch_output(q, k, out, scratch, output_norm)
+    _launch_state_pass(k, state, scratch)
+    _launch_output(q, out, scratch, output_norm)
     return out
 
 
 class _Scratch(NamedTuple):
     """What kernel 1 writes for kernels 2 and 3, what kernel 2 writes for kernel 3, and the precisions."""
     prepare_precision: str
-    dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, P and the chunk states
+    dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
     u: torch.Tensor  # [Hv, T, Dv] float32
+    qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
-    transitions: torch.Tensor  # [chunks, Hv, Dk, Dk], P = K~^T W
-    increments: torch.Tensor  # [chunks, Hv, Dk, Dv] float32, B = K~^T U
+    new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
 
 
@@ -551,10 +539,10 @@ def _scratch(q, v, dot_precision) -> _Scratch:
         prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
+        qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
-        transitions=torch.empty(chunks, value_heads, key_dim, key_dim, device=device, dtype=dot_dtype),
-        increments=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=torch.float32),
+        new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
     )
 
@@ -563,32 +551,32 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    _chunk_prepare_kernel[(chunks, value_heads)](
-        k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.decay, scratch.system,
-        scratch.transitions, scratch.increments,
-        length, triton.next_power_of_2(chunks),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+    _chunk_prepare_kernel[(chunks, value_heads, 2)](
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.system,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
         CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision,
     )
 
 
-def _launch_state_pass(state, scratch: _Scratch) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, the chunk start states written."""
-    (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
+def _launch_state_pass(k, state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
+    (length, key_heads), (value_heads, key_dim, value_dim) = k.shape[:2], state.shape
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
-        scratch.transitions, scratch.increments, scratch.decay, state, scratch.chunk_states,
+        k, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
         length, chunks, triton.next_power_of_2(chunks),
-        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
+        k.stride(0), k.stride(1),
+        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
 
 
-def _launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
+def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
     """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
@@ -598,9 +586,9 @@ def _launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
         return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
 
     _chunk_output_kernel[grid](
-        q, k, scratch.decay, scratch.w, scratch.u, scratch.chunk_states, out, z, weight,
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
         length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), z.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
