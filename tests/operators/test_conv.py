@@ -184,10 +184,11 @@ def test_walking_config_space(device, config):
 
 
 def test_pick_is_one_config():
-    """PREFILL_PICK names exactly one config of the space (the walking configs do not match the tile pin)."""
+    """PREFILL_PICK and LONG_PREFILL_PICK each name exactly one config of the space: a tile and a walk."""
     space = conv_module.prefill_config_space()
-    kept = conv_module.keep_preferred(space, conv_module.PREFILL_PICK)
-    assert len(kept) == 1 and len(space) > 1
+    for pick, walks in ((conv_module.PREFILL_PICK, False), (conv_module.LONG_PREFILL_PICK, True)):
+        kept = conv_module.keep_preferred(space, pick)
+        assert len(kept) == 1 and len(space) > 1 and (kept[0].kwargs["WALK_BLOCKS"] > 0) == walks
     assert all(conv_module.rows_per_program(c.kwargs) >= conv_module.MIN_BLOCK_T for c in space)
 
 

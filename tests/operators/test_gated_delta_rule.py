@@ -782,8 +782,8 @@ for name in ("prepare", "state", "output"):
     picks[name] = [kept, len(kernel.configs)]
 kernel = conv._causal_conv1d_kernel
 kept = [kernel.early_config_prune(kernel.configs, dict(length_bucket=n)) for n in (128, 256, 512, 4096)]
-picks["conv"] = [[[(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"], c.num_warps) for c in configs] for configs in kept],
-                 len(kernel.configs)]
+picks["conv"] = [[[(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"], c.kwargs["WALK_BLOCKS"], c.num_warps) for c in configs]
+                  for configs in kept], len(kernel.configs)]
 print(json.dumps(picks))
 """
 
@@ -791,9 +791,9 @@ print(json.dumps(picks))
 def test_short_prompts_run_the_swept_configs():
     # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
     # exactly the pinned config of each chunk kernel, longer ones the whole tuning space; the prefill conv
-    # its one pinned config at every length
+    # one pinned config at every length: the tile up to 2048 tokens, the walk beyond
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
     conv_kept, conv_every = picks.pop("conv")
-    assert conv_every > 1 and conv_kept == [[[16, 128, 4]]] * 4, conv_kept
+    assert conv_every > 1 and conv_kept == [[[16, 128, 0, 4]]] * 3 + [[[8, 512, 4, 4]]], conv_kept
     for name, (kept, every) in picks.items():
         assert every > 1 and kept == [1, 1, every, every], (name, kept, every)

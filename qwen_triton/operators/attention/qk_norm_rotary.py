@@ -19,9 +19,8 @@ The cos/sin table (`rotary_table`) is float32 [max_length, R]: row p holds cos(p
 first half and sin(p f_j) in its second half (the reference's repeated halves are stored once).
 
 Grid: (M / ROWS, Hq + 2 Hkv): a program takes one head of ROWS consecutive rows, a D-vector each, one after
-the other (ROWS = 1 for a single row: a decode step; 4 or 16 otherwise, tuned per power-of-two row count): the
-rotate-half partner of a lane is read again from memory (a cached re-read of the same 2D bytes) rather than
-shuffled across lanes.
+the other (ROWS = 4 from 2049 rows, 1 below: the pins above the kernel): the rotate-half partner of a lane is
+read again from memory (a cached re-read of the same 2D bytes) rather than shuffled across lanes.
 
 Floor at the real shapes (Hq 8, Hkv 2, D 256, R 64, bf16), per token: reads q, k, v = 12 x 256 x 2 B
 = 6 KiB (the gate is skipped) plus 256 B of cos/sin; writes 6 KiB (q out, k and v cache). About 10 FLOPs
@@ -40,6 +39,7 @@ from ..common import (
     autotune_configs,
     check_same_device,
     check_tensor,
+    keep_preferred,
     launch_options,
     wait_for_previous_kernel,
 )
@@ -122,15 +122,22 @@ def _norm_rotate_row(
             tl.store(value_cache + cache_offset + lanes, v.to(value_cache.dtype.element_ty), mask=in_head)
 
 
-# ROWS: the rows a program handles, one after the other (one head each): a single row for a decode step, more
-# for a prompt, where one program per (row, head) made 49,152 programs of one 512-byte vector at 4096 tokens
+# ROWS: the rows a program handles, one after the other (one head each). One program per (row, head) made 49,152
+# programs of one 512-byte vector at 4096 tokens. In the engine's prefill (benchmarks/prefill_configs.py
+# --kernel qk_norm_rotary --tokens 4096,128, commit b1d0eb3, `prefill-configs-qk-norm-rotary-2026-11-30-
+# NVIDIA-H200-b1d0eb3.json`): at 4096 rows 4 rows per program at 1 warp took 18.0 us per layer against 31.8
+# for one row at 2 warps (the rest 22.8-39.7); at 128 rows one row per program was fastest (2.6-2.7 us
+# against 3.9-16.5). So inputs of 2049 rows or more (row bucket LONG_ROWS_FROM) run LONG_ROWS_PICK; others one
+# row per program, the warps tuned per row bucket (the decode step's single row is its own bucket).
 CONFIGS = [triton.Config({"ROWS": rows}, num_warps=warps) for rows in (1, 4, 16) for warps in (2, 1, 4)]
+LONG_ROWS_PICK = dict(ROWS=4, num_warps=1)
+LONG_ROWS_FROM = 4096  # the row bucket (the row count rounded up to a power of two, at most 4096)
 
 
 def _prune(configs, named_args, **kwargs):
-    """One row per program for a single row (decode); several for longer inputs."""
-    single = named_args["row_bucket"] == 1
-    return [c for c in configs if (c.kwargs["ROWS"] == 1) == single] or configs[:1]
+    if named_args["row_bucket"] >= LONG_ROWS_FROM:
+        return keep_preferred(configs, LONG_ROWS_PICK)
+    return [c for c in configs if c.kwargs["ROWS"] == 1] or configs[:1]
 
 
 @triton.autotune(configs=autotune_configs(CONFIGS), key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS", "row_bucket"],

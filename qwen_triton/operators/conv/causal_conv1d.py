@@ -19,20 +19,20 @@ the same tile in the prefill (benchmarks/prefill_configs.py, 62e2f1a; PREFILL_PI
 at 128 tokens (profiles of 501113a, fb3e19c). That tile kernel (WALK_BLOCKS = 0) still issues W loads per
 x element (3 of them L1/L2 hits) and reloads the taps, through a layout conversion, per tile.
 
-The walking kernel (configs with WALK_BLOCKS > 0; not yet measured on the GPU): a program walks down the
-time axis for one block of BLOCK_C channels, over WALK_BLOCKS consecutive time blocks of BLOCK_T rows (grid
-(channel blocks, segments of BLOCK_T x WALK_BLOCKS rows), channel blocks first). Every x row is a [BLOCK_C]
-vector (BLOCK_C = 8 x 32 x warps: one 16-byte load per thread and row; 4 x 32 x warps: 8 bytes, half the
-registers), loaded once: the program carries the last W-1 rows (float32) in registers from row to row, and
-reads only the W-1 rows before its segment twice (from x, or the old state in the first segment). The W
-taps are loaded once per program as float32 [BLOCK_C] vectors in the rows' layout, so the loop has no
-layout conversion. A time block's BLOCK_T loads are issued before its first store (the compiler may not
-hoist a load above a store through another pointer), BLOCK_T x 16 bytes in flight per thread. Each output is
-the tile kernel's sum (from zero, tap 0 first, same FMA chain) and SiLU, rounded once: bit-identical. The
-first segment's programs write the new state after a barrier, as the tile kernel's first time block does;
-a segment spans at least W-1 rows, so no other program reads the state. Per x element: 1 + (W-1)/(BLOCK_T x
-WALK_BLOCKS) loads instead of W (per 8 elements, one 16-byte load and one store instead of W loads and a
-store), and no shared-memory traffic in the loop (the tile kernel converts each tap through shared memory).
+The walking kernel (configs with WALK_BLOCKS > 0; LONG_PREFILL_PICK, below, for long prompts): a program walks
+down the time axis for one block of BLOCK_C channels, over WALK_BLOCKS consecutive time blocks of BLOCK_T rows
+(grid (channel blocks, segments of BLOCK_T x WALK_BLOCKS rows), channel blocks first). Every x row is a
+[BLOCK_C] vector (BLOCK_C = 8 x 32 x warps: one 16-byte load per thread and row; 4 x 32 x warps: 8 bytes, half
+the registers), loaded once: the program carries the last W-1 rows (float32) in registers from row to row, and
+reads only the W-1 rows before its segment twice (from x, or the old state in the first segment). The W taps
+are loaded once per program as float32 [BLOCK_C] vectors in the rows' layout, so the loop has no layout
+conversion. A time block's BLOCK_T loads are issued before its first store (the compiler may not hoist a load
+above a store through another pointer), BLOCK_T x 16 bytes in flight per thread. Each output is the tile
+kernel's sum (from zero, tap 0 first, same FMA chain) and SiLU, rounded once: bit-identical. The first
+segment's programs write the new state after a barrier, as the tile kernel's first time block does; a segment
+spans at least W-1 rows, so no other program reads the state. Per x element: 1 + (W-1)/(BLOCK_T x WALK_BLOCKS)
+loads instead of W (per 8 elements, one 16-byte load and one store instead of W loads and a store), and no
+shared-memory traffic in the loop (the tile kernel converts each tap through shared memory).
 
 Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the weight as [BLOCK_C, W]
 tiles, then shifts the state in place after a barrier.
@@ -78,19 +78,23 @@ def prefill_config_space() -> list:
     ]
 
 
-# Every prompt length runs one config, PREFILL_PICK: the fastest in the prefill at 128 tokens (the 128-token
+# Each prompt runs one config: PREFILL_PICK up to 2048 tokens, LONG_PREFILL_PICK from 2049 (length bucket
+# LONG_PREFILL_FROM, 4096). PREFILL_PICK was the fastest tile in the prefill at 128 tokens (the 128-token
 # profiles of commits f3827f2, aee88c5, d5cf3a2, a0111c5: 4.5 us per layer in two runs, against 5.7 and 8.0
-# us with the autotuner's other picks) and at 4096 (benchmarks/prefill_configs.py --kernel causal_conv1d
-# --tokens 4096, commit 62e2f1a, `prefill-configs-conv-2026-11-30-NVIDIA-H200-62e2f1a.json`: 49.5 us per
-# layer against 58.0-71.4 for the other five configs, the prefill 15.55 ms against 15.89-16.40). The
-# autotuner's one-launch timings picked differently from run to run (at 4096: 64 x 64 and 64 x 128 at 8
-# warps in the profiles of fb3e19c and a9e4d1b, 57.9 and 71.6 us). The other configs stay for the sweep;
-# length_bucket (the prompt length rounded up to a power of two, at most 4096) still keys the tuning. Each
-# output element is the same 4-tap sum in the same order whatever the tiles and the kernel (tile or walking):
-# no result depends on them. The walking configs are not yet measured on the GPU: benchmarks/prefill_configs.py
-# --kernel causal_conv1d times every config in the engine's prefill; setting PREFILL_PICK to one of them
-# (e.g. dict(BLOCK_T=16, BLOCK_C=1024, WALK_BLOCKS=4, num_warps=4)) runs it at every length.
+# us with the autotuner's other picks) and at 4096 among the tiles (commit 62e2f1a,
+# `prefill-configs-conv-2026-11-30-NVIDIA-H200-62e2f1a.json`: 49.5 us per layer against 58.0-71.4). With the
+# walking configs (benchmarks/prefill_configs.py --kernel causal_conv1d --tokens 4096,128, commit b1d0eb3,
+# `prefill-configs-conv-walk-2026-11-30-NVIDIA-H200-b1d0eb3.json`), at 4096 tokens the walk of 8 x 512 x 4
+# at 4 warps took 34.8 us per layer against the tile's 49.9 (the other walks 37.2-55.6); at 128 tokens every
+# walk was slower than the tile (6.8-41.7 us against 3.6: 48 programs of 32 rows leave most SMs idle).
+# Lengths between were not measured: the walk starts at the measured bucket. The autotuner's one-launch
+# timings picked differently from run to run (at 4096: 64 x 64 and 64 x 128 at 8 warps in the profiles of
+# fb3e19c and a9e4d1b, 57.9 and 71.6 us), hence the pins; the other configs stay for the sweep. Each output
+# element is the same 4-tap sum in the same order whatever the tiles and the kernel (tile or walking): no
+# result depends on them.
 PREFILL_PICK = dict(BLOCK_T=16, BLOCK_C=128, WALK_BLOCKS=0, num_warps=4)
+LONG_PREFILL_PICK = dict(BLOCK_T=8, BLOCK_C=512, WALK_BLOCKS=4, num_warps=4)
+LONG_PREFILL_FROM = 4096  # the length bucket (the prompt length rounded up to a power of two, at most 4096)
 
 
 def rows_per_program(meta) -> int:
@@ -99,7 +103,8 @@ def rows_per_program(meta) -> int:
 
 
 def _prune_prefill(configs, named_args, **kwargs):
-    return keep_preferred(configs, PREFILL_PICK)
+    long = named_args["length_bucket"] >= LONG_PREFILL_FROM
+    return keep_preferred(configs, LONG_PREFILL_PICK if long else PREFILL_PICK)
 
 
 @triton.jit
