@@ -791,7 +791,7 @@ print(json.dumps(picks))
 def test_short_prompts_run_the_swept_configs():
     # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
     # exactly the pinned config of each chunk kernel, longer ones the whole tuning space; the prefill conv
-    # one pinned config at every length: the tile up to 2048 tokens, the walk beyond
+    # one pinned config at every length: the tile up to 512 tokens, the walk beyond
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
     conv_kept, conv_every = picks.pop("conv")
     assert conv_every > 1 and conv_kept == [[[16, 128, 0, 4]]] * 3 + [[[8, 512, 4, 4]]], conv_kept

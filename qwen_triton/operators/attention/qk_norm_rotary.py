@@ -19,7 +19,7 @@ The cos/sin table (`rotary_table`) is float32 [max_length, R]: row p holds cos(p
 first half and sin(p f_j) in its second half (the reference's repeated halves are stored once).
 
 Grid: (M / ROWS, Hq + 2 Hkv): a program takes one head of ROWS consecutive rows, a D-vector each, one after
-the other (ROWS = 4 from 2049 rows, 1 below: the pins above the kernel): the rotate-half partner of a lane is
+the other (ROWS = 4 from 513 rows, 1 below: the pins above the kernel): the rotate-half partner of a lane is
 read again from memory (a cached re-read of the same 2D bytes) rather than shuffled across lanes.
 
 Floor at the real shapes (Hq 8, Hkv 2, D 256, R 64, bf16), per token: reads q, k, v = 12 x 256 x 2 B
@@ -127,11 +127,13 @@ def _norm_rotate_row(
 # --kernel qk_norm_rotary --tokens 4096,128, commit b1d0eb3, `prefill-configs-qk-norm-rotary-2026-11-30-
 # NVIDIA-H200-b1d0eb3.json`): at 4096 rows 4 rows per program at 1 warp took 18.0 us per layer against 31.8
 # for one row at 2 warps (the rest 22.8-39.7); at 128 rows one row per program was fastest (2.6-2.7 us
-# against 3.9-16.5). So inputs of 2049 rows or more (row bucket LONG_ROWS_FROM) run LONG_ROWS_PICK; others one
-# row per program, the warps tuned per row bucket (the decode step's single row is its own bucket).
+# against 3.9-16.5). On and off in alternation (commit 44ebcbb, `prefill-long-pins-ab-2026-11-30-NVIDIA-H200-
+# 44ebcbb.json`): 18.0 against 31.8 us at 4096 rows, 9.9-10.0 against 16.8 at 2048, 6.0 against 9.3 at 1024.
+# So inputs of 513 rows or more (row bucket LONG_ROWS_FROM) run LONG_ROWS_PICK; others one row per program,
+# the warps tuned per row bucket (the decode step's single row is its own bucket). 512 rows was not measured.
 CONFIGS = [triton.Config({"ROWS": rows}, num_warps=warps) for rows in (1, 4, 16) for warps in (2, 1, 4)]
 LONG_ROWS_PICK = dict(ROWS=4, num_warps=1)
-LONG_ROWS_FROM = 4096  # the row bucket (the row count rounded up to a power of two, at most 4096)
+LONG_ROWS_FROM = 1024  # the row bucket (the row count rounded up to a power of two, at most 4096)
 
 
 def _prune(configs, named_args, **kwargs):
