@@ -173,7 +173,7 @@ def sweep(length: int, baseline=None) -> list[dict]:
         chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
 
     def state_only(i):
-        chunk._launch_state_pass(sets[i]["k"], states[i], scratches[i])
+        chunk._launch_state_pass(states[i], scratches[i])
 
     def output_only(i):
         chunk._launch_output(sets[i]["q"], outs[i], scratches[i])

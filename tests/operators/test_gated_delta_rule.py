@@ -190,7 +190,7 @@ def test_chunked_start_states_are_the_prefix_states(device):
     initial = random_state((heads, key_dim, value_dim), device)
     scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    chunk_module._launch_state_pass(inputs["k"], initial.clone(), scratch)
+    chunk_module._launch_state_pass(initial.clone(), scratch)
     assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
     for chunk in (1, 2):
@@ -545,7 +545,7 @@ def test_chunked_every_value_tiling(state_block_v, output_block_v, monkeypatch):
     # included; float32, so the interpreter's dots are exact)
     for kernel, block_v in ((chunk_module._chunk_state_kernel, state_block_v),
                             (chunk_module._chunk_output_kernel, output_block_v)):
-        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=1)])
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_V": block_v}, num_warps=4, num_stages=2)])
         monkeypatch.setattr(kernel, "cache", {})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs = make_inputs(128, 2, 2, 64, 64, torch.float32, device, seed=20)

@@ -278,15 +278,15 @@ def _prune_prepare(configs, named_args, **kwargs):
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qk_ptr, decay_ptr, system_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
-    h; program (c, h, 1) its G [C], W [C, Dk] and U [C, Dv], through (I + A)^-1 [C, C] (float32, formed in its
-    [C, C] block of system_ptr)."""
+    h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
+    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -313,6 +313,12 @@ def _chunk_prepare_kernel(
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
         k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
+        # the decayed keys the state pass multiplies by V' (G_C: G at the chunk's last row; the padding keeps G)
+        offsets = tl.arange(0, CHUNK_ROWS)
+        decay_last = tl.sum(tl.where(offsets == CHUNK_ROWS - 1, decay, 0.0))
+        _store_rows(decayed_keys_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM,
+                    k * tl.exp(decay_last - decay)[:, None])
+
         # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
         # inverse is reused by every row)
         system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
@@ -325,8 +331,12 @@ def _chunk_prepare_kernel(
         _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
-# num_stages >= 2: the next chunk's W, U, k and G prefetched (for sm_90, Triton 3.6 compiles all four into cp.async
-# copies, without spills); 1: the reference point, no prefetch.
+# num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
+# copies). Every config is pipelined, and the kernel is compiled with `chunks` unspecialised, so that a one-chunk
+# prompt runs the same loop: the state pass reading stored decayed keys faulted with an illegal address on the
+# H200 (2026-11-30, eighth session) when compiled without pipelining, at num_stages=1 or with the loop unrolled
+# for one chunk (chunks specialised to 1). test_gpu_chunked_every_config and test_gpu_chunked_short_prompts
+# run those cases.
 STATE_CONFIGS = [
     triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_V": 16}, num_warps=4, num_stages=2),
@@ -334,22 +344,20 @@ STATE_CONFIGS = [
     triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_V": 32}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_V": 64}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_V": 32}, num_warps=4, num_stages=1),
 ]
 
 
 @triton.jit
-def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values,
+def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys, values,
                       K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
-    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the raw k [C, Dk], G [C]
+    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the decayed keys [C, Dk]
     and G_C. Rows past the sequence's end load as zeros."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
     u = _load_rows(u_base, rows, length, V_DIM, values, V_DIM, False)
-    k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
-    decay = tl.load(decay_base + rows, mask=rows < length, other=0.0)
+    decayed_keys = _load_rows(keys_base, rows, length, K_DIM, keys, K_DIM, False)
     decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
-    return w, u, k, decay, decay_last
+    return w, u, decayed_keys, decay_last
 
 
 @triton.autotune(
@@ -358,12 +366,12 @@ def _state_step_tiles(w_base, u_base, k_base, decay_base, chunk, length, stride_
     prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
     restore_value=["state_ptr"], cache_results=True,
 )
-@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
+# chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
+@triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
 def _chunk_state_kernel(
-    k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
     length, chunks, chunk_bucket,
-    stride_kt, stride_kh,
-    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -376,7 +384,7 @@ def _chunk_state_kernel(
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
-    k_base = k_ptr + (head // GROUP) * stride_kh
+    keys_base = decayed_keys_ptr + head * length * K_DIM
     decay_base = decay_ptr + head * length
     w_base = w_ptr + head * length * K_DIM
     u_base = u_ptr + head * length * V_DIM
@@ -385,14 +393,13 @@ def _chunk_state_kernel(
     for chunk in range(chunks):
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
-        w, u, k, decay, decay_last = _state_step_tiles(
-            w_base, u_base, k_base, decay_base, chunk, length, stride_kt, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        w, u, decayed_keys, decay_last = _state_step_tiles(
+            w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-        decayed_keys = l2_normalize_rows(k.to(tl.float32), 1.0) * tl.exp(decay_last - decay)[:, None]
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
 
@@ -507,7 +514,7 @@ def gated_delta_rule_chunked(
 
     scratch = _scratch(q, v, dot_precision)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_state_pass(k, state, scratch)
+    _launch_state_pass(state, scratch)
     _launch_output(q, out, scratch, output_norm)
     return out
 
@@ -521,6 +528,7 @@ class _Scratch(NamedTuple):
     u: torch.Tensor  # [Hv, T, Dv] float32
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
+    decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
     new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
@@ -541,6 +549,7 @@ def _scratch(q, v, dot_precision) -> _Scratch:
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
         qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
+        decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
         new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
@@ -552,7 +561,8 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
     _chunk_prepare_kernel[(chunks, value_heads, 2)](
-        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.system,
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
+        scratch.system,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
@@ -561,16 +571,15 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     )
 
 
-def _launch_state_pass(k, state, scratch: _Scratch) -> None:
+def _launch_state_pass(state, scratch: _Scratch) -> None:
     """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
-    (length, key_heads), (value_heads, key_dim, value_dim) = k.shape[:2], state.shape
+    (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
-        k, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
+        scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
         length, chunks, triton.next_power_of_2(chunks),
-        k.stride(0), k.stride(1),
-        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
+        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
