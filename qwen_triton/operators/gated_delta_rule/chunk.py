@@ -15,10 +15,10 @@ float32 [Hv]; state [Hv, Dk, Dv] float32: the initial state in, the final state 
 o [T, Hv, Dv] in v's dtype.
 
 Three kernels:
-1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one
-   stores the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, A
-   (one [C, C] product), (I + A)^-1 and W, U (one [C, C] x [C, D] product each). These only depend on the
-   chunk. The inverse by recursive doubling: a unit lower triangular [[I + A0, 0], [B, I + A1]] has the
+1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one stores
+   the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, the decayed
+   keys K~, A (one [C, C] product), (I + A)^-1 and W, U (one [C, C] x [C, D] product each). These only depend
+   on the chunk. The inverse by recursive doubling: a unit lower triangular [[I + A0, 0], [B, I + A1]] has the
    inverse [[X0, 0], [-X1 B X0, X1]], so the inverses of the 2 x 2 diagonal blocks (no product) give
    those of the 4 x 4, 8 x 8 and 16 x 16 blocks (the four 16 x 16 blocks at once, [4, 16, 16] products),
    then of the two 32 x 32 blocks and of the whole: 10 small products in a chain of 10, where forward
@@ -44,16 +44,18 @@ Three kernels:
 2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
    program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
    per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
-   S = exp(G_C) S + (diag(exp(G_C - G)) K)^T V', re-reading and re-normalising the chunk's raw k rather
-   than storing a decayed copy. Its critical path is two dependent matmuls per chunk (W S, then K^T V');
-   no load depends on the state, so the software pipeliner (num_stages >= 2) prefetches the next chunk's
-   W, U, k and G behind those products. (Kernel 1 storing the decayed keys, so that this kernel multiplies
-   them as loaded, without the norm and the exponentials, took it from 118.4 to 106.2 us per layer in the
-   4096-token profiles (commits 4ca1bd6 -> a9e4d1b); but compiled for one chunk (the loop unrolled, not
-   pipelined) it faulted with an illegal address on the H200, in the engine's prefills of 3, 8 and 12
-   tokens and at T = 1 (benchmarks/fault_probe.py, commit e80ad2e), whether kernel 1 stored the keys
-   transposed or this kernel transposed them. Reverted; test_gpu_chunked_short_prompts keeps prompts of 1,
-   5, 63 and 65 tokens on the GPU.)
+   S = exp(G_C) S + K~^T V' with the decayed keys K~ = diag(exp(G_C - G)) K that kernel 1 stores. Its
+   critical path is two dependent matmuls per chunk (W S, then K~^T V'); no load depends on the state, so
+   the software pipeliner (num_stages >= 2, every config) prefetches the next chunk's W, U, K~ and G_C
+   behind those products. Reading K~ rather than re-reading and re-normalising the raw k: 117.1 / 120.1 ->
+   104.3 / 104.6 us per layer and the prefill 14.14 / 14.16 -> 13.93 / 13.82 ms at 4096 tokens, 6.1 -> 5.1
+   us at 128 (benchmarks/prefill_configs.py, commits e5836ff and 031d180 alternating,
+   `prefill-decayed-keys-ab-2026-11-30-NVIDIA-H200-031d180.json`). The eighth session's version of it
+   (commits a9e4d1b, e80ad2e) faulted with an illegal address on the H200 when compiled without pipelining:
+   at num_stages=1, and for prompts of one chunk, whose loop Triton unrolled (chunks specialised to 1; the
+   engine's prefills of 3, 8 and 12 tokens and T = 1, benchmarks/fault_probe.py). So no config has one stage
+   and `chunks` is not specialised; test_gpu_chunked_every_config and test_gpu_chunked_short_prompts (1, 5,
+   63 and 65 tokens) run those cases on the GPU.
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
    its Q K^T (kernel 1's) and q, re-read and re-normalised. Folding this into the state pass for short
@@ -78,8 +80,8 @@ stored states and V' float32). float32 activations use "ieee" throughout.
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, bf16), per token: q, k, v in (12 KiB), a, b in,
 o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128.
-Scratch beyond the floor, per call: kernel 1 writes W (bf16), U (fp32), Q K^T (bf16) and G (fp32), ~14
-KiB per token, which kernel 2 (W, U, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
+Scratch beyond the floor, per call: kernel 1 writes W (bf16), U (fp32), K~ (bf16), Q K^T (bf16) and G
+(fp32), ~18 KiB per token, which kernel 2 (W, U, K~, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
 KiB per token) and the chunk start states (bf16 [Dk, Dv] per chunk and head: 512 KiB per chunk, 8 KiB per
 token; 64 x 16 x 128 x 128 x 2 B = 32 MiB at T = 4096), which kernel 3 reads once: 12 KiB per token
 more written and read (48 MiB each way at T = 4096), the price of taking Q S and (Q K^T) V' off the
@@ -422,7 +424,8 @@ def _prune_output(configs, named_args, **kwargs):
     return _short_prompt_pick("output")(configs, named_args, **kwargs)
 
 
-@triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS), key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM"],
+@triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM"],
                  prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
