@@ -589,9 +589,10 @@ def test_gpu_chunked(length):
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [1, 5, 63, 65])
 def test_gpu_chunked_short_prompts(length):
-    """Prompts of one partial chunk or two, at the real shape: a one-chunk prompt compiles the state pass's
-    loop unrolled, without pipelining (chunks specialised to 1), where a version of the state pass that read
-    stored decayed keys faulted with an illegal address on the H200 (2026-11-30); the output norm as norming
+    """Prompts of one partial chunk or two, at the real shape: with `chunks` specialised to 1, Triton unrolled
+    the state pass's loop for one-chunk prompts, without pipelining, where the eighth session's version of
+    the state pass reading stored decayed keys faulted with an illegal address on the H200 (2026-11-30);
+    `chunks` is no longer specialised, and these prompts run the pipelined loop; the output norm as norming
     after."""
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=23)
     state = initial.clone()
