@@ -80,14 +80,14 @@ stored states and V' float32). float32 activations use "ieee" throughout.
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, bf16), per token: q, k, v in (12 KiB), a, b in,
 o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128.
-Scratch beyond the floor, per call: kernel 1 writes W (bf16), U (fp32), K~ (bf16), Q K^T (bf16) and G
-(fp32), ~18 KiB per token, which kernel 2 (W, U, K~, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
+Scratch beyond the floor, per call: kernel 1 writes W (bf16), U (fp32), K~ (bf16), Q K^T (bf16) and G (fp32),
+~18 KiB per token, which kernel 2 (W, U, K~, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
 KiB per token) and the chunk start states (bf16 [Dk, Dv] per chunk and head: 512 KiB per chunk, 8 KiB per
-token; 64 x 16 x 128 x 128 x 2 B = 32 MiB at T = 4096), which kernel 3 reads once: 12 KiB per token
-more written and read (48 MiB each way at T = 4096), the price of taking Q S and (Q K^T) V' off the
-sequential path. Under the float32 options V' and the chunk states are float32: twice that. Kernel 1's
-inverse works in a float32 [C, C] block per chunk and head (16 KiB; 16 MiB at T = 4096), written and read
-back by the same program.
+token; 64 x 16 x 128 x 128 x 2 B = 32 MiB at T = 4096), which kernel 3 reads once: 12 KiB per token more
+written and read (48 MiB each way at T = 4096), the price of taking Q S and (Q K^T) V' off the sequential
+path. Under the float32 options V' and the chunk states are float32: twice that. Kernel 1's inverse works in a
+float32 [C, C] block per chunk and head (16 KiB; 16 MiB at T = 4096), written and read back by the same
+program.
 ~10 MFLOP per 64-token chunk and head (K K^T and Q K^T 1.3M, W and U 1.3M, W S, Q S, K^T V' 6.3M and
 (Q K^T) V' 1M): ~10.7 GFLOP for T = 4096, of which kernel 2 does W S and K^T V' (4.2M per chunk and
 head) in sequence. (Kernel 1 forms K K^T and Q K^T whole, upper halves included, as one tensor-core
