@@ -112,12 +112,10 @@ def test_prefill_wide_and_chained(device, dtype):
     assert torch.equal(state, ref_state)
 
 
-@pytest.mark.parametrize("length", [1, 2, 3, 5, 16, 17, 40, 100])
-@pytest.mark.parametrize("config", SMALL_WALKS, ids=describe)
-def test_walking_prefill_matches_reference_and_tiles(device, length, config):
-    """The walking kernel against the reference, and bit for bit against the tile kernel (y and state)."""
-    channels, width, dtype = 37, 4, torch.float32
-    x = strided_rows(length, channels, dtype, device, seed=length)
+def check_walk_against_reference_and_tiles(config, length, channels, width, dtype, device, seed):
+    """One prefill with the walking `config` pinned, from a random state: y and the new state against the
+    reference, and bit for bit against the tile kernel's."""
+    x = strided_rows(length, channels, dtype, device, seed=seed)
     weight = make_weight(channels, width, dtype, device)
     initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
     ref_out, ref_state = fn.causal_conv1d(x, weight, initial.clone())
@@ -126,23 +124,21 @@ def test_walking_prefill_matches_reference_and_tiles(device, length, config):
     assert torch.equal(state, ref_state)
     tile_out, tile_state = prefill_with(TILE, x, weight, initial)
     assert torch.equal(out, tile_out) and torch.equal(state, tile_state)
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 16, 17, 40, 100])
+@pytest.mark.parametrize("config", SMALL_WALKS, ids=describe)
+def test_walking_prefill_matches_reference_and_tiles(device, length, config):
+    """The walking kernel against the reference, and bit for bit against the tile kernel (y and state)."""
+    check_walk_against_reference_and_tiles(config, length, 37, 4, torch.float32, device, seed=length)
 
 
 @pytest.mark.parametrize("width", [2, 3, 16])
 @pytest.mark.parametrize("length", [2, 20, 53])
 def test_walking_prefill_widths(device, width, length):
     """Widths 2, 3 and the widest (a segment of 16 rows holds the W-1 = 15 inputs before the next)."""
-    channels, dtype = 37, torch.float16
     config = triton.Config({"BLOCK_T": 4, "BLOCK_C": 32, "WALK_BLOCKS": 4}, num_warps=1)
-    x = strided_rows(length, channels, dtype, device, seed=length + width)
-    weight = make_weight(channels, width, dtype, device)
-    initial = torch.randn(channels, width - 1).to(device=device, dtype=dtype)
-    ref_out, ref_state = fn.causal_conv1d(x, weight, initial.clone())
-    out, state = prefill_with(config, x, weight, initial)
-    torch.testing.assert_close(out, ref_out, **TOLERANCE[dtype])
-    assert torch.equal(state, ref_state)
-    tile_out, tile_state = prefill_with(TILE, x, weight, initial)
-    assert torch.equal(out, tile_out) and torch.equal(state, tile_state)
+    check_walk_against_reference_and_tiles(config, length, 37, width, torch.float16, device, seed=length + width)
 
 
 @pytest.mark.parametrize("config", [
