@@ -106,7 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
+from ..common import autotune_configs, check_same_device, check_tensor, interpreting, keep_preferred, sm_count
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
@@ -266,37 +266,64 @@ def _short_prompt_pick(kernel: str):
     return prune
 
 
+# With the state pass alongside the prepare kernel (OVERLAP_STATE_PASS), a program of each must fit on one SM
+# together: for sm_90 the prepare kernel at 8 warps takes 209 registers a thread (55,296 of the SM's 65,536) and
+# 64 KiB of shared memory, the state pass at BLOCK_V 16, 4 warps, 2 stages 72 registers (9,216) and 74 KiB
+# (a CPU compile, benchmarks/sass_counts.py); at 4 warps the prepare kernel fills the registers with two programs.
+OVERLAP_PICKS = {
+    "prepare": dict(num_warps=8),
+    "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
+}
+
+
+def _prune_state(configs, named_args, **kwargs):
+    """The overlap's pick when the state pass waits on the prepare kernel, else the short-prompt pick."""
+    if kwargs.get("WAIT_AHEAD"):
+        return keep_preferred(configs, OVERLAP_PICKS["state"])
+    return _short_prompt_pick("state")(configs, named_args, **kwargs)
+
+
 def _prune_prepare(configs, named_args, **kwargs):
     """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the kernel
     at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned.
     Otherwise the short-prompt pick (SHORT_PROMPT_PICKS)."""
     if kwargs["PRECISION"] == "ieee":
         return [c for c in configs if c.num_warps >= 8] or configs[:1]
+    if kwargs.get("SIGNAL"):
+        return keep_preferred(configs, OVERLAP_PICKS["prepare"])
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
-@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS), key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION"],
+@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION", "SIGNAL"],
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr, ready_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    SIGNAL: tl.constexpr,
 ):
-    """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
-    h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
-    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
-    chunk = tl.program_id(0)
-    head = tl.program_id(1)
+    """Grid (2 chunks Hv,): the first chunks Hv programs, in chunk order, write chunk c's G [C], W [C, Dk],
+    U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk] of head h, through (I + A)^-1 [C, C] (float32,
+    formed in its [C, C] block of system_ptr), and with SIGNAL then set the chunk's ready flag
+    ready_ptr[h, c] (release: the state pass, running alongside, waits on it); the other chunks Hv programs
+    write chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, which only the output kernel reads."""
+    chunks = tl.cdiv(length, CHUNK_ROWS)
+    program = tl.program_id(0)
+    solve = program < chunks * V_HEADS  # a W, U program (the state pass's inputs), else a Q K^T one
+    index = tl.where(solve, program, program - chunks * V_HEADS)
+    chunk = index // V_HEADS
+    head = index % V_HEADS
     key_head = head // GROUP
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
     k_base = k_ptr + key_head * stride_kh
     # each program issues its loads first, so that their latencies overlap
-    if tl.program_id(2) == 0:
+    if not solve:
         # the intra-chunk attention, causal (the upper triangle is never read)
         q = _load_rows(q_ptr + key_head * stride_qh, rows, length, stride_qt, keys, K_DIM, False)
         k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
@@ -331,6 +358,10 @@ def _chunk_prepare_kernel(
         _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
         u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
+        if SIGNAL:
+            # the barrier puts every thread's stores of G, K~, W and U before the flag's release
+            tl.debug_barrier()
+            tl.atomic_xchg(ready_ptr + head * chunks + chunk, 1, sem="release", scope="gpu")
 
 
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
@@ -362,24 +393,47 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
     return w, u, decayed_keys, decay_last
 
 
+@triton.jit
+def _wait_until_ready(flag_ptr):
+    """Spin until the int32 at flag_ptr is nonzero, reading it with acquire semantics at GPU scope (so this
+    thread's later loads see what the thread that set it stored before), every thread of the program."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred ready;
+        .reg .b32 seen;
+        wait_for_flag:
+        ld.acquire.gpu.global.b32 seen, [$1];
+        setp.ne.b32 ready, seen, 0;
+        @!ready nanosleep.u32 32;
+        @!ready bra wait_for_flag;
+        mov.b32 $0, seen;
+        }""",
+        "=r,l", [flag_ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
-    prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "WAIT_AHEAD"],  # DOT_DTYPE: w's dtype, in the key
+    prune_configs_by={"early_config_prune": _prune_state},
     restore_value=["state_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
 @triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
 def _chunk_state_kernel(
-    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr, ready_ptr,
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, WAIT_AHEAD: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place."""
+    the final state (float32) in place.
+
+    WAIT_AHEAD > 0: the prepare kernel runs alongside and sets ready_ptr[h, c] once chunk c's tiles are stored;
+    the program waits for chunks 0 .. WAIT_AHEAD - 1 before its loop and for chunk c + WAIT_AHEAD at the start
+    of step c, so that chunk c is ready WAIT_AHEAD - 1 steps before the step that first loads it (the software
+    pipeliner loads a chunk up to num_stages - 1 steps ahead: num_stages <= WAIT_AHEAD)."""
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -392,7 +446,14 @@ def _chunk_state_kernel(
     u_base = u_ptr + head * length * V_DIM
     new_values_base = new_values_ptr + head * length * V_DIM
     offsets = tl.arange(0, CHUNK_ROWS)
+    ready_base = ready_ptr + head * chunks
+    if WAIT_AHEAD > 0:
+        for chunk in range(tl.minimum(chunks, WAIT_AHEAD)):
+            _wait_until_ready(ready_base + chunk)
     for chunk in range(chunks):
+        if WAIT_AHEAD > 0:
+            # no branch in the pipelined loop: the last steps wait again on the last chunk's (set) flag
+            _wait_until_ready(ready_base + tl.minimum(chunk + WAIT_AHEAD, chunks - 1))
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, decayed_keys, decay_last = _state_step_tiles(
@@ -516,10 +577,45 @@ def gated_delta_rule_chunked(
         return out
 
     scratch = _scratch(q, v, dot_precision)
-    _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_state_pass(state, scratch)
+    if not _overlaps(state, scratch):
+        _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+        _launch_state_pass(state, scratch)
+    else:
+        # the state pass on a second stream, alongside the prepare kernel, each of its steps waiting on the
+        # chunk's ready flag (zeroed first, set by the prepare kernel); the output kernel after both
+        ready = torch.zeros(state.shape[0], triton.cdiv(length, CHUNK), device=v.device, dtype=torch.int32)
+        main, side = torch.cuda.current_stream(v.device), _side_stream(v.device)
+        side.wait_stream(main)
+        _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch, ready)  # first: see _overlaps
+        with torch.cuda.stream(side):
+            _launch_state_pass(state, scratch, ready)
+        main.wait_stream(side)
     _launch_output(q, out, scratch, output_norm)
     return out
+
+
+# Run the state pass alongside the prepare kernel (a second stream, per-chunk flags), on a GPU; False runs them
+# one after the other (as under the interpreter, which has no streams).
+OVERLAP_STATE_PASS = True
+_side_streams: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    device = torch.device(device)
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _overlaps(state, scratch) -> bool:
+    """Whether the state pass runs alongside the prepare kernel. It cannot hang: the prepare kernel waits on
+    nothing, and with fewer state-pass programs than SMs (whatever the config) some SM holds no waiting program
+    and runs prepare programs, whichever kernel the GPU starts first. (Launched first, the prepare kernel also
+    finishes first when launches are serialised, CUDA_LAUNCH_BLOCKING=1.)"""
+    value_heads, _, value_dim = state.shape
+    most_programs = value_heads * triton.cdiv(value_dim, min(c.kwargs["BLOCK_V"] for c in STATE_CONFIGS))
+    return (OVERLAP_STATE_PASS and state.device.type == "cuda" and not interpreting()
+            and most_programs < sm_count(state.device))
 
 
 class _Scratch(NamedTuple):
@@ -559,33 +655,42 @@ def _scratch(q, v, dot_precision) -> _Scratch:
     )
 
 
-def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
-    """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
+def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, ready=None) -> None:
+    """Kernel 1 (arguments checked by gated_delta_rule_chunked); with ready [Hv, chunks] int32 (zeros), it sets
+    each chunk's flag once the chunk's W, U, decayed keys and G are stored."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    _chunk_prepare_kernel[(chunks, value_heads, 2)](
+    _chunk_prepare_kernel[(2 * chunks * value_heads,)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-        scratch.system,
+        scratch.system, scratch.decay if ready is None else ready,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
-        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision,
+        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision, SIGNAL=ready is not None,
     )
 
 
-def _launch_state_pass(state, scratch: _Scratch) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
+def _launch_state_pass(state, scratch: _Scratch, ready=None) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; with ready
+    (the prepare kernel's flags), each chunk waited for."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
         scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
+        scratch.decay if ready is None else ready,
         length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
+        WAIT_AHEAD=0 if ready is None else WAIT_AHEAD,
     )
+
+
+# How many chunks ahead of its step the state pass waits (module docstring of _chunk_state_kernel): at least the
+# largest num_stages of STATE_CONFIGS.
+WAIT_AHEAD = max(config.num_stages for config in STATE_CONFIGS)
 
 
 def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
