@@ -7,7 +7,7 @@ timing: fewer instructions on a latency-bound kernel's critical path is a predic
 
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3] [--overlap]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8] [--overlap]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4] [--overlap]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from triton.compiler.compiler import ASTSource
 from qwen_triton.operators.gated_delta_rule import chunk
 
 FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
-INTEGERS = {"length", "chunks", "chunk_bucket"}
+INTEGERS = {"length", "chunks", "chunk_bucket", "ready_count"}
 INTEGER_POINTERS = {"ready_ptr"}
 
 
@@ -71,14 +71,14 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
     parser.add_argument("--overlap", action="store_true",
-                        help="as the kernels run alongside each other: the prepare kernel setting the chunks' ready "
-                             "flags, the state pass waiting on them")
+                        help="as the engine runs the kernels on a Hopper GPU: the state pass counting each chunk's "
+                             "columns in its ready flag, the output kernel waiting on them")
     args = parser.parse_args()
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=64, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
                      BLOCK_D=128, NORM=True, ROUND_PRODUCT=True,  # the output kernel as the engine runs it
-                     SIGNAL=args.overlap, WAIT_AHEAD=chunk.WAIT_AHEAD if args.overlap else 0)
+                     SIGNAL=args.overlap, WAIT=args.overlap, LANES=chunk.SIGNAL_LANES)
     for warps in args.warps:
         counts = compile_counts(kernel, constants, warps, args.stages)
         print(f"{args.kernel}, {warps} warps, {args.stages} stages:", counts)

@@ -106,7 +106,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor, interpreting, keep_preferred, sm_count
+from ..common import (
+    allow_next_kernel,
+    autotune_configs,
+    check_same_device,
+    check_tensor,
+    keep_preferred,
+    launch_options,
+    pdl_available,
+    wait_for_previous_kernel,
+)
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
@@ -266,36 +275,16 @@ def _short_prompt_pick(kernel: str):
     return prune
 
 
-# With the state pass alongside the prepare kernel (OVERLAP_STATE_PASS), a program of each must fit on one SM
-# together: for sm_90 the prepare kernel at 8 warps takes 209 registers a thread (55,296 of the SM's 65,536) and
-# 64 KiB of shared memory, the state pass at BLOCK_V 16, 4 warps, 2 stages 72 registers (9,216) and 74 KiB
-# (a CPU compile, benchmarks/sass_counts.py); at 4 warps the prepare kernel fills the registers with two programs.
-OVERLAP_PICKS = {
-    "prepare": dict(num_warps=8),
-    "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
-}
-
-
-def _prune_state(configs, named_args, **kwargs):
-    """The overlap's pick when the state pass waits on the prepare kernel, else the short-prompt pick."""
-    if kwargs.get("WAIT_AHEAD"):
-        return keep_preferred(configs, OVERLAP_PICKS["state"])
-    return _short_prompt_pick("state")(configs, named_args, **kwargs)
-
-
 def _prune_prepare(configs, named_args, **kwargs):
     """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the kernel
     at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned.
     Otherwise the short-prompt pick (SHORT_PROMPT_PICKS)."""
     if kwargs["PRECISION"] == "ieee":
         return [c for c in configs if c.num_warps >= 8] or configs[:1]
-    if kwargs.get("SIGNAL"):
-        return keep_preferred(configs, OVERLAP_PICKS["prepare"])
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
-@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION", "SIGNAL"],
+@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS), key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
@@ -305,25 +294,19 @@ def _chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    SIGNAL: tl.constexpr,
 ):
-    """Grid (2 chunks Hv,): the first chunks Hv programs, in chunk order, write chunk c's G [C], W [C, Dk],
-    U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk] of head h, through (I + A)^-1 [C, C] (float32,
-    formed in its [C, C] block of system_ptr), and with SIGNAL then set the chunk's ready flag
-    ready_ptr[h, c] (release: the state pass, running alongside, waits on it); the other chunks Hv programs
-    write chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, which only the output kernel reads."""
-    chunks = tl.cdiv(length, CHUNK_ROWS)
-    program = tl.program_id(0)
-    solve = program < chunks * V_HEADS  # a W, U program (the state pass's inputs), else a Q K^T one
-    index = tl.where(solve, program, program - chunks * V_HEADS)
-    chunk = index // V_HEADS
-    head = index % V_HEADS
+    """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
+    h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
+    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr), and zeroes the chunk's
+    ready flag ready_ptr[h, c] (the state pass counts its columns there: see _chunk_output_kernel)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
     key_head = head // GROUP
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
     k_base = k_ptr + key_head * stride_kh
     # each program issues its loads first, so that their latencies overlap
-    if not solve:
+    if tl.program_id(2) == 0:
         # the intra-chunk attention, causal (the upper triangle is never read)
         q = _load_rows(q_ptr + key_head * stride_qh, rows, length, stride_qt, keys, K_DIM, False)
         k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
@@ -340,6 +323,7 @@ def _chunk_prepare_kernel(
         v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
         decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
+        tl.store(ready_ptr + head * tl.num_programs(0) + chunk, 0)
         k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
         # the decayed keys the state pass multiplies by V' (G_C: G at the chunk's last row; the padding keeps G)
@@ -358,10 +342,6 @@ def _chunk_prepare_kernel(
         _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
         u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
         _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
-        if SIGNAL:
-            # the barrier puts every thread's stores of G, K~, W and U before the flag's release
-            tl.debug_barrier()
-            tl.atomic_xchg(ready_ptr + head * chunks + chunk, 1, sem="release", scope="gpu")
 
 
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
@@ -393,29 +373,11 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
     return w, u, decayed_keys, decay_last
 
 
-@triton.jit
-def _wait_until_ready(flag_ptr):
-    """Spin until the int32 at flag_ptr is nonzero, reading it with acquire semantics at GPU scope (so this
-    thread's later loads see what the thread that set it stored before), every thread of the program."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred ready;
-        .reg .b32 seen;
-        wait_for_flag:
-        ld.acquire.gpu.global.b32 seen, [$1];
-        setp.ne.b32 ready, seen, 0;
-        @!ready nanosleep.u32 32;
-        @!ready bra wait_for_flag;
-        mov.b32 $0, seen;
-        }""",
-        "=r,l", [flag_ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "WAIT_AHEAD"],  # DOT_DTYPE: w's dtype, in the key
-    prune_configs_by={"early_config_prune": _prune_state},
-    restore_value=["state_ptr"], cache_results=True,
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "SIGNAL"],  # DOT_DTYPE: w's dtype, in the key
+    prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
+    restore_value=["state_ptr", "ready_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
 @triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
@@ -424,17 +386,15 @@ def _chunk_state_kernel(
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, WAIT_AHEAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SIGNAL: tl.constexpr, LANES: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place.
-
-    WAIT_AHEAD > 0: the prepare kernel runs alongside and sets ready_ptr[h, c] once chunk c's tiles are stored;
-    the program waits for chunks 0 .. WAIT_AHEAD - 1 before its loop and for chunk c + WAIT_AHEAD at the start
-    of step c, so that chunk c is ready WAIT_AHEAD - 1 steps before the step that first loads it (the software
-    pipeliner loads a chunk up to num_stages - 1 steps ahead: num_stages <= WAIT_AHEAD)."""
+    the final state (float32) in place. SIGNAL: it lets the output kernel launch at once (PDL) and, once a
+    chunk's start state and V' columns are stored, adds their count to the chunk's ready flag LANES times
+    (release)."""
     head = tl.program_id(0)
+    allow_next_kernel(SIGNAL)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
@@ -446,14 +406,7 @@ def _chunk_state_kernel(
     u_base = u_ptr + head * length * V_DIM
     new_values_base = new_values_ptr + head * length * V_DIM
     offsets = tl.arange(0, CHUNK_ROWS)
-    ready_base = ready_ptr + head * chunks
-    if WAIT_AHEAD > 0:
-        for chunk in range(tl.minimum(chunks, WAIT_AHEAD)):
-            _wait_until_ready(ready_base + chunk)
     for chunk in range(chunks):
-        if WAIT_AHEAD > 0:
-            # no branch in the pipelined loop: the last steps wait again on the last chunk's (set) flag
-            _wait_until_ready(ready_base + tl.minimum(chunk + WAIT_AHEAD, chunks - 1))
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, decayed_keys, decay_last = _state_step_tiles(
@@ -463,8 +416,33 @@ def _chunk_state_kernel(
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
+        if SIGNAL:
+            # LANES atomic adds of the program's column count, at least one in every thread (LANES >= its
+            # threads), each releasing that thread's stores of the chunk (a barrier here would stop the
+            # software pipelining of the loop): the flag reaches LANES * Dv when every column is stored
+            lanes = tl.zeros([LANES], dtype=tl.int32)
+            tl.atomic_add(ready_ptr + head * chunks + chunk + lanes,
+                          lanes + tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V), sem="release", scope="gpu")
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
+
+
+@triton.jit
+def _wait_until_count(flag_ptr, target):
+    """Spin until the int32 at flag_ptr reaches target, reading it with acquire semantics at GPU scope (so that
+    this thread's later loads see what the releasing threads stored before), in every thread of the program."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred done;
+        .reg .b32 seen;
+        wait_for_count:
+        ld.acquire.gpu.global.b32 seen, [$1];
+        setp.ge.s32 done, seen, $2;
+        @!done nanosleep.u32 32;
+        @!done bra wait_for_count;
+        mov.b32 $0, seen;
+        }""",
+        "=r,l,r", [flag_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
 
 
 OUTPUT_CONFIGS = [
@@ -486,23 +464,30 @@ def _prune_output(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
-                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM"],
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM", "WAIT"],
                  prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
-    length, chunk_bucket, scale, eps,
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, ready_ptr,
+    length, chunk_bucket, scale, eps, ready_count,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
-    """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
-    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
+    """Grid (Hv, chunks, Dv / BLOCK_V): program (h, c, j) writes columns j of chunk c's output of head h,
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (Hv, chunks,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
-    instead, O rounded to the output dtype first, as the norm kernel reads it."""
-    chunk = tl.program_id(0)
-    head = tl.program_id(1)
+    instead, O rounded to the output dtype first, as the norm kernel reads it.
+
+    WAIT (launched with PDL while the state pass runs, which SIGNALs): the program loads what the prepare
+    kernel wrote, then waits until the chunk's ready flag reaches ready_count (all Dv columns of its start
+    state and V', SIGNAL_LANES times: acquire), and before it ends waits for the state pass to complete (griddepcontrol.wait), so that the
+    kernels after it find the final state written. Programs start in chunk order (the grid's first axis is
+    the head), as the state pass finishes chunks."""
+    head = tl.program_id(0)
+    chunk = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
     if NORM:
         values = tl.arange(0, BLOCK_D)
@@ -511,22 +496,28 @@ def _chunk_output_kernel(
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
-    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    state = tl.load(start_slab, mask=slab_mask, other=0.0)
-    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
     q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
                           scale)
     q = q * tl.exp(decay)[:, None]
+    if NORM:
+        z = _load_rows(z_ptr + head * V_DIM, rows, length, stride_zt, values, V_DIM)
+        weight = tl.load(norm_weight_ptr + values, mask=values < V_DIM, other=0.0).to(tl.float32)
+    if WAIT:
+        _wait_until_count(ready_ptr + head * tl.num_programs(1) + chunk, ready_count)
+    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0, cache_modifier=".cg")
+    # (through L2: the flag's acquire orders these loads, .cg keeps them off any line an earlier call left in L1)
+    new_values = tl.load(new_values_ptr + head * length * V_DIM + rows[:, None] * V_DIM + values[None, :],
+                         mask=(rows[:, None] < length) & (values[None, :] < V_DIM), other=0.0, cache_modifier=".cg")
     out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
     if NORM:
         dtype = out_ptr.dtype.element_ty
-        z = _load_rows(z_ptr + head * V_DIM, rows, length, stride_zt, values, V_DIM)
-        weight = tl.load(norm_weight_ptr + values, mask=values < V_DIM, other=0.0).to(tl.float32)
         out = gated_rms_norm_values(out.to(dtype).to(tl.float32), z, weight, eps, V_DIM, ROUND_PRODUCT, dtype)
     _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
+    wait_for_previous_kernel(WAIT)
 
 
 def gated_delta_rule_chunked(
@@ -577,45 +568,18 @@ def gated_delta_rule_chunked(
         return out
 
     scratch = _scratch(q, v, dot_precision)
-    if not _overlaps(state, scratch):
-        _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-        _launch_state_pass(state, scratch)
-    else:
-        # the state pass on a second stream, alongside the prepare kernel, each of its steps waiting on the
-        # chunk's ready flag (zeroed first, set by the prepare kernel); the output kernel after both
-        ready = torch.zeros(state.shape[0], triton.cdiv(length, CHUNK), device=v.device, dtype=torch.int32)
-        main, side = torch.cuda.current_stream(v.device), _side_stream(v.device)
-        side.wait_stream(main)
-        _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch, ready)  # first: see _overlaps
-        with torch.cuda.stream(side):
-            _launch_state_pass(state, scratch, ready)
-        main.wait_stream(side)
-    _launch_output(q, out, scratch, output_norm)
+    overlap = OVERLAP_OUTPUT and pdl_available(v.device)
+    _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+    _launch_state_pass(state, scratch, signal=overlap)
+    _launch_output(q, out, scratch, output_norm, wait=overlap)
     return out
 
 
-# Run the state pass alongside the prepare kernel (a second stream, per-chunk flags), on a GPU; False runs them
-# one after the other (as under the interpreter, which has no streams).
-OVERLAP_STATE_PASS = True
-_side_streams: dict = {}
-
-
-def _side_stream(device) -> torch.cuda.Stream:
-    device = torch.device(device)
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
-def _overlaps(state, scratch) -> bool:
-    """Whether the state pass runs alongside the prepare kernel. It cannot hang: the prepare kernel waits on
-    nothing, and with fewer state-pass programs than SMs (whatever the config) some SM holds no waiting program
-    and runs prepare programs, whichever kernel the GPU starts first. (Launched first, the prepare kernel also
-    finishes first when launches are serialised, CUDA_LAUNCH_BLOCKING=1.)"""
-    value_heads, _, value_dim = state.shape
-    most_programs = value_heads * triton.cdiv(value_dim, min(c.kwargs["BLOCK_V"] for c in STATE_CONFIGS))
-    return (OVERLAP_STATE_PASS and state.device.type == "cuda" and not interpreting()
-            and most_programs < sm_count(state.device))
+# The output kernel alongside the state pass (PDL and per-chunk ready flags, on a Hopper GPU): its programs
+# take each chunk as the state pass finishes it, instead of starting after the whole pass. It cannot hang:
+# the output kernel launches only once every state-pass program has started (griddepcontrol), and the state
+# pass waits on nothing. False: one after the other.
+OVERLAP_OUTPUT = True
 
 
 class _Scratch(NamedTuple):
@@ -631,6 +595,7 @@ class _Scratch(NamedTuple):
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
     new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
+    ready: torch.Tensor  # [Hv, chunks] int32: zeroed by kernel 1, the chunk's columns of kernel 2 counted
 
 
 def _scratch(q, v, dot_precision) -> _Scratch:
@@ -652,59 +617,60 @@ def _scratch(q, v, dot_precision) -> _Scratch:
         system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
         new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
+        ready=torch.empty(value_heads, chunks, device=device, dtype=torch.int32),
     )
 
 
-def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, ready=None) -> None:
-    """Kernel 1 (arguments checked by gated_delta_rule_chunked); with ready [Hv, chunks] int32 (zeros), it sets
-    each chunk's flag once the chunk's W, U, decayed keys and G are stored."""
+def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+    """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
-    _chunk_prepare_kernel[(2 * chunks * value_heads,)](
+    _chunk_prepare_kernel[(chunks, value_heads, 2)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-        scratch.system, scratch.decay if ready is None else ready,
+        scratch.system, scratch.ready,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
-        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision, SIGNAL=ready is not None,
+        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision,
     )
 
 
-def _launch_state_pass(state, scratch: _Scratch, ready=None) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; with ready
-    (the prepare kernel's flags), each chunk waited for."""
+def _launch_state_pass(state, scratch: _Scratch, signal: bool = False) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; with signal,
+    each chunk's columns counted in scratch.ready and the output kernel let launch (it must then wait)."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
         scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
-        scratch.decay if ready is None else ready,
+        scratch.ready,
         length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        WAIT_AHEAD=0 if ready is None else WAIT_AHEAD,
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision, SIGNAL=signal,
+        LANES=SIGNAL_LANES,
     )
 
 
-# How many chunks ahead of its step the state pass waits (module docstring of _chunk_state_kernel): at least the
-# largest num_stages of STATE_CONFIGS.
-WAIT_AHEAD = max(config.num_stages for config in STATE_CONFIGS)
+# The state pass's atomic adds per program and chunk (see _chunk_state_kernel): at least the threads of its
+# largest config.
+SIGNAL_LANES = 32 * max(config.num_warps for config in STATE_CONFIGS)
 
 
-def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
-    """Kernel 3: o (or its gated norm, with output_norm) written into out."""
+def _launch_output(q, out, scratch: _Scratch, output_norm=None, wait: bool = False) -> None:
+    """Kernel 3: o (or its gated norm, with output_norm) written into out; with wait, launched with PDL beside
+    a state pass that signals, each chunk waited for."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
     z, weight, eps = output_norm if output_norm is not None else (out, out, 0.0)  # unused stand-ins without it
 
     def grid(meta):
-        return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
+        return value_heads, chunks, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
 
     _chunk_output_kernel[grid](
-        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
-        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight, scratch.ready,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps, SIGNAL_LANES * value_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
@@ -713,6 +679,7 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
         NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
+        WAIT=wait, **launch_options(wait),
     )
 
 
