@@ -373,6 +373,16 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
     return w, u, decayed_keys, decay_last
 
 
+@triton.jit
+def _count_columns(flag_ptr, columns, LANES: tl.constexpr):
+    """LANES atomic adds of `columns` to the int32 at flag_ptr, at least one in every thread of the program
+    (LANES >= its threads), each releasing that thread's earlier stores (no barrier: one in the state pass's
+    loop stops its software pipelining). The flag reaches LANES * Dv when every program of the head has
+    counted its columns."""
+    lanes = tl.zeros([LANES], dtype=tl.int32)
+    tl.atomic_add(flag_ptr + lanes, lanes + columns, sem="release", scope="gpu")
+
+
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
     key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "SIGNAL"],  # DOT_DTYPE: w's dtype, in the key
@@ -391,10 +401,11 @@ def _chunk_state_kernel(
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
     the final state (float32) in place. SIGNAL: it lets the output kernel launch at once (PDL) and, once a
-    chunk's start state and V' columns are stored, adds their count to the chunk's ready flag LANES times
-    (release)."""
+    chunk's start state and V' columns are stored (at the next step), counts them in the chunk's ready flag
+    (`_count_columns`)."""
     head = tl.program_id(0)
     allow_next_kernel(SIGNAL)
+    columns = tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
@@ -416,14 +427,12 @@ def _chunk_state_kernel(
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-        if SIGNAL:
-            # LANES atomic adds of the program's column count, at least one in every thread (LANES >= its
-            # threads), each releasing that thread's stores of the chunk (a barrier here would stop the
-            # software pipelining of the loop): the flag reaches LANES * Dv when every column is stored
-            lanes = tl.zeros([LANES], dtype=tl.int32)
-            tl.atomic_add(ready_ptr + head * chunks + chunk + lanes,
-                          lanes + tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V), sem="release", scope="gpu")
+        if SIGNAL:  # the previous chunk's: its stores, issued a step ago, have landed, so the release is short
+            _count_columns(ready_ptr + head * chunks + tl.maximum(chunk - 1, 0), tl.where(chunk > 0, columns, 0),
+                           LANES)
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
+    if SIGNAL:
+        _count_columns(ready_ptr + head * chunks + chunks - 1, columns, LANES)
     tl.store(slab, state, mask=slab_mask)
 
 
