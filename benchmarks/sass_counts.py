@@ -1,13 +1,14 @@
 """Registers, spills and SASS instruction counts of the chunked delta rule's kernels compiled for sm_90, on the CPU.
 
 No GPU: Triton compiles the kernel for an H100/H200 target with its bundled ptxas, and cuobjdump (bundled
-too) reports the registers and stack (spills) per thread and disassembles it; the shared memory is the compiler's. The arguments are specialised
-as the engine's are (pointers and strides divisible by 16, the real shape, bf16). A static count, not a
+too) reports the registers and stack (spills) per thread and disassembles it; the shared memory per program
+is the compiler's (what decides, with the registers, how many programs share an SM). The arguments are
+specialised as the engine's are (pointers and strides divisible by 16, the real shape, bf16). A static count, not a
 timing: fewer instructions on a latency-bound kernel's critical path is a prediction to measure on the GPU.
 
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3] [--overlap]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8] [--overlap]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4] [--overlap]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
 """
 
 from __future__ import annotations
@@ -27,16 +28,14 @@ from triton.compiler.compiler import ASTSource
 from qwen_triton.operators.gated_delta_rule import chunk
 
 FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
-INTEGERS = {"length", "chunks", "chunk_bucket", "ready_count"}
-INTEGER_POINTERS = {"ready_ptr"}
+INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
 def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
-            signature[name] = ("*fp32" if name in FLOAT32_POINTERS else "*i32" if name in INTEGER_POINTERS
-                               else "*bf16")
+            signature[name] = "*fp32" if name in FLOAT32_POINTERS else "*bf16"
         elif name in ("scale", "eps"):
             signature[name] = "fp32"
         elif name in INTEGERS or name.startswith("stride"):
@@ -70,15 +69,11 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
-    parser.add_argument("--overlap", action="store_true",
-                        help="as the engine runs the kernels on a Hopper GPU: the state pass counting each chunk's "
-                             "columns in its ready flag, the output kernel waiting on them")
     args = parser.parse_args()
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=64, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
-                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True,  # the output kernel as the engine runs it
-                     SIGNAL=args.overlap, WAIT=args.overlap, LANES=chunk.SIGNAL_LANES)
+                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
     for warps in args.warps:
         counts = compile_counts(kernel, constants, warps, args.stages)
         print(f"{args.kernel}, {warps} warps, {args.stages} stages:", counts)

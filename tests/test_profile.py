@@ -94,18 +94,3 @@ def test_the_profile_reports_the_autotuned_configs_that_ran(monkeypatch):
                   prefill=dict(empty, tokens=8), autotune_choices=choices)
     assert ("| linear.gemm:_gemm_split | 128, 1024, 3584, torch.bfloat16 | BLOCK_M 64, BLOCK_N 64, BLOCK_K 128, "
             "GROUP_M 8, SPLIT_K 4, 4 warps, 3 stages |") in format_profile(report)
-
-
-def test_kernels_on_two_streams_line_up_with_their_launches():
-    """A run's kernel events by start time, where a kernel on a second stream started before the one launched
-    ahead of it: each launch takes the earliest event of its name; a missing name is no timeline."""
-    from qwen_triton.benchmark.profile import _in_launch_order
-
-    launches = ["conv", "prepare", "state", "output", "prepare", "state", "output"]
-    events = [("conv", 0.0, 1.0), ("state", 1.1, 9.0), ("prepare", 1.2, 8.0), ("output", 9.1, 10.0),
-              ("prepare", 10.1, 18.0), ("state", 10.2, 19.0), ("output", 19.1, 20.0)]
-    ordered = _in_launch_order(events, launches)
-    assert [name for name, _, _ in ordered] == launches
-    assert ordered[1] == ("prepare", 1.2, 8.0) and ordered[2] == ("state", 1.1, 9.0)
-    assert ordered[4] == ("prepare", 10.1, 18.0)
-    assert _in_launch_order(events[:-1] + [("norm", 19.1, 20.0)], launches) is None

@@ -42,20 +42,6 @@ def cuda_kernel_events(prof, names: set[str]) -> list[tuple[str, float, float]]:
     return sorted(events, key=lambda e: e[1])
 
 
-def _in_launch_order(run_events: list, launches: list[str]) -> list | None:
-    """One run's kernel events (by start time) matched to its launches: launch k takes the earliest event not yet
-    taken with its name, so kernels on two streams that start out of launch order (the chunked delta rule's
-    state pass beside its prepare kernel) still line up; None when the names do not match."""
-    remaining = list(run_events)
-    ordered = []
-    for name in launches:
-        match = next((i for i, event in enumerate(remaining) if event[0] == name), None)
-        if match is None:
-            return None
-        ordered.append(remaining.pop(match))
-    return ordered
-
-
 def _timeline(run, trace: KernelTrace, steps: int) -> tuple[list[float], list[float], list[float]] | None:
     """Median duration and gap per launch over `steps` runs, and each run's span; None when the profiler's
     kernels do not line up with the trace."""
@@ -69,17 +55,18 @@ def _timeline(run, trace: KernelTrace, steps: int) -> tuple[list[float], list[fl
         torch.cuda.synchronize()
     events = cuda_kernel_events(prof, set(launches))
     count = len(launches)
-    runs = [_in_launch_order(events[s * count:(s + 1) * count], launches) for s in range(steps)]
-    if len(events) != steps * count or any(run is None for run in runs):
+    if len(events) != steps * count or any(
+            events[s * count + k][0] != launches[k] for s in range(steps) for k in range(count)):
         log(f"profile: {len(events)} kernels recorded for {steps} x {count} launches: no per-kernel timeline")
         return None
     durations, gaps, spans = [[] for _ in range(count)], [[] for _ in range(count)], []
-    for run_events in runs:
+    for s in range(steps):
+        run_events = events[s * count:(s + 1) * count]
         for k, (_, start, end) in enumerate(run_events):
             durations[k].append(end - start)
             if k > 0:
                 gaps[k].append(start - run_events[k - 1][2])
-        spans.append(max(end for _, _, end in run_events) - min(start for _, start, _ in run_events))
+        spans.append(run_events[-1][2] - run_events[0][1])
     return ([statistics.median(d) for d in durations], [statistics.median(g) if g else 0.0 for g in gaps], spans)
 
 

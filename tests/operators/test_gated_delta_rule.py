@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen_triton.operators.common import keep_preferred
 from qwen_triton.operators.conv import causal_conv1d_step
 from qwen_triton.operators.gated_delta_rule import chunk as chunk_module
 from qwen_triton.operators.gated_delta_rule import fused_decode as fused_decode_module
@@ -182,18 +181,6 @@ def test_chunked_in_two_calls_equals_one(device):
                                       inputs["dt_bias"], split_state)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(split_state, whole_state, rtol=1e-4, atol=1e-5)
-
-
-def test_chunked_prepare_zeroes_the_ready_flags(device):
-    """The prepare kernel zeroes each (head, chunk)'s ready flag, where the state pass then counts the chunk's
-    stored columns for the output kernel (on a GPU): a call never starts from an earlier call's counts."""
-    length, heads, key_dim, value_dim = 130, 2, 24, 40
-    inputs = make_inputs(length, 1, heads, key_dim, value_dim, torch.float32, device, seed=8)
-    scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
-    assert scratch.ready.shape == (heads, 3)
-    scratch.ready.fill_(12345)
-    chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    assert torch.equal(scratch.ready, torch.zeros_like(scratch.ready))
 
 
 def test_chunked_start_states_are_the_prefix_states(device):
@@ -618,68 +605,6 @@ def test_gpu_chunked_short_prompts(length):
                                       output_norm=(inputs["z"], weight, 1e-6))
     expected = gated_rms_norm(out, inputs["z"], weight, 1e-6)
     assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [1, 65, 200, 1000, 4096])
-def test_gpu_chunked_overlap_changes_no_bit(length):
-    """The output kernel alongside the state pass (PDL, waiting on each chunk's ready count) against after it,
-    the kernels at the same configs: the same outputs and final state, bit for bit, over repeated calls (a
-    program that read a chunk before its columns were stored would differ), with and without the output norm."""
-    inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=25)
-    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
-    picks = {chunk_module._chunk_state_kernel: (chunk_module.STATE_CONFIGS, chunk_module.SHORT_PROMPT_PICKS["state"]),
-             chunk_module._chunk_output_kernel: (chunk_module.OUTPUT_CONFIGS, chunk_module.SHORT_PROMPT_PICKS["output"])}
-    saved = {kernel: kernel.configs for kernel in picks}
-    overlap = chunk_module.OVERLAP_OUTPUT
-    results = {False: [], True: []}
-    try:
-        for kernel, (every, pick) in picks.items():
-            kernel.configs, kernel.cache = keep_preferred(every, pick)[:1], {}
-        for setting in (False, True, False, True):
-            chunk_module.OVERLAP_OUTPUT = setting
-            for _ in range(3):
-                state = initial.clone()
-                out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
-                normed_state = initial.clone()
-                normed = gated_delta_rule_chunked(*kernel_arguments(inputs), normed_state,
-                                                  output_norm=(inputs["z"], weight, 1e-6))
-                results[setting].append((out, state, normed, normed_state))
-        torch.cuda.synchronize()
-    finally:
-        chunk_module.OVERLAP_OUTPUT = overlap
-        for kernel, configs in saved.items():
-            kernel.configs, kernel.cache = configs, {}
-    first = results[False][0]
-    for setting, runs in results.items():
-        for run in runs:
-            for got, expected in zip(run, first):
-                assert torch.equal(got, expected), setting
-    assert frobenius_error(first[0], ref_out) < 1.5e-2
-    assert frobenius_error(first[1], ref_state) < 1e-2
-
-
-@pytest.mark.gpu
-def test_gpu_chunked_overlap_in_a_cuda_graph():
-    """The overlapped kernels captured in a CUDA graph (as the engine's prefill graphs are) and replayed: the same
-    as eager, replay after replay."""
-    length = 1000
-    inputs, initial, _, _ = real_shape_chunked_case(length, seed=26)
-    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
-    state = initial.clone()
-    norm = (inputs["z"], weight, 1e-6)
-    eager = gated_delta_rule_chunked(*kernel_arguments(inputs), state, output_norm=norm)
-    graph_state = initial.clone()
-    gated_delta_rule_chunked(*kernel_arguments(inputs), graph_state, output_norm=norm)  # warm-up before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = gated_delta_rule_chunked(*kernel_arguments(inputs), graph_state, output_norm=norm)
-    for _ in range(3):
-        graph_state.copy_(initial)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(graph_out, eager)
-        assert torch.equal(graph_state, state)
 
 
 @pytest.mark.gpu

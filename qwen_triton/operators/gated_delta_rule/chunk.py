@@ -106,16 +106,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (
-    allow_next_kernel,
-    autotune_configs,
-    check_same_device,
-    check_tensor,
-    keep_preferred,
-    launch_options,
-    pdl_available,
-    wait_for_previous_kernel,
-)
+from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
@@ -289,7 +280,7 @@ def _prune_prepare(configs, named_args, **kwargs):
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr, ready_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
@@ -297,8 +288,7 @@ def _chunk_prepare_kernel(
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
-    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr), and zeroes the chunk's
-    ready flag ready_ptr[h, c] (the state pass counts its columns there: see _chunk_output_kernel)."""
+    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -323,7 +313,6 @@ def _chunk_prepare_kernel(
         v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
         decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
-        tl.store(ready_ptr + head * tl.num_programs(0) + chunk, 0)
         k = l2_normalize_rows(k.to(tl.float32), 1.0)
 
         # the decayed keys the state pass multiplies by V' (G_C: G at the chunk's last row; the padding keeps G)
@@ -373,39 +362,25 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
     return w, u, decayed_keys, decay_last
 
 
-@triton.jit
-def _count_columns(flag_ptr, columns, LANES: tl.constexpr):
-    """LANES atomic adds of `columns` to the int32 at flag_ptr, at least one in every thread of the program
-    (LANES >= its threads), each releasing that thread's earlier stores (no barrier: one in the state pass's
-    loop stops its software pipelining). The flag reaches LANES * Dv when every program of the head has
-    counted its columns."""
-    lanes = tl.zeros([LANES], dtype=tl.int32)
-    tl.atomic_add(flag_ptr + lanes, lanes + columns, sem="release", scope="gpu")
-
-
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "SIGNAL"],  # DOT_DTYPE: w's dtype, in the key
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
-    restore_value=["state_ptr", "ready_ptr"], cache_results=True,
+    restore_value=["state_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
 @triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
 def _chunk_state_kernel(
-    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr, ready_ptr,
+    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SIGNAL: tl.constexpr, LANES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place. SIGNAL: it lets the output kernel launch at once (PDL) and, once a
-    chunk's start state and V' columns are stored (at the next step), counts them in the chunk's ready flag
-    (`_count_columns`)."""
+    the final state (float32) in place."""
     head = tl.program_id(0)
-    allow_next_kernel(SIGNAL)
-    columns = tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
@@ -427,31 +402,8 @@ def _chunk_state_kernel(
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-        if SIGNAL:  # the previous chunk's: its stores, issued a step ago, have landed, so the release is short
-            _count_columns(ready_ptr + head * chunks + tl.maximum(chunk - 1, 0), tl.where(chunk > 0, columns, 0),
-                           LANES)
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
-    if SIGNAL:
-        _count_columns(ready_ptr + head * chunks + chunks - 1, columns, LANES)
     tl.store(slab, state, mask=slab_mask)
-
-
-@triton.jit
-def _wait_until_count(flag_ptr, target):
-    """Spin until the int32 at flag_ptr reaches target, reading it with acquire semantics at GPU scope (so that
-    this thread's later loads see what the releasing threads stored before), in every thread of the program."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred done;
-        .reg .b32 seen;
-        wait_for_count:
-        ld.acquire.gpu.global.b32 seen, [$1];
-        setp.ge.s32 done, seen, $2;
-        @!done nanosleep.u32 32;
-        @!done bra wait_for_count;
-        mov.b32 $0, seen;
-        }""",
-        "=r,l,r", [flag_ptr, target], dtype=tl.int32, is_pure=False, pack=1)
 
 
 OUTPUT_CONFIGS = [
@@ -473,30 +425,23 @@ def _prune_output(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
-                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM", "WAIT"],
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM"],
                  prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, ready_ptr,
-    length, chunk_bucket, scale, eps, ready_count,
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
+    length, chunk_bucket, scale, eps,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-    WAIT: tl.constexpr,
 ):
-    """Grid (Hv, chunks, Dv / BLOCK_V): program (h, c, j) writes columns j of chunk c's output of head h,
-    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (Hv, chunks,
+    """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
-    instead, O rounded to the output dtype first, as the norm kernel reads it.
-
-    WAIT (launched with PDL while the state pass runs, which SIGNALs): the program loads what the prepare
-    kernel wrote, then waits until the chunk's ready flag reaches ready_count (all Dv columns of its start
-    state and V', SIGNAL_LANES times: acquire), and before it ends waits for the state pass to complete (griddepcontrol.wait), so that the
-    kernels after it find the final state written. Programs start in chunk order (the grid's first axis is
-    the head), as the state pass finishes chunks."""
-    head = tl.program_id(0)
-    chunk = tl.program_id(1)
+    instead, O rounded to the output dtype first, as the norm kernel reads it."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
     if NORM:
         values = tl.arange(0, BLOCK_D)
@@ -505,28 +450,22 @@ def _chunk_output_kernel(
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
+    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
     q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
                           scale)
     q = q * tl.exp(decay)[:, None]
-    if NORM:
-        z = _load_rows(z_ptr + head * V_DIM, rows, length, stride_zt, values, V_DIM)
-        weight = tl.load(norm_weight_ptr + values, mask=values < V_DIM, other=0.0).to(tl.float32)
-    if WAIT:
-        _wait_until_count(ready_ptr + head * tl.num_programs(1) + chunk, ready_count)
-    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    state = tl.load(start_slab, mask=slab_mask, other=0.0, cache_modifier=".cg")
-    # (through L2: the flag's acquire orders these loads, .cg keeps them off any line an earlier call left in L1)
-    new_values = tl.load(new_values_ptr + head * length * V_DIM + rows[:, None] * V_DIM + values[None, :],
-                         mask=(rows[:, None] < length) & (values[None, :] < V_DIM), other=0.0, cache_modifier=".cg")
     out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
     if NORM:
         dtype = out_ptr.dtype.element_ty
+        z = _load_rows(z_ptr + head * V_DIM, rows, length, stride_zt, values, V_DIM)
+        weight = tl.load(norm_weight_ptr + values, mask=values < V_DIM, other=0.0).to(tl.float32)
         out = gated_rms_norm_values(out.to(dtype).to(tl.float32), z, weight, eps, V_DIM, ROUND_PRODUCT, dtype)
     _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
-    wait_for_previous_kernel(WAIT)
 
 
 def gated_delta_rule_chunked(
@@ -577,18 +516,10 @@ def gated_delta_rule_chunked(
         return out
 
     scratch = _scratch(q, v, dot_precision)
-    overlap = OVERLAP_OUTPUT and pdl_available(v.device)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_state_pass(state, scratch, signal=overlap)
-    _launch_output(q, out, scratch, output_norm, wait=overlap)
+    _launch_state_pass(state, scratch)
+    _launch_output(q, out, scratch, output_norm)
     return out
-
-
-# The output kernel alongside the state pass (PDL and per-chunk ready flags, on a Hopper GPU): its programs
-# take each chunk as the state pass finishes it, instead of starting after the whole pass. It cannot hang:
-# the output kernel launches only once every state-pass program has started (griddepcontrol), and the state
-# pass waits on nothing. False: one after the other.
-OVERLAP_OUTPUT = True
 
 
 class _Scratch(NamedTuple):
@@ -604,7 +535,6 @@ class _Scratch(NamedTuple):
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
     new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
-    ready: torch.Tensor  # [Hv, chunks] int32: zeroed by kernel 1, the chunk's columns of kernel 2 counted
 
 
 def _scratch(q, v, dot_precision) -> _Scratch:
@@ -626,7 +556,6 @@ def _scratch(q, v, dot_precision) -> _Scratch:
         system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
         new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
-        ready=torch.empty(value_heads, chunks, device=device, dtype=torch.int32),
     )
 
 
@@ -636,7 +565,7 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     chunks = triton.cdiv(length, CHUNK)
     _chunk_prepare_kernel[(chunks, value_heads, 2)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-        scratch.system, scratch.ready,
+        scratch.system,
         length, triton.next_power_of_2(chunks), key_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
@@ -645,41 +574,32 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     )
 
 
-def _launch_state_pass(state, scratch: _Scratch, signal: bool = False) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; with signal,
-    each chunk's columns counted in scratch.ready and the output kernel let launch (it must then wait)."""
+def _launch_state_pass(state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, CHUNK)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
         scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
-        scratch.ready,
         length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision, SIGNAL=signal,
-        LANES=SIGNAL_LANES,
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
 
 
-# The state pass's atomic adds per program and chunk (see _chunk_state_kernel): at least the threads of its
-# largest config.
-SIGNAL_LANES = 32 * max(config.num_warps for config in STATE_CONFIGS)
-
-
-def _launch_output(q, out, scratch: _Scratch, output_norm=None, wait: bool = False) -> None:
-    """Kernel 3: o (or its gated norm, with output_norm) written into out; with wait, launched with PDL beside
-    a state pass that signals, each chunk waited for."""
+def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
+    """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
     z, weight, eps = output_norm if output_norm is not None else (out, out, 0.0)  # unused stand-ins without it
 
     def grid(meta):
-        return value_heads, chunks, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
+        return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
 
     _chunk_output_kernel[grid](
-        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight, scratch.ready,
-        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps, SIGNAL_LANES * value_dim,
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
@@ -688,7 +608,6 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None, wait: bool = Fal
         NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
-        WAIT=wait, **launch_options(wait),
     )
 
 
