@@ -1,15 +1,13 @@
 """The engine's decode step with and without an option, in one process: which way is faster where it runs.
 
 Builds the 0.8B model (random weights, bf16) once per option set, e.g. `out_projection_mlp=False`, and
-times decode as `qwen-triton bench` does (`time_decode`: per token, over the bench's calls of a group of
-steps, STEPS_PER_REPLAY to a CUDA-graph replay with feedback, one group ahead of the host) at each context,
-alternating the option sets for `rounds` rounds so that a drift of the machine falls on all of them alike;
-prints each median. --steps-per-replay times each option set at each of those group sizes too.
+times decode steps as `qwen-triton bench` does (`time_calls(back_to_back=True)` over the bench's step: the
+CUDA graph with feedback, one step ahead of the host) at each context, alternating the option sets for
+`rounds` rounds so that a drift of the machine falls on all of them alike; prints each median.
 
     python3 benchmarks/engine_options.py "out_projection_mlp=True" "out_projection_mlp=False" \
         [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json] \
-        [--settings qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192] \
-        [--steps-per-replay 1 4 8]
+        [--settings qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192]
 
 --settings sets module constants before any kernel compiles, for every option set of the run (a constant
 that is a `tl.constexpr` stays one): compare two settings by two runs.
@@ -27,8 +25,7 @@ import statistics
 
 import torch
 
-from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_decode
-from qwen_triton.engine.decode_pipeline import STEPS_PER_REPLAY
+from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
 
 
 def parse_options(text: str) -> dict:
@@ -49,29 +46,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
     parser.add_argument("--settings", nargs="*", default=[], help="module.NAME=VALUE constants, set first")
-    parser.add_argument("--steps-per-replay", type=int, nargs="*", default=[STEPS_PER_REPLAY],
-                        help="decode steps per CUDA-graph replay (the pipeline's group sizes) to time")
     args = parser.parse_args()
-    groups = args.steps_per_replay
     for setting in args.settings:
         set_module_constant(setting)
     contexts = [int(c) for c in args.contexts.split(",")]
-    max_length = max(contexts) + args.steps + args.warmup + 2 * max(groups) + 8
+    max_length = max(contexts) + args.rounds * (args.steps + args.warmup) + 8
     runners = {text: EngineRunner("triton+split_k+cuda_graph", "0.8b", max_length, "cuda", torch.bfloat16,
                                   **parse_options(text)) for text in args.option_sets}
-    times = {(text, group, context): [] for text in runners for group in groups for context in contexts}
+    times = {(text, context): [] for text in runners for context in contexts}
     for _ in range(args.rounds):
         for context in contexts:
             for text, runner in runners.items():
-                for group in groups:
-                    ms = time_decode(runner, context, args.steps, args.warmup, steps_per_replay=group)
-                    times[text, group, context].append(ms * 1e3)
-    rows = [dict(options=text, steps_per_replay=group, context=context, us=statistics.median(values), rounds=values)
-            for (text, group, context), values in times.items()]
-    print(f"{torch.cuda.get_device_name()}: decode, us per token (median over {args.steps} tokens; per round)"
+                ms = time_calls(runner.decode_step(context), args.steps, args.warmup, back_to_back=True)
+                times[text, context].append(ms * 1e3)
+    rows = [dict(options=text, context=context, us=statistics.median(values), rounds=values)
+            for (text, context), values in times.items()]
+    print(f"{torch.cuda.get_device_name()}: decode step, us (median of {args.steps} steps; per round)"
           + (f"; settings {' '.join(args.settings)}" if args.settings else ""))
     for row in rows:
-        print(f"  {row['options'] or '(defaults)':45s} x{row['steps_per_replay']} @{row['context']:6d}: {row['us']:7.1f}  "
+        print(f"  {row['options'] or '(defaults)':45s} @{row['context']:6d}: {row['us']:7.1f}  "
               + " ".join(f"{value:.1f}" for value in row["rounds"]))
     if args.out:
         with open(args.out, "w") as f:

@@ -1,19 +1,16 @@
 """Where the time between two decode steps goes: the bench's step against bare replays of its CUDA graph.
 
-`qwen-triton bench` times decode per token as `LLM.generate` runs it (engine/decode_pipeline.py: groups of
-STEPS_PER_REPLAY steps, each group one graph replay whose feedback kernels write the chosen ids into pinned
-host memory, an event recorded, one group ahead of the host); `qwen-triton profile` times the kernels
-inside one single-step replay (its span). This script times, on one model at one context, steps back to
-back on the GPU (CUDA events between consecutive calls, the harness's `time_calls(back_to_back=True)`,
-divided by the steps a call runs), in four ways:
-  pipeline  the bench's decode (harness.time_decode: DecodePipeline.step, the host reading ids a group behind)
-  graph     the captured single step replayed with feedback and nothing else
+`qwen-triton bench` times a decode step as `LLM.generate` runs it (engine/decode_pipeline.py: the step's
+graph replayed, whose feedback kernel writes the chosen id into pinned host memory, an event recorded, one
+step ahead of the host); `qwen-triton profile` times the kernels inside one replay (its span). This script
+times, on one model at one context, steps back to back on the GPU (CUDA events between consecutive steps,
+the harness's `time_calls(back_to_back=True)`), in three ways:
+  pipeline  the bench's step (DecodePipeline.step, the host reading each id one step behind)
+  graph     the captured step replayed with feedback and nothing else
   copy      graph, plus a copy of the id to pinned host memory and an event on the GPU's stream, without
             the host reading anything (how the pipeline took the ids before the feedback kernel wrote them)
-  group     the captured group of STEPS_PER_REPLAY steps replayed with feedback and nothing else
 The difference between graph and the profile's span is the cost of the graph boundary itself; between
-copy and graph, a copy on the stream; between group and graph, the boundary shared by a group's steps;
-between pipeline and group, what the pipeline adds.
+copy and graph, a copy on the stream; between pipeline and graph, what the pipeline adds.
 
     python3 benchmarks/step_gap.py [--context 128] [--steps 200] [--out gap.json]
 """
@@ -25,8 +22,7 @@ import json
 
 import torch
 
-from qwen_triton.benchmark.harness import EngineRunner, time_calls, time_decode
-from qwen_triton.engine.decode_pipeline import STEPS_PER_REPLAY
+from qwen_triton.benchmark.harness import EngineRunner, time_calls
 from qwen_triton.engine.sampling import SamplingParams
 from qwen_triton.engine.triton_model import DeviceSampling
 
@@ -39,14 +35,14 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     steps, warmup = args.steps, args.warmup
-    # four runs of warm-up + steps, each advancing the context by one token a step (by whole groups)
-    max_length = args.context + 4 * (steps + warmup + 2 * STEPS_PER_REPLAY) + 8
+    # three runs of warm-up + steps, each advancing the context by one token a step
+    max_length = args.context + 3 * (steps + warmup) + 8
     runner = EngineRunner("triton+split_k+cuda_graph", "0.8b", max_length, "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     vocabulary = runner.model.config.vocab_size
     runner.prefill(torch.randint(0, vocabulary, (args.context,), generator=generator).to("cuda"))
     times = {}
-    times["pipeline"] = time_decode(runner, args.context, steps, warmup)
+    times["pipeline"] = time_calls(runner.decode_step(args.context), steps, warmup, back_to_back=True)
 
     model = runner.model
     sampling = DeviceSampling.build([SamplingParams()], "cuda")
@@ -61,15 +57,9 @@ def main() -> None:
         host.copy_(graph(), non_blocking=True)
         event.record()
 
-    def group():  # STEPS_PER_REPLAY steps in one replay
-        return model.decode_tokens(None, None, sampling, None, feedback=True, group=STEPS_PER_REPLAY)
-
     times["graph"] = time_calls(graph, steps, warmup, back_to_back=True)
     times["copy"] = time_calls(copy, steps, warmup, back_to_back=True)
-    times["group"] = time_calls(group, max(1, steps // STEPS_PER_REPLAY), -(-warmup // STEPS_PER_REPLAY),
-                                back_to_back=True) / STEPS_PER_REPLAY
     report = dict(gpu=torch.cuda.get_device_name(), context=args.context, steps=steps,
-                  steps_per_replay=STEPS_PER_REPLAY,
                   us={name: ms * 1e3 for name, ms in times.items()})
     for name, ms in times.items():
         print(f"{name:9s} {ms * 1e3:8.1f} us per step")

@@ -58,24 +58,3 @@ def test_set_module_constant_keeps_constexpr_and_names_a_missing_constant():
             set_module_constant("NOPE=1", chunk)
     finally:
         module.TILE_ELEMENTS, chunk.SHORT_PROMPT_CHUNKS, fusion.SWIGLU = saved
-
-
-def test_time_decode_times_tokens_not_calls():
-    # a call of the triton variants' decode hands back a group of tokens (four here, 8 ms a call): steps and
-    # warm-up count tokens (200 -> 50 calls, 10 -> 3 calls) and the time is per token, a quarter of a call's
-    import time
-
-    from qwen_triton.benchmark.harness import time_decode
-
-    calls = []
-
-    class Runner:
-        def decode_step(self, context):
-            def step():
-                calls.append(context)
-                time.sleep(0.008)
-            return step, 4
-
-    ms = time_decode(Runner(), 7, steps=200, warmup=10, device="cpu")
-    assert calls == [7] * (3 + 50)
-    assert 2.0 <= ms <= 4.0

@@ -11,20 +11,16 @@ Variants (the names of the JSON rows):
 
 Every model has random weights at the preset's shape (speed does not depend on the values).
 
-Decode at context L, timed per generated token in steady-state generation (time_decode): the triton
-variants run greedy steps as LLM.generate runs them (each step's id fed back on the device, the steps
-launched STEPS_PER_REPLAY at a time, in the cuda_graph variant one replay each, one launch kept ahead:
+Decode at context L: the triton variants run greedy steps as LLM.generate runs them (each step's id fed
+back on the device, each step launched before the host reads the previous step's id:
 engine/decode_pipeline.py), the context growing from L; the reference variants repeat a step at position
-L; transformers grows its cache from L. The host makes its calls back to back, a call handing back one
-launch's tokens (n = STEPS_PER_REPLAY for the triton variants on a GPU, 1 otherwise), with one CUDA event
-between consecutive calls; a call's time is the interval between its two events as the GPU passes them,
-divided by its n tokens. For the triton variants the event after a call follows the launch of the next
-group, so the interval runs from one group's end to the next's on the GPU: the GPU's time per token (the
-replay's boundary shared by n tokens) when the host keeps ahead of it, the host's time when it does not.
-The median over `steps` tokens (`steps` / n calls) after `warmup` tokens. Prefill: CUDA events around
-each call, which is waited for; the median of `steps` / 10 calls (/ 20 for long prompts) after warm-up.
-The ceilings are measured in the same run: HBM bandwidth by a device-to-device copy (bytes read + written
-over time), the bf16 matmul rate by an 8192^3 product.
+L; transformers grows its cache from L. Steps are launched back to back with one CUDA event between
+consecutive steps, and a step's time is the interval between its two events as the GPU passes them: the
+GPU's time per step when the host keeps ahead of it, the host's time when it does not. The median of
+`steps` steps after warm-up. Prefill: CUDA events around each call, which is waited for; the median of
+`steps` / 10 calls (/ 20 for long prompts) after warm-up. The ceilings are
+measured in the same run: HBM bandwidth by a device-to-device copy (bytes read + written over time), the
+bf16 matmul rate by an 8192^3 product.
 
 On a CPU (the tiny preset, float32, Triton under its interpreter) the same harness runs end to end with
 host timers and host ceilings, so that it is tested in CI; its numbers there mean nothing.
@@ -48,25 +44,12 @@ import torch
 
 from ..checkpoint import PRESETS, official_config
 from ..config import parse_config
-from ..engine.decode_pipeline import STEPS_PER_REPLAY
 from .floor import decode_bytes, prefill_flops
 
 VARIANTS = ("transformers", "reference", "reference+torch.compile", "triton", "triton+split_k",
             "triton+split_k+cuda_graph")
 PREFILL_LENGTHS = (128, 4096)
 DECODE_CONTEXTS = (128, 4096, 32768)
-
-
-def time_decode(runner, context: int, steps: int, warmup: int, device: str = "cuda",
-                steps_per_replay: int | None = None) -> float:
-    """Median milliseconds per generated token of `runner`'s decode from `context` on, in steady state:
-    time_calls(back_to_back=True) over the calls of runner.decode_step, each running one launch's n tokens,
-    its interval divided by n. `steps` and `warmup` count tokens, rounded to whole calls (at least one).
-    steps_per_replay: the triton pipeline's group size (None: its default)."""
-    group = {} if steps_per_replay is None else dict(steps_per_replay=steps_per_replay)
-    step, tokens = runner.decode_step(context, **group)
-    calls, warmup_calls = max(1, steps // tokens), -(-warmup // tokens)
-    return time_calls(step, steps=calls, warmup=warmup_calls, device=device, back_to_back=True) / tokens
 
 
 def log(message: str) -> None:
@@ -192,12 +175,7 @@ class EngineRunner:
         self.model.reset(0)
         self.model.prefill(token_ids, slot=0, all_logits=False)
 
-    def decode_step(self, context: int, steps_per_replay: int | None = None):
-        """(function, n): a function that decodes n tokens from `context` on, a launch's worth (time_decode).
-        triton variants: greedy steps as LLM.generate runs them, through DecodePipeline with
-        `steps_per_replay` steps a launch (None: its STEPS_PER_REPLAY), n of them a call, so that each call
-        launches one group and reads the one before (n = 1 where the pipeline does not run ahead: off a
-        GPU, where it launches single steps). Others: one step, n = 1."""
+    def decode_step(self, context: int):
         token = torch.ones(1, device=self.device, dtype=torch.int64)
         position = torch.full((1,), context, device=self.device, dtype=torch.int64)
         if self.variant.startswith("triton"):  # greedy steps as LLM.generate runs them
@@ -205,19 +183,16 @@ class EngineRunner:
             from ..engine.sampling import SamplingParams
             from ..engine.triton_model import DeviceSampling
 
-            group = {} if steps_per_replay is None else dict(steps_per_replay=steps_per_replay)
-            pipeline = DecodePipeline(self.model, DeviceSampling.build([SamplingParams()], self.device), **group)
-            tokens = pipeline.steps_per_replay if pipeline.ahead else 1
+            pipeline = DecodePipeline(self.model, DeviceSampling.build([SamplingParams()], self.device))
             state = dict(ids=[1], position=context, steps=0)
 
-            def step():  # the context grows by one token a pipeline step: L..L+steps
-                for _ in range(tokens):
-                    state["ids"] = pipeline.step(state["ids"], [state["position"]], [state["steps"]], [True])
-                    state["position"] += 1
-                    state["steps"] += 1
-            return step, tokens
+            def step():  # the context grows by one token a step: L..L+steps
+                state["ids"] = pipeline.step(state["ids"], [state["position"]], [state["steps"]], [True])
+                state["position"] += 1
+                state["steps"] += 1
+            return step
         decode = self._compiled_decode() if self.variant == "reference+torch.compile" else self.model.decode
-        return (lambda: decode(token, position)), 1
+        return lambda: decode(token, position)
 
     def close(self) -> None:
         del self.llm, self.model
@@ -251,7 +226,6 @@ class TransformersRunner:
 
     @torch.no_grad()
     def decode_step(self, context: int):
-        """(function, 1): a function that decodes one token from `context` on (time_decode)."""
         # the cache is filled in pieces of PIECE tokens (a 32768-token prompt at once would hold 32768^2
         # attention scores per head); the step's cost depends on the cache's length, not on its values
         cache = None
@@ -263,7 +237,7 @@ class TransformersRunner:
         def step():  # the cache grows by one token a step: context L..L+steps
             with torch.no_grad():
                 self.model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return step, 1
+        return step
 
     def close(self) -> None:
         del self.model
@@ -283,8 +257,7 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
     hbm = measure_hbm_bandwidth(device)
     matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s")
-    # decode advances by the tokens timed, rounded up to whole groups, and the group launched ahead
-    max_length = max(list(decode_contexts) + list(prefill_lengths)) + steps + warmup + 2 * STEPS_PER_REPLAY + 2
+    max_length = max(list(decode_contexts) + list(prefill_lengths)) + steps + warmup + 2  # decode advances
     results = []
     notes = {}
     generator = torch.Generator().manual_seed(0)
@@ -306,7 +279,8 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
                                 flops=flops, pct_of_floor=100 * flops / (ms * 1e-3) / (matmul * 1e12)))
             log(f"{variant}: prefill {length}: {ms:.3f} ms")
         for context in decode_contexts:
-            ms = time_decode(runner, context, steps, min(warmup, steps), device=device)
+            step = runner.decode_step(context)
+            ms = time_calls(step, steps=steps, warmup=min(warmup, steps), device=device, back_to_back=True)
             counted = decode_bytes(config, context).total
             results.append(dict(variant=variant, phase="decode", context=context, batch=1, ms=ms, bytes=counted,
                                 flops=None, pct_of_floor=100 * counted / (ms * 1e-3) / (hbm * 1e12)))
@@ -315,8 +289,7 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
         report = dict(
             gpu=torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()})",
             date=datetime.date.today().isoformat(), commit=_commit(), torch=torch.__version__,
-            triton=_triton_version(), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, steps=steps,
-            decode_steps_per_replay=STEPS_PER_REPLAY if device == "cuda" else 1, notes=notes,
+            triton=_triton_version(), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, steps=steps, notes=notes,
             results=results, python=platform.python_version(), preset=preset, dtype=str(dtype).replace("torch.", ""),
             seconds=time.perf_counter() - started,
         )

@@ -107,9 +107,6 @@ class LLM:
         # triton backend: launch each decode step before the host reads the previous one's ids
         # (engine/decode_pipeline.py); None = on a GPU only. Results are the same either way.
         self.run_ahead: bool | None = None
-        # triton backend, running ahead: decode steps per launch (one CUDA-graph replay); None = the
-        # pipeline's STEPS_PER_REPLAY. Results are the same for every value.
-        self.steps_per_replay: int | None = None
 
     # ---- text ---------------------------------------------------------------------------------
     @property
@@ -318,9 +315,8 @@ class HostChooser:
 
 class DeviceChooser:
     """Next ids chosen on the device inside the decode step (CUDA graph), fed back on the device as the next
-    step's inputs, steps launched in groups (several per graph replay), one group ahead of the host
-    (engine/decode_pipeline.py); one host read per group, its ids handed to the stop checks one step at a
-    time. Rows draw from (seed, row's step) streams, independent of the batch."""
+    step's inputs, one step launched ahead of the host (engine/decode_pipeline.py); one host read per step
+    for the stop checks. Rows draw from (seed, row's step) streams, independent of the batch."""
 
     def __init__(self, llm: LLM, rows: int, params: SamplingParams):
         from .decode_pipeline import DecodePipeline
@@ -328,8 +324,7 @@ class DeviceChooser:
 
         self.llm = llm
         self.sampling = DeviceSampling.build([params] * rows, llm.device)
-        group = {} if llm.steps_per_replay is None else dict(steps_per_replay=llm.steps_per_replay)
-        self.pipeline = DecodePipeline(llm.model, self.sampling, ahead=llm.run_ahead, **group)
+        self.pipeline = DecodePipeline(llm.model, self.sampling, ahead=llm.run_ahead)
 
     def first(self, logits: torch.Tensor, row: int) -> int:
         return int(self.llm.model.choose_first(logits[-1:], self.sampling, row)[0])

@@ -15,9 +15,7 @@ Decode runs slots 0..B-1 with every activation buffer preallocated per batch buc
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
 replayed: inputs are copied into static buffers, nothing is allocated and nothing waits on the host.
 With `feedback=True` the step ends with a kernel that writes its chosen ids back as the next step's inputs,
-so generation can launch the next step before reading this one's ids (engine/decode_pipeline.py); and
-`group=n` runs n such steps back to back, captured together in one graph per (bucket, mode, n), so that
-the graph's boundary and the host's read of the ids are paid once per n steps.
+so generation can launch the next step before reading this one's ids (engine/decode_pipeline.py).
 With `pdl=True` (the default on Hopper and newer) the decode kernels use programmatic dependent launch:
 each starts while the previous one drains, streams its weights, and waits before reading its input
 (operators/common.py). A prefill from position 0 whose length repeats is replayed from a CUDA graph too.
@@ -170,7 +168,7 @@ class TritonModel:
         self.decode_splits = decode_splits(1, c.num_key_value_heads, max_length, self.device)
         self.state = ModelState(config, max_batch, max_length, self.device, dtype)
         self._buffers: dict[int, DecodeBuffers] = {}
-        self._graphs: dict[tuple[int, str, bool, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         # progress of the warm-ups on stderr (the first prefill, each decode graph's first step): they compile
         # and autotune the kernels, once per machine (the choices are cached on disk)
         self.progress = progress
@@ -382,11 +380,9 @@ class TritonModel:
             self._buffers[size] = DecodeBuffers(self, size)
         return self._buffers[size]
 
-    def _decode_body(self, buffers: DecodeBuffers, mode: str, feedback: bool = False,
-                     host_ids: torch.Tensor | None = None) -> None:
+    def _decode_body(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
         """One decode step on static buffers; allocation-free once every kernel has been warmed up. With
-        feedback, its last kernel makes the chosen ids the next step's inputs (positions + 1) and writes them
-        into the host ring `host_ids` (by default the one-step ring, buffers.host_ids)."""
+        feedback, its last kernel makes the chosen ids the next step's inputs (positions + 1)."""
         c = self.config
         pdl = self.pdl
         size = buffers.size
@@ -457,29 +453,15 @@ class TritonModel:
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
                        buffers.step, out=buffers.next_tokens)
         if feedback:
-            self._feed_back(buffers, host_ids)
+            with self._operator("feedback: chosen ids -> next inputs", None, lambda: (72 * size, 0)):
+                feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
+                          self.max_length - 1, pdl=pdl, host_ids=buffers.host_ids)
 
-    def _feed_back(self, buffers: DecodeBuffers, host_ids: torch.Tensor | None = None) -> None:
-        """A decode step's last kernel: its chosen ids, positions + 1 and draw counters + 1 become the next
-        step's inputs, and the ids land in the host ring `host_ids` (default: the one-step ring)."""
-        with self._operator("feedback: chosen ids -> next inputs", None, lambda: (72 * buffers.size, 0)):
-            feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
-                      self.max_length - 1, pdl=self.pdl, host_ids=buffers.host_ids if host_ids is None else host_ids)
-
-    def _decode_group(self, buffers: DecodeBuffers, mode: str, feedback: bool, group: int) -> None:
-        """`group` decode steps back to back (group > 1 needs feedback: each step continues from the one
-        before it on the device); their ids go to the ring of `group` (DecodeBuffers.host_ids_for)."""
-        host_ids = buffers.host_ids_for(group) if feedback else None
-        for _ in range(group):
-            self._decode_body(buffers, mode, feedback, host_ids=host_ids)
-
-    def _run(self, buffers: DecodeBuffers, mode: str, feedback: bool = False, group: int = 1) -> None:
-        """Run `group` decode steps: eagerly without CUDA graphs (on a CPU, for one), else by replaying the
-        graph of (bucket, mode, feedback, group), captured on first use after a warm-up of one step."""
+    def _run(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
         if not self.cuda_graph:
-            self._decode_group(buffers, mode, feedback, group)
+            self._decode_body(buffers, mode, feedback)
             return
-        key = (buffers.size, mode, feedback, group)
+        key = (buffers.size, mode, feedback)
         graph = self._graphs.get(key)
         if graph is None:
             # warm-up outside the graph: compiles, autotunes and allocates every workspace. It runs the
@@ -491,17 +473,15 @@ class TritonModel:
             if self.progress:
                 self._layer_done = progress_printer(
                     f"decode warm-up (batch {buffers.size}, {mode}): compiling and autotuning (cached on disk), layers")
-            # one step warms up the kernels of all `group` (the same launches, the ring of `group` included)
-            host_ids = buffers.host_ids_for(group) if feedback else None
             try:
                 with torch.cuda.stream(stream):
-                    self._decode_body(buffers, mode, feedback, host_ids=host_ids)
+                    self._decode_body(buffers, mode, feedback)
             finally:
                 self._layer_done = None
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._decode_group(buffers, mode, feedback, group)
+                self._decode_body(buffers, mode, feedback)
             self._restore_state(buffers.size, saved)
             for buffer, value in zip((buffers.token_ids, buffers.positions, buffers.lengths, buffers.step), inputs):
                 buffer.copy_(value)
@@ -541,7 +521,7 @@ class TritonModel:
 
     @torch.no_grad()
     def decode_tokens(self, token_ids, positions, sampling: "DeviceSampling", step,
-                      feedback: bool = False, group: int = 1) -> torch.Tensor:
+                      feedback: bool = False) -> torch.Tensor:
         """One step for slots 0..B-1, choosing the next ids on the device: int64 [B], a view of a static
         buffer. sampling holds the rows' parameters (device tensors) and the mode the host chose from
         them; step [B] is each row's draw counter (its number of generated tokens).
@@ -549,16 +529,7 @@ class TritonModel:
         feedback=True ends the step with the feedback kernel: the chosen ids, positions + 1 and step + 1
         become the next step's inputs on the device, and the next call may pass token_ids, positions and
         step as None to continue from them without any host input (how generation runs ahead of the host:
-        engine/decode_pipeline.py). Each step's ids also land in the host ring chosen_on_host(B, group).
-
-        group=n (needs feedback) runs n such steps in one call, one CUDA-graph replay: the same kernels on
-        the same inputs as n calls, so the same ids; the return value is then the last step's ids. The
-        caller keeps every running row's last position (positions + n - 1) inside the cache: the feedback
-        kernel holds a row at the last position, and its later results there are meaningless."""
-        if not isinstance(group, int) or group < 1:
-            raise ValueError(f"group must be a positive int, got {group!r}")
-        if group > 1 and not feedback:
-            raise ValueError(f"group={group} runs steps that continue from each other: it needs feedback=True")
+        engine/decode_pipeline.py)."""
         batch = sampling.temperature.shape[0]
         buffers = self._buffers_for(batch)
         if token_ids is None:
@@ -577,16 +548,15 @@ class TritonModel:
             buffers.top_k[:batch].copy_(sampling.top_k)
             buffers.top_p[:batch].copy_(sampling.top_p)
             buffers.seed[:batch].copy_(sampling.seed)
-        self._run(buffers, sampling.mode, feedback, group)
+        self._run(buffers, sampling.mode, feedback)
         buffers.fed_back = batch if feedback else 0
         return buffers.next_tokens[:batch]
 
-    def chosen_on_host(self, batch: int, group: int = 1) -> torch.Tensor:
-        """int64 [2 * group, bucket(batch)]: where the steps with feedback of this batch run `group` to a call
-        leave their ids, row r's id of a step in row (r's step counter before the step) % (2 * group) (pinned
-        host memory on a GPU); read it after the call is done (an event recorded after decode_tokens). Each
-        group size has its own ring, so calls of different sizes never write each other's rows."""
-        return self._buffers_for(batch).host_ids_for(group)
+    def chosen_on_host(self, batch: int) -> torch.Tensor:
+        """int64 [2, bucket(batch)]: where the steps with feedback of this batch leave their ids, row r's id of a
+        step in row (its step counter before the step) % 2 (pinned host memory on a GPU); read it after the
+        step is done (an event recorded after decode_tokens)."""
+        return self._buffers_for(batch).host_ids
 
     @torch.no_grad()
     def choose_first(self, logits: torch.Tensor, sampling: "DeviceSampling", row: int) -> torch.Tensor:
@@ -673,22 +643,8 @@ class DecodeBuffers:
         self.seed = torch.zeros(size, device=device, dtype=torch.int64)
         self.step = torch.zeros(size, device=device, dtype=torch.int64)
         # the ids of a step with feedback, written by its last kernel into row step % 2 (pinned host memory on a
-        # GPU, read by the host once the step is done: engine/decode_pipeline.py); host_ids_for(n) holds the
-        # rings of n steps to a call
-        self.host_ids = self._host_ring(2)
-        self._host_rings = {1: self.host_ids}
+        # GPU, read by the host once the step is done: engine/decode_pipeline.py)
+        self.host_ids = torch.zeros(2, size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        if device.type != "cuda":
+            self.host_ids = self.host_ids.to(device)
         self.fed_back = 0  # rows whose inputs the last step wrote (feedback); 0 when the host must give them
-
-    def _host_ring(self, rows: int) -> torch.Tensor:
-        on_gpu = self.token_ids.device.type == "cuda"
-        ring = torch.zeros(rows, self.size, dtype=torch.int64, pin_memory=on_gpu)
-        return ring if on_gpu else ring.to(self.token_ids.device)
-
-    def host_ids_for(self, group: int) -> torch.Tensor:
-        """The host ring of calls that run `group` steps with feedback: int64 [2 * group, size], the ids of
-        a row's step in row (its step counter) % (2 * group): a call's `group` ids in distinct rows, and the
-        call launched after it writes the other `group` while the host reads these. Allocated on first use
-        (before any graph that writes it is captured)."""
-        if group not in self._host_rings:
-            self._host_rings[group] = self._host_ring(2 * group)
-        return self._host_rings[group]
