@@ -67,6 +67,11 @@ Three kernels:
    O rounded to the output dtype first), in place of the norm kernel's launch and its read and write of O:
    measured 33.7 + 21.3 (norm kernel) -> 39.7 us per layer at 4096 tokens (profiles 4ca1bd6 -> fb3e19c),
    4.0 + 1.8 -> 6.2 us at 128 (501113a -> fb3e19c; there the launch it saves is the gain).
+The kernels run one after the other. Side by side, waiting on per-chunk ready flags, both pairs were measured
+slower in the prefill of 4096 tokens (docs/perf-notes.md, eleventh session): the state pass beside kernel 1
+on a second stream (15.26-15.36 against 13.94-14.28 ms; it started only in kernel 1's last wave, and kernel 1
+had to run at 8 warps to leave it room), and kernel 3 beside the state pass through PDL (14.30-14.36 against
+13.85-13.95 ms: the state pass's steps slowed by the output programs on its SMs, 104 -> 134 us per layer).
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
