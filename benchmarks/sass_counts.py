@@ -3,8 +3,9 @@
 No GPU: Triton compiles the kernel for an H100/H200 target with its bundled ptxas, and cuobjdump (bundled
 too) reports the registers and stack (spills) per thread and disassembles it; the shared memory per program
 is the compiler's (what decides, with the registers, how many programs share an SM). The arguments are
-specialised as the engine's are (pointers and strides divisible by 16, the real shape, bf16). A static count, not a
-timing: fewer instructions on a latency-bound kernel's critical path is a prediction to measure on the GPU.
+specialised as the engine's are (pointers and strides divisible by 16, the real shape, bf16). A static count,
+not a timing: fewer instructions on a latency-bound kernel's critical path is a prediction to measure on the
+GPU.
 
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
