@@ -43,6 +43,11 @@ from ..operators.gated_delta_rule import (
     gated_delta_rule_recurrent,
     gated_rms_norm,
 )
+from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
+from ..operators.gated_delta_rule.projected_decode import (
+    gated_delta_rule_decode_projected,
+    gated_delta_rule_decode_projected_cost,
+)
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
 from ..operators.linear.gemv import MAX_ROWS
@@ -104,6 +109,7 @@ class TritonModel:
         fused_delta_decode: bool = True,
         out_projection_mlp: bool = True,
         output_norm_in_projection: bool = True,
+        projected_delta_decode: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -119,6 +125,8 @@ class TritonModel:
         self.out_projection_mlp = out_projection_mlp
         # with it, a DeltaNet layer's gated RMSNorm in out_projection_mlp's prologue, not in the decode step
         self.output_norm_in_projection = output_norm_in_projection
+        # with it, a one-sequence decode step's DeltaNet in-projection and step in one kernel (projected_decode.py)
+        self.projected_delta_decode = projected_delta_decode
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -372,6 +380,32 @@ class TritonModel:
             return lm_head_logits(rows, self.lm_head, norm_weight=self.final_norm, eps=c.rms_norm_eps)
 
     # ---- decode: one token for each of slots 0..B-1 ---------------------------------------------
+    def _projected_step(self, rows: int, scratch) -> bool:
+        """Whether a DeltaNet layer's decode step runs as `gated_delta_rule_decode_projected` (one sequence, the
+        step's output normed by out_projection_mlp's prologue; option projected_delta_decode)."""
+        c = self.config
+        return (self.projected_delta_decode and rows == 1 and self.fused_delta_decode
+                and self.output_norm_in_projection and self._fused_tail(rows, scratch)
+                and c.linear_key_head_dim % PROJECTED_ROWS == 0 and c.linear_value_head_dim % PROJECTED_ROWS == 0)
+
+    def _projected_delta_layer(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, scratch):
+        """A one-sequence DeltaNet layer's decode: in-projection and step in one kernel, then its tail."""
+        c = self.config
+
+        def cost():
+            return gated_delta_rule_decode_projected_cost(
+                c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                c.linear_value_head_dim, c.linear_conv_kernel_dim, self.embed.element_size())
+
+        with self._operator("deltanet in-projection + step (conv, gating, delta rule)", i, cost):
+            out = gated_delta_rule_decode_projected(
+                x, w.input_norm, c.rms_norm_eps, w.projection, w.conv, self.state.conv[i][:1], w.A_log, w.dt_bias,
+                self.state.recurrent[i][:1], scratch["delta_projection"], scratch["delta_qk"], scratch["delta_out"],
+                pdl=self.pdl)
+        _, z, _, _ = self._split_projection(scratch["delta_projection"])
+        return self._layer_tail(i, "deltanet gated norm + out-projection", out.view(1, -1), w.out, x, mlp, scratch,
+                                pdl=self.pdl, head_norm=(z, w.norm))
+
     def _buffers_for(self, batch: int) -> DecodeBuffers:
         size = bucket(batch)
         if size > self.max_batch:
@@ -403,6 +437,8 @@ class TritonModel:
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
                 x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
+            elif self._projected_step(size, buffers.scratch):
+                x = self._projected_delta_layer(i, w, mlp, x, buffers.scratch)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                           eps=c.rms_norm_eps, out=buffers.scratch["delta_projection"], pdl=pdl)
@@ -631,6 +667,7 @@ class DecodeBuffers:
             "attention_q": zeros(size, c.num_attention_heads, c.head_dim),
             "delta_projection": zeros(size, projection_width),
             "conv_out": zeros(size, c.linear_conv_dim),
+            "delta_qk": zeros(size, 2 * c.linear_key_dim),
             "delta_out": zeros(size, c.linear_num_value_heads, c.linear_value_head_dim),
             "delta_normed": zeros(size, c.linear_value_dim),
             "mlp_hidden": zeros(size, c.intermediate_size),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qwen_triton import LLM
+from qwen_triton.engine import triton_model
 from tests.support import relative_error, small_config, transformers_model, transformers_score, write_checkpoint
 
 TOLERANCE = 2e-3
@@ -50,6 +51,28 @@ def test_decode_with_the_three_projections_matches_transformers(checkpoints):
     token_ids = torch.randint(0, llm.config.vocab_size, (6,), generator=torch.Generator().manual_seed(6)).tolist()
     expected = transformers_score(_oracle(directory), token_ids, 0)
     assert relative_error(llm.score(token_ids, prefill=0), expected) <= TOLERANCE
+
+
+def test_decode_with_the_projected_deltanet_step_matches_transformers(tmp_path, monkeypatch):
+    # head dims of 16: a one-sequence decode step runs each DeltaNet layer's in-projection and step as one
+    # kernel (projected_decode.py); the same checkpoint with the option off runs the GEMV and the fused step
+    config = small_config(linear_key_head_dim=16, linear_value_head_dim=32)
+    directory = write_checkpoint(tmp_path, config, layout="causal", seed=12)
+    calls = []
+    original = triton_model.gated_delta_rule_decode_projected
+    monkeypatch.setattr(triton_model, "gated_delta_rule_decode_projected",
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    token_ids = torch.randint(0, config["vocab_size"], (7,), generator=torch.Generator().manual_seed(9)).tolist()
+    expected = transformers_score(_oracle(directory), token_ids, 2)
+    scores = {}
+    for projected in (True, False):
+        calls.clear()
+        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16,
+                  projected_delta_decode=projected)
+        scores[projected] = llm.score(token_ids, prefill=2)
+        assert len(calls) == (5 * 3 if projected else 0)  # 5 decode steps x 3 DeltaNet layers
+        assert relative_error(scores[projected], expected) <= TOLERANCE
+    assert relative_error(scores[True], scores[False]) <= 1e-5
 
 
 def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence(checkpoints):
