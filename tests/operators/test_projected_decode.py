@@ -196,7 +196,7 @@ for name in constants:
     signature[name] = "constexpr"
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=module.WARPS, num_stages=module.STAGES))
+                          options=dict(num_warps=module.WARPS, num_stages=module.STAGES, maxnreg=module.MAX_REGISTERS))
 path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
 open(path, "wb").write(compiled.asm["cubin"])
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -207,7 +207,6 @@ print(json.dumps(dict(registers=int(usage.split("REG:")[1].split()[0]), stack=in
 
 def test_compiles_for_hopper():
     # the interpreter never compiles the kernel: compile it for sm_90 at the real shape (Triton's bundled ptxas)
-    # and read its registers and stack: no spills, and at most 168 registers a thread of 4 warps, three programs
-    # per SM, so that every producer and step program is resident at once on 132 SMs (projected_decode.py)
+    # and read its registers and stack: no spills under the register bound that puts four programs on an SM
     usage = run_without_interpreter(COMPILE_FOR_HOPPER)
-    assert usage["stack"] == 0 and usage["registers"] <= 168, usage
+    assert usage["stack"] == 0 and usage["registers"] <= 128, usage

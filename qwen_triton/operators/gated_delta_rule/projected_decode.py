@@ -24,10 +24,9 @@ projection is the GEMV's bit for bit. The tiles run in this order of program ids
 The last of a key head's step programs to pass the wait resets the head's counters, so a CUDA graph can
 replay the launch. A step program waits only for programs of lower ids: the GPU dispatches a grid in id
 order (and the interpreter runs it in that order), so every program a step waits for is running or done,
-and the waits cannot deadlock. At 168 registers a thread three programs fit an SM (the GEMV alone: 144,
-also three): the first 396 programs, every producer and step, are resident together on 132 SMs. The
-counters are shared by every launch on a device: launches must be ordered on one stream (each PDL launch
-waits for the previous kernel before its first arrival).
+and the waits cannot deadlock. At the real shape the grid (514 programs) is one wave: four programs an SM
+(MAX_REGISTERS) on 132 SMs. The counters are shared by every launch on a device: launches must be ordered
+on one stream (each PDL launch waits for the previous kernel before its first arrival).
 
 Floor at the real shapes (K 1024, N 8224, Hk = Hv = 16, Dk = Dv = 128, bf16): the 16.8 MB weight, the 2 MiB
 state read and written, the conv state and weights (~120 KB): ~19 MB, 3.9 us at 4.9 TB/s; ~19 MFLOP.
@@ -64,6 +63,10 @@ ROWS = 16
 TILE_K = 256
 WARPS = 4
 STAGES = 3
+# four programs an SM (4 x 4 warps x 128 registers fill its 64K registers): the 514 programs of the real shape,
+# 132 x 4 = 528 slots, run as one wave (unbounded, ptxas takes 136 registers: three an SM, 396 slots). No spills
+# at 128 (tests/operators/test_projected_decode.py compiles it).
+MAX_REGISTERS = 128
 
 
 @triton.jit
@@ -236,7 +239,7 @@ def gated_delta_rule_decode_projected(
         K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_DK=triton.next_power_of_2(key_dim),
         BLOCK_HK=triton.next_power_of_2(key_heads), ROWS=ROWS, TILE_K=TILE_K, USE_PDL=pdl,
-        num_warps=WARPS, num_stages=STAGES, **launch_options(pdl),
+        num_warps=WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS, **launch_options(pdl),
     )
     return delta_out
 
