@@ -41,13 +41,11 @@ from ..operators.gated_delta_rule import (
     gated_delta_rule_chunked,
     gated_delta_rule_decode_fused,
     gated_delta_rule_recurrent,
+    gated_delta_rule_decode_projected,
+    gated_delta_rule_decode_projected_cost,
     gated_rms_norm,
 )
 from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
-from ..operators.gated_delta_rule.projected_decode import (
-    gated_delta_rule_decode_projected,
-    gated_delta_rule_decode_projected_cost,
-)
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
 from ..operators.linear.gemv import MAX_ROWS

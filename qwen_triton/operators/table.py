@@ -22,6 +22,10 @@ class Operator:
 LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
 LINEAR_DECODE = "linear.gemv:_gemv_kernel"
 PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a row pass before it
+# a one-sequence decode step's DeltaNet in-projection, conv, gating and delta rule (engine option
+# projected_delta_decode); several sequences run the GEMV, then the fused step
+PROJECTED_STEP_DECODE = "gated_delta_rule.projected_decode:_projected_step_kernel"
+FUSED_STEP_DECODE = "gated_delta_rule.fused_decode:_fused_step_kernel"
 # a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: three phases of
 # one kernel, one program per SM
 LAYER_TAIL_DECODE = "linear.out_projection_mlp:_out_projection_mlp_kernel"
@@ -30,8 +34,9 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
              ("embedding.embedding:_embedding_kernel",)),
     Operator("2", "fused input projections (attention gate|q|k|v; DeltaNet qkv|z|b|a)",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE,),
-             "weights concatenated at load; input RMSNorm: the GEMV's prologue (decode), a row pass (prefill)"),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, PROJECTED_STEP_DECODE),
+             "weights concatenated at load; input RMSNorm: the GEMV's prologue (decode), a row pass (prefill); "
+             "a one-sequence decode step's DeltaNet projection is the tiles of the projected step kernel"),
     Operator("3-4", "per-head q/k RMSNorm + partial RoPE, k and v written to the KV cache",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",)),
@@ -62,17 +67,19 @@ OPERATORS: tuple[Operator, ...] = (
              "cache [slot, kv head, position, dim]: a head's keys are contiguous"),
     Operator("22", "causal depthwise conv1d (width 4) + SiLU",
              ("conv.causal_conv1d:_causal_conv1d_kernel",),
-             ("gated_delta_rule.fused_decode:_fused_step_kernel",),
-             "decode: the one-step conv update inside the fused DeltaNet step"),
+             (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
+             "decode: the one-step conv update inside the DeltaNet step (one sequence: the projected step kernel, "
+             "its projection tiles; several: the fused step)"),
     Operator("23", "gating prep: L2 norm of q, k; beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)",
              ("gated_delta_rule.chunk:_chunk_prepare_kernel",),
-             ("gated_delta_rule.fused_decode:_fused_step_kernel",),
+             (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
              "fused into the delta rule kernels (standalone: gated_delta_rule.gating:_gating_kernel)"),
     Operator("24", "gated delta rule",
              ("gated_delta_rule.chunk:_chunk_prepare_kernel", "gated_delta_rule.chunk:_chunk_state_kernel",
               "gated_delta_rule.chunk:_chunk_output_kernel"),
-             ("gated_delta_rule.fused_decode:_fused_step_kernel",),
-             "prefill: chunk 64, UT form, fp32 state; decode: one recurrent step on the fp32 state in place"),
+             (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
+             "prefill: chunk 64, UT form, fp32 state; decode: one recurrent step on the fp32 state in place, "
+             "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",
              ("gated_delta_rule.chunk:_chunk_output_kernel",),
              (LAYER_TAIL_DECODE,),

@@ -6,6 +6,8 @@
     gated_rms_norm               per-head RMSNorm of the output, gated by silu(z)
     gated_delta_rule_decode_fused  conv step + gates + norms + recurrent step + gated norm of a layer's
                                  decode, in one kernel (the three launchers above and the conv step, fused)
+    gated_delta_rule_decode_projected  one sequence's decode from the layer's input row: the in-projection
+                                 GEMV's tiles and the fused step's work, in one kernel (projected_decode.py)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from ..common import built_on_first_call
 from .chunk import gated_delta_rule_chunked, gated_delta_rule_chunked_cost
 from .fused_decode import gated_delta_rule_decode_fused, gated_delta_rule_decode_fused_cost
+from .projected_decode import gated_delta_rule_decode_projected, gated_delta_rule_decode_projected_cost
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_cost
 from .gating import gating, gating_cost
 from .recurrent import gated_delta_rule_recurrent, gated_delta_rule_recurrent_cost
@@ -100,6 +103,27 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
         return {"name": f"gated_delta_rule.decode_fused B={batch}", "fn": built_on_first_call(build), "bytes": data,
                 "flops": flops}
 
+    def projected_decode_case():
+        def build():
+            hidden_size, rows = 1024, conv_dim + Hv * Dv + 2 * Hv
+            hidden = torch.randn(1, hidden_size, device=device, dtype=dtype)
+            input_norm = torch.randn(hidden_size, device=device, dtype=dtype) * 0.1
+            weight = torch.randn(rows, hidden_size, device=device, dtype=dtype) * hidden_size**-0.5
+            conv_weight = torch.randn(conv_dim, 4, device=device, dtype=dtype) * 0.5
+            conv_state = torch.zeros(1, conv_dim, 3, device=device, dtype=dtype)
+            _, _, _, _, _, _, A_log, dt_bias = layer_inputs(1)
+            state = torch.zeros(1, Hv, Dk, Dv, device=device)
+            projection = torch.empty(1, rows, device=device, dtype=dtype)
+            qk = torch.empty(1, 2 * Hk * Dk, device=device, dtype=dtype)
+            delta_out = torch.empty(1, Hv, Dv, device=device, dtype=dtype)
+            return lambda: gated_delta_rule_decode_projected(
+                hidden, input_norm, 1e-6, weight, conv_weight, conv_state, A_log, dt_bias, state, projection, qk,
+                delta_out)
+
+        data, flops = gated_delta_rule_decode_projected_cost(1024, Hk, Hv, Dk, Dv)
+        return {"name": "gated_delta_rule.decode_projected B=1", "fn": built_on_first_call(build), "bytes": data,
+                "flops": flops}
+
     def gating_case(rows: int):
         def build():
             _, _, _, _, b, a, A_log, dt_bias = layer_inputs(rows)
@@ -111,7 +135,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
 
     return [
         chunked_case(128), chunked_case(4096), chunked_case(4096, "tf32"),
-        recurrent_case(1), recurrent_case(4), fused_decode_case(1), fused_decode_case(4),
+        recurrent_case(1), recurrent_case(4), fused_decode_case(1), fused_decode_case(4), projected_decode_case(),
         norm_case(1), norm_case(4096),
         gating_case(1),
     ]
@@ -121,4 +145,5 @@ __all__ = [
     "gating", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "gated_rms_norm", "benchmark_cases",
     "gated_delta_rule_decode_fused", "gating_cost", "gated_delta_rule_chunked_cost",
     "gated_delta_rule_recurrent_cost", "gated_rms_norm_cost", "gated_delta_rule_decode_fused_cost",
+    "gated_delta_rule_decode_projected", "gated_delta_rule_decode_projected_cost",
 ]
