@@ -65,14 +65,15 @@ def test_decode_with_the_projected_deltanet_step_matches_transformers(tmp_path, 
     token_ids = torch.randint(0, config["vocab_size"], (7,), generator=torch.Generator().manual_seed(9)).tolist()
     expected = transformers_score(_oracle(directory), token_ids, 2)
     scores = {}
-    for projected in (True, False):
+    for options in ({}, dict(projected_out_projection=False), dict(projected_delta_decode=False)):
         calls.clear()
-        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16,
-                  projected_delta_decode=projected)
-        scores[projected] = llm.score(token_ids, prefill=2)
+        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, **options)
+        scores[str(options)] = llm.score(token_ids, prefill=2)
+        projected = options.get("projected_delta_decode", True)
         assert len(calls) == (5 * 3 if projected else 0)  # 5 decode steps x 3 DeltaNet layers
-        assert relative_error(scores[projected], expected) <= TOLERANCE
-    assert relative_error(scores[True], scores[False]) <= 1e-5
+        assert relative_error(scores[str(options)], expected) <= TOLERANCE
+    for options, score in scores.items():
+        assert relative_error(score, scores["{'projected_delta_decode': False}"]) <= 1e-5, options
 
 
 def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence(checkpoints):
