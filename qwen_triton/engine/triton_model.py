@@ -108,7 +108,6 @@ class TritonModel:
         out_projection_mlp: bool = True,
         output_norm_in_projection: bool = True,
         projected_delta_decode: bool = True,
-        projected_out_projection: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -126,8 +125,6 @@ class TritonModel:
         self.output_norm_in_projection = output_norm_in_projection
         # with it, a one-sequence decode step's DeltaNet in-projection and step in one kernel (projected_decode.py)
         self.projected_delta_decode = projected_delta_decode
-        # with it, that kernel also does the layer's out-projection + residual; out_projection_mlp the MLP alone
-        self.projected_out_projection = projected_out_projection
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -390,41 +387,22 @@ class TritonModel:
                 and c.linear_key_head_dim % PROJECTED_ROWS == 0 and c.linear_value_head_dim % PROJECTED_ROWS == 0)
 
     def _projected_delta_layer(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, scratch):
-        """A one-sequence DeltaNet layer's decode: in-projection and step in one kernel (with the option
-        projected_out_projection also the out-projection and residual), then the rest of its tail."""
+        """A one-sequence DeltaNet layer's decode: in-projection and step in one kernel, then its tail."""
         c = self.config
-        element = self.embed.element_size()
-        with_out = self.projected_out_projection
 
         def cost():
-            moved, flops = gated_delta_rule_decode_projected_cost(
+            return gated_delta_rule_decode_projected_cost(
                 c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                c.linear_value_head_dim, c.linear_conv_kernel_dim, element)
-            if with_out:  # the out-projection's weight, the residual in and out
-                moved += element * (c.hidden_size * c.linear_value_dim + 2 * c.hidden_size)
-                flops += 2 * c.hidden_size * c.linear_value_dim
-            return moved, flops
+                c.linear_value_head_dim, c.linear_conv_kernel_dim, self.embed.element_size())
 
-        kind = "deltanet in-projection + step (conv, gating, delta rule)"
-        with self._operator(kind + (" + gated norm + out-projection + residual" if with_out else ""), i, cost):
+        with self._operator("deltanet in-projection + step (conv, gating, delta rule)", i, cost):
             out = gated_delta_rule_decode_projected(
                 x, w.input_norm, c.rms_norm_eps, w.projection, w.conv, self.state.conv[i][:1], w.A_log, w.dt_bias,
                 self.state.recurrent[i][:1], scratch["delta_projection"], scratch["delta_qk"], scratch["delta_out"],
-                pdl=self.pdl, out_weight=w.out if with_out else None, head_norm_weight=w.norm if with_out else None)
+                pdl=self.pdl)
         _, z, _, _ = self._split_projection(scratch["delta_projection"])
-        if not with_out:
-            return self._layer_tail(i, "deltanet gated norm + out-projection", out.view(1, -1), w.out, x, mlp,
-                                    scratch, pdl=self.pdl, head_norm=(z, w.norm))
-
-        def mlp_cost():
-            moved, flops = out_projection_mlp_cost(1, c.hidden_size, c.linear_value_dim, c.intermediate_size,
-                                                   element_size=element)
-            out_weight = c.hidden_size * c.linear_value_dim
-            return moved - element * (out_weight + c.linear_value_dim), flops - 2 * out_weight
-
-        with self._operator("deltanet MLP (norm, gate/up, down + residual)", i, mlp_cost):
-            return out_projection_mlp(out.view(1, -1), w.out, x, mlp.input_norm, mlp.gate_up, mlp.down,
-                                      c.rms_norm_eps, act=scratch["mlp_hidden"], pdl=self.pdl, first_phase=2)
+        return self._layer_tail(i, "deltanet gated norm + out-projection", out.view(1, -1), w.out, x, mlp, scratch,
+                                pdl=self.pdl, head_norm=(z, w.norm))
 
     def _buffers_for(self, batch: int) -> DecodeBuffers:
         size = bucket(batch)

@@ -65,15 +65,14 @@ def test_decode_with_the_projected_deltanet_step_matches_transformers(tmp_path, 
     token_ids = torch.randint(0, config["vocab_size"], (7,), generator=torch.Generator().manual_seed(9)).tolist()
     expected = transformers_score(_oracle(directory), token_ids, 2)
     scores = {}
-    for options in ({}, dict(projected_out_projection=False), dict(projected_delta_decode=False)):
+    for projected in (True, False):
         calls.clear()
-        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16, **options)
-        scores[str(options)] = llm.score(token_ids, prefill=2)
-        projected = options.get("projected_delta_decode", True)
+        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16,
+                  projected_delta_decode=projected)
+        scores[projected] = llm.score(token_ids, prefill=2)
         assert len(calls) == (5 * 3 if projected else 0)  # 5 decode steps x 3 DeltaNet layers
-        assert relative_error(scores[str(options)], expected) <= TOLERANCE
-    for options, score in scores.items():
-        assert relative_error(score, scores["{'projected_delta_decode': False}"]) <= 1e-5, options
+        assert relative_error(scores[projected], expected) <= TOLERANCE
+    assert relative_error(scores[True], scores[False]) <= 1e-5
 
 
 def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence(checkpoints):

@@ -129,23 +129,10 @@ def test_fewer_and_more_programs(device):
         torch.testing.assert_close(run(block, programs=programs), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_the_mlp_alone_after_an_out_projection_done_elsewhere(device):
-    # first_phase=2: phases 2 and 3 on a hidden that already holds the out-projection (projected_decode.py's
-    # out tiles): the same result as the three phases
-    block = make_block(1, 40, 72, 52, torch.float32, device, gated=False, seed=4)
-    expected = run(block)
-    after_out = linear(block["x"], block["out_weight"], residual=block["hidden"])
-    x = torch.full_like(block["x"], float("nan"))  # unread
-    torch.testing.assert_close(run(dict(block, hidden=after_out, x=x), first_phase=2), expected,
-                               rtol=1e-5, atol=1e-5)
-
-
 def test_argument_errors(device):
     block = make_block(1, 40, 72, 52, torch.float32, device, gated=True)
     with pytest.raises(ValueError, match="programs"):
         run(block, programs=0)
-    with pytest.raises(ValueError, match="first_phase"):
-        run(block, first_phase=3)
     with pytest.raises(ValueError, match="out_weight"):  # x's width is A: the out-projection must match it
         run(dict(block, x=block["x"][:, :-1]))
     with pytest.raises(ValueError, match="^x "):

@@ -54,7 +54,6 @@ from ..conv.causal_conv1d import (
     store_conv_state,
 )
 from ..linear.fusion import accumulate_row, load_weight_tile, row_rstd
-from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES
 from .recurrent import delta_rule_update, state_slab
 
@@ -68,18 +67,16 @@ STAGES = 3
 # 132 x 4 = 528 slots, run as one wave (unbounded, ptxas takes 136 registers: three an SM, 396 slots). No spills
 # at 128 (tests/operators/test_projected_decode.py compiles it).
 MAX_REGISTERS = 128
-OUT_ROWS = 2  # rows of the out-projection per tile (with out_weight): [2, Hv, Dv], 8 KB at the real shape (4: spills)
 
 
 @triton.jit
 def _projected_step_kernel(
     hidden_ptr, input_norm_ptr, weight_ptr, conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
-    projection_ptr, qk_ptr, o_ptr, arrival_ptr, departure_ptr, out_weight_ptr, head_norm_ptr, finished_ptr,
+    projection_ptr, qk_ptr, o_ptr, arrival_ptr, departure_ptr,
     N, K, eps, scale, stride_wn, stride_wc, stride_cc,
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_HK: tl.constexpr, ROWS: tl.constexpr, TILE_K: tl.constexpr, USE_PDL: tl.constexpr,
-    OUT_ROWS: tl.constexpr, ROUND_PRODUCT: tl.constexpr, BLOCK_HV: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     pid = tl.program_id(0)
@@ -89,9 +86,7 @@ def _projected_step_kernel(
     QK_TILES: tl.constexpr = KEY_ROWS // ROWS
     GATE_TILES: tl.constexpr = (2 * V_HEADS + ROWS - 1) // ROWS
     V_TILES: tl.constexpr = V_HEADS * V_DIM // ROWS
-    IN_TILES: tl.constexpr = QK_TILES + GATE_TILES + 2 * V_TILES  # the in-projection's (z: as many as v)
-    # the order of the tiles: q | k, b | a, then v (the step programs, after every tile they wait for), z, then
-    # with OUT_ROWS the out-projection's (after every step and z tile, which they wait for)
+    # the order of the tiles: q | k, b | a, then v (the step programs, after every tile they wait for), z last
     steps = QK_TILES + GATE_TILES
     is_step = (pid >= steps) & (pid < steps + V_TILES)
     first_row = tl.where(pid < QK_TILES, pid * ROWS,
@@ -99,7 +94,7 @@ def _projected_step_kernel(
                                   tl.where(is_step, KEY_ROWS + (pid - steps) * ROWS,
                                            CHANNELS + (pid - steps - V_TILES) * ROWS)))
     rows = first_row + tl.arange(0, ROWS)
-    row_mask = (rows < N) & (pid < IN_TILES)
+    row_mask = rows < N
     w_rows = rows.to(tl.int64) * stride_wn
     # a step program's value head, its 16 columns and its key head; a q or k program's key head
     head = (first_row - KEY_ROWS) // V_DIM
@@ -110,7 +105,7 @@ def _projected_step_kernel(
 
     # before the wait, what no kernel since the last launch without PDL writes: the first weight tile, the
     # conv state and weights of this program's channels, a step program's state slab
-    w = load_weight_tile(weight_ptr, w_rows, 0, row_mask, tl.arange(0, TILE_K), K, False)[0]
+    w, _ = load_weight_tile(weight_ptr, w_rows, 0, row_mask, tl.arange(0, TILE_K), K, False)
     conv_mask = row_mask & (rows < CHANNELS)
     window, conv_weight = conv_step_operands(conv_weight_ptr, conv_state_ptr, rows, conv_mask, stride_wc,
                                              stride_cc, WIDTH, BLOCK_W)
@@ -120,110 +115,62 @@ def _projected_step_kernel(
     old = tl.load(slab, mask=slab_mask, other=0.0)
     wait_for_previous_kernel(USE_PDL)
 
-    if pid < IN_TILES:
-        # the GEMV's row: input RMSNorm in the prologue, 16 weight rows against it
-        offs_m = tl.arange(0, 1)
-        rstd = row_rstd(hidden_ptr, 0, offs_m, 1, K, eps, 1, TILE_K, "")
-        acc = accumulate_row(hidden_ptr, 0, weight_ptr, w_rows, 0, row_mask, hidden_ptr, 0, input_norm_ptr, rstd,
-                             offs_m, K, 0, K, w, w, False, False, True, ROWS, TILE_K, "")[0]
-        dtype = projection_ptr.dtype.element_ty
-        projected = tl.sum(acc, axis=0).to(dtype)  # [ROWS], rounded as the GEMV stores it
-        mixed = conv_step_output(projected, window, conv_weight, WIDTH, BLOCK_W).to(dtype)
-        if pid < QK_TILES:
-            tl.store(qk_ptr + rows, mixed)
-            # every thread's reads of the old conv state precede its overwrite; every store precedes the release
-            tl.debug_barrier()
-            store_conv_state(projected, shifted, conv_state_ptr, rows, conv_mask, stride_cc, WIDTH, BLOCK_W)
-            tl.debug_barrier()
-            tl.atomic_add(arrival_ptr + key_head, 1, sem="release", scope="gpu")
-        elif pid < steps:  # a b | a tile: every key head's step waits for it
-            tl.store(projection_ptr + rows, projected, mask=row_mask)
-            tl.debug_barrier()
-            every = tl.arange(0, BLOCK_HK)
-            tl.atomic_add(arrival_ptr + every, tl.full([BLOCK_HK], 1, tl.int32), mask=every < K_HEADS, sem="release",
-                          scope="gpu")
-        elif pid >= steps + V_TILES:  # z: read by the out-projection tiles (or the next kernel)
-            tl.store(projection_ptr + rows, projected, mask=row_mask)
-            if OUT_ROWS > 0:
-                tl.debug_barrier()
-                tl.atomic_add(finished_ptr, 1, sem="release", scope="gpu")
-        else:
-            tl.debug_barrier()
-            store_conv_state(projected, shifted, conv_state_ptr, rows, conv_mask, stride_cc, WIDTH, BLOCK_W)
-            # wait for the key head's q and k tiles and every b / a tile
-            expected = 2 * (K_DIM // ROWS) + GATE_TILES
+    # the GEMV's row: input RMSNorm in the prologue, 16 weight rows against it
+    offs_m = tl.arange(0, 1)
+    rstd = row_rstd(hidden_ptr, 0, offs_m, 1, K, eps, 1, TILE_K, "")
+    acc, _ = accumulate_row(hidden_ptr, 0, weight_ptr, w_rows, 0, row_mask, hidden_ptr, 0, input_norm_ptr, rstd,
+                            offs_m, K, 0, K, w, w, False, False, True, ROWS, TILE_K, "")
+    dtype = projection_ptr.dtype.element_ty
+    projected = tl.sum(acc, axis=0).to(dtype)  # [ROWS], rounded as the GEMV stores it
+    mixed = conv_step_output(projected, window, conv_weight, WIDTH, BLOCK_W).to(dtype)
+    if pid < QK_TILES:
+        tl.store(qk_ptr + rows, mixed)
+        # every thread's reads of the old conv state precede its overwrite; every store precedes the release
+        tl.debug_barrier()
+        store_conv_state(projected, shifted, conv_state_ptr, rows, conv_mask, stride_cc, WIDTH, BLOCK_W)
+        tl.debug_barrier()
+        tl.atomic_add(arrival_ptr + key_head, 1, sem="release", scope="gpu")
+    elif pid < steps:  # a b | a tile: every key head's step waits for it
+        tl.store(projection_ptr + rows, projected, mask=row_mask)
+        tl.debug_barrier()
+        every = tl.arange(0, BLOCK_HK)
+        tl.atomic_add(arrival_ptr + every, tl.full([BLOCK_HK], 1, tl.int32), mask=every < K_HEADS, sem="release",
+                      scope="gpu")
+    elif pid >= steps + V_TILES:  # z: read by the next kernel
+        tl.store(projection_ptr + rows, projected, mask=row_mask)
+    else:
+        tl.debug_barrier()
+        store_conv_state(projected, shifted, conv_state_ptr, rows, conv_mask, stride_cc, WIDTH, BLOCK_W)
+        # wait for the key head's q and k tiles and every b / a tile
+        expected = 2 * (K_DIM // ROWS) + GATE_TILES
+        arrived = tl.atomic_add(arrival_ptr + key_head, 0, sem="acquire", scope="gpu")
+        while arrived < expected:
             arrived = tl.atomic_add(arrival_ptr + key_head, 0, sem="acquire", scope="gpu")
-            while arrived < expected:
-                arrived = tl.atomic_add(arrival_ptr + key_head, 0, sem="acquire", scope="gpu")
-            # .cg: the other programs' stores from L2, never a stale L1 line
-            q = tl.load(qk_ptr + key_head * K_DIM + keys, mask=key_mask, other=0.0, cache_modifier=".cg")
-            k = tl.load(qk_ptr + K_HEADS * K_DIM + key_head * K_DIM + keys, mask=key_mask, other=0.0,
-                        cache_modifier=".cg")
-            b = tl.load(projection_ptr + GATE_ROWS + head, cache_modifier=".cg")
-            a = tl.load(projection_ptr + GATE_ROWS + V_HEADS + head, cache_modifier=".cg")
-            out = delta_rule_update(q.to(tl.float32), k.to(tl.float32), mixed.to(tl.float32), a, b, a_log_ptr + head,
-                                    dt_bias_ptr + head, old, slab, slab_mask, scale)
-            tl.store(o_ptr + head * V_DIM + values, out.to(dtype))
-            if OUT_ROWS > 0:
-                tl.debug_barrier()
-                tl.atomic_add(finished_ptr, 1, sem="release", scope="gpu")
-            # the key head's last step program past the wait resets its counters for the next launch
-            departed = tl.atomic_add(departure_ptr + key_head, 1, sem="relaxed", scope="gpu")
-            if departed == GROUP * (V_DIM // ROWS) - 1:
-                tl.atomic_xchg(arrival_ptr + key_head, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(departure_ptr + key_head, 0, sem="relaxed", scope="gpu")
-    if OUT_ROWS > 0:
-        if pid >= IN_TILES:
-            _out_projection_tile(pid - IN_TILES, hidden_ptr, o_ptr, projection_ptr + CHANNELS, out_weight_ptr,
-                                 head_norm_ptr, finished_ptr, K, eps, 2 * V_TILES, V_HEADS, V_DIM, OUT_ROWS,
-                                 ROUND_PRODUCT, BLOCK_HV, BLOCK_DV)
+        # .cg: the other programs' stores from L2, never a stale L1 line
+        q = tl.load(qk_ptr + key_head * K_DIM + keys, mask=key_mask, other=0.0, cache_modifier=".cg")
+        k = tl.load(qk_ptr + K_HEADS * K_DIM + key_head * K_DIM + keys, mask=key_mask, other=0.0,
+                    cache_modifier=".cg")
+        b = tl.load(projection_ptr + GATE_ROWS + head, cache_modifier=".cg")
+        a = tl.load(projection_ptr + GATE_ROWS + V_HEADS + head, cache_modifier=".cg")
+        out = delta_rule_update(q.to(tl.float32), k.to(tl.float32), mixed.to(tl.float32), a, b, a_log_ptr + head,
+                                dt_bias_ptr + head, old, slab, slab_mask, scale)
+        tl.store(o_ptr + head * V_DIM + values, out.to(dtype))
+        # the key head's last step program past the wait resets its counters for the next launch
+        departed = tl.atomic_add(departure_ptr + key_head, 1, sem="relaxed", scope="gpu")
+        if departed == GROUP * (V_DIM // ROWS) - 1:
+            tl.atomic_xchg(arrival_ptr + key_head, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(departure_ptr + key_head, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
-def _out_projection_tile(index, hidden_ptr, o_ptr, z_ptr, out_weight_ptr, head_norm_ptr, finished_ptr, HIDDEN, eps,
-                         EXPECTED: tl.constexpr, V_HEADS: tl.constexpr, V_DIM: tl.constexpr, OUT_ROWS: tl.constexpr,
-                         ROUND_PRODUCT: tl.constexpr, BLOCK_HV: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """hidden[rows] += gated_rms_norm(o, z) @ W_o[rows]^T for this tile's OUT_ROWS rows, as out_projection_mlp's
-    first phase with head_norm computes it (the whole row of K = Hv Dv in one tile, normed by this program):
-    its weights and residual loaded first, then a wait until EXPECTED step and z tiles have arrived."""
-    rows = index * OUT_ROWS + tl.arange(0, OUT_ROWS)
-    row_mask = rows < HIDDEN
-    head = tl.arange(0, BLOCK_HV)
-    lane = tl.arange(0, BLOCK_DV)
-    column = head[:, None] * V_DIM + lane[None, :]
-    in_row = (head < V_HEADS)[:, None] & (lane < V_DIM)[None, :]
-    weight = tl.load(out_weight_ptr + rows.to(tl.int64)[:, None, None] * (V_HEADS * V_DIM) + column[None, :, :],
-                     mask=row_mask[:, None, None] & in_row[None, :, :], other=0.0)
-    residual = tl.load(hidden_ptr + rows, mask=row_mask, other=0.0)
-    norm_weight = tl.load(head_norm_ptr + lane, mask=lane < V_DIM, other=0.0).to(tl.float32)
-    # poll with plain loads from L2 (hundreds of pollers' atomics would queue on the counter's L2 slice
-    # behind the arrivals), then one acquire of the count that was seen
-    while tl.load(finished_ptr, volatile=True) < EXPECTED:
-        pass
-    tl.atomic_add(finished_ptr, 0, sem="acquire", scope="gpu")
-    dtype = hidden_ptr.dtype.element_ty
-    o = tl.load(o_ptr + column, mask=in_row, other=0.0, cache_modifier=".cg").to(tl.float32)
-    z = tl.load(z_ptr + column, mask=in_row, other=0.0, cache_modifier=".cg").to(tl.float32)
-    y = gated_rms_norm_values(o, z, norm_weight, eps, V_DIM, ROUND_PRODUCT, dtype).to(dtype)
-    acc = tl.sum(tl.sum(weight.to(tl.float32) * y.to(tl.float32)[None, :, :], axis=2), axis=1)
-    tl.store(hidden_ptr + rows, (acc + residual.to(tl.float32)).to(dtype), mask=row_mask)
-    # the last tile resets the counters for the next launch (every tile has passed the wait by then)
-    departed = tl.atomic_add(finished_ptr + 1, 1, sem="relaxed", scope="gpu")
-    if departed == tl.cdiv(HIDDEN, OUT_ROWS) - 1:
-        tl.atomic_xchg(finished_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(finished_ptr + 1, 0, sem="relaxed", scope="gpu")
+_counters: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-_counters: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _counters_for(device: torch.device, key_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zeroed int32 counters: arrivals and departures, one each per key head, and the out-projection's
-    (arrivals of step and z tiles, departures); each launch leaves them zero."""
+def _head_counters(device: torch.device, key_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed int32 arrival and departure counters, one each per key head; each launch leaves them zero."""
     key = (device, key_heads)
     if key not in _counters:
-        _counters[key] = tuple(torch.zeros(size, dtype=torch.int32, device=device)
-                               for size in (key_heads, key_heads, 2))
+        _counters[key] = (torch.zeros(key_heads, dtype=torch.int32, device=device),
+                          torch.zeros(key_heads, dtype=torch.int32, device=device))
     return _counters[key]
 
 
@@ -241,8 +188,6 @@ def gated_delta_rule_decode_projected(
     qk: torch.Tensor,
     delta_out: torch.Tensor,
     pdl: bool = False,
-    out_weight: torch.Tensor | None = None,
-    head_norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's Gated DeltaNet decode step from the layer's input row: o [1, Hv, Dv] (delta_out), un-normed.
 
@@ -254,9 +199,6 @@ def gated_delta_rule_decode_projected(
     Dk and Dv must be multiples of 16 (a tile of 16 rows never spans two heads).
     pdl: launch with programmatic dependent launch (Hopper; operators/common.py); the states are then read
     before the wait, as in gated_delta_rule_decode_fused.
-    out_weight [K, Hv Dv] and head_norm_weight [Dv]: also the layer's out-projection and residual, in place:
-    hidden += gated_rms_norm(o, z, head_norm_weight, eps) @ out_weight^T (out_projection_mlp's first phase
-    with head_norm; the MLP then runs as its phases 2 and 3).
     """
     check_tensor("state", state, shape=(1, None, None, None), dtype=torch.float32, contiguous=True)
     _, value_heads, key_dim, value_dim = state.shape
@@ -288,27 +230,15 @@ def gated_delta_rule_decode_projected(
     check_same_device(hidden=hidden, input_norm=input_norm, weight=weight, conv_weight=conv_weight,
                       conv_state=conv_state, A_log=A_log, dt_bias=dt_bias, state=state, projection=projection,
                       qk=qk, delta_out=delta_out)
-    if (out_weight is None) != (head_norm_weight is None):
-        raise ValueError("out_weight and head_norm_weight go together (the out-projection reads the normed o)")
-    if out_weight is not None:
-        check_tensor("out_weight", out_weight, shape=(K, value_heads * value_dim), dtype=hidden.dtype,
-                     contiguous=True)
-        check_tensor("head_norm_weight", head_norm_weight, shape=(value_dim,), dtype=hidden.dtype, contiguous=True)
-        check_same_device(hidden=hidden, out_weight=out_weight, head_norm_weight=head_norm_weight)
 
-    arrivals, departures, finished = _counters_for(hidden.device, key_heads)
-    out_tiles = 0 if out_weight is None else triton.cdiv(K, OUT_ROWS)
-    _projected_step_kernel[(triton.cdiv(N, ROWS) + out_tiles,)](
+    arrivals, departures = _head_counters(hidden.device, key_heads)
+    _projected_step_kernel[(triton.cdiv(N, ROWS),)](
         hidden, input_norm, weight, conv_weight, conv_state, A_log, dt_bias, state,
         projection, qk, delta_out, arrivals, departures,
-        weight if out_weight is None else out_weight, input_norm if out_weight is None else head_norm_weight,
-        finished,
         N, K, eps, key_dim**-0.5, weight.stride(0), conv_weight.stride(0), conv_state.stride(1),
         K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_DK=triton.next_power_of_2(key_dim),
         BLOCK_HK=triton.next_power_of_2(key_heads), ROWS=ROWS, TILE_K=TILE_K, USE_PDL=pdl,
-        OUT_ROWS=0 if out_weight is None else OUT_ROWS, ROUND_PRODUCT=hidden.dtype != torch.float32,
-        BLOCK_HV=triton.next_power_of_2(value_heads), BLOCK_DV=triton.next_power_of_2(value_dim),
         num_warps=WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS, **launch_options(pdl),
     )
     return delta_out

@@ -201,7 +201,6 @@ def out_projection_mlp(
     pdl: bool = False,
     programs: int | None = None,
     head_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-    first_phase: int = 1,
 ) -> torch.Tensor:
     """hidden += out-projection of x (gated by sigmoid(gate) if given), then hidden += MLP(hidden); in place.
 
@@ -213,8 +212,6 @@ def out_projection_mlp(
     head_norm: (z [M, A], weight [D]): x is a Gated DeltaNet's delta-rule output o [M, A] of A / D heads
     of D values, and the out-projection reads gated_rms_norm(o, z, weight, eps) instead (gated_rms_norm.py,
     the same roundings), formed by each program for the whole row; not with gate.
-    first_phase: 2 runs the MLP alone (phases 2 and 3), for a caller whose kernel did the out-projection and
-    residual already (gated_delta_rule_decode_projected with out_weight); x and out_weight are then unread.
     """
     check_tensor("x", x, shape=(None, None), dtype=(torch.bfloat16, torch.float16, torch.float32))
     rows, attended = x.shape
@@ -251,8 +248,6 @@ def out_projection_mlp(
         check_tensor("head_norm z", z, shape=(rows, attended), dtype=x.dtype)
         check_same_device(x=x, z=z, head_norm_weight=head_norm_weight)
         heads = attended // head_dim
-    if first_phase not in (1, 2):
-        raise ValueError(f"first_phase must be 1 or 2, got {first_phase}")
     if rows == 0:
         return hidden
     programs = sm_count(x.device) if programs is None else programs
@@ -261,7 +256,7 @@ def out_projection_mlp(
     block_n_out, block_k_out = _tile(size, attended, programs, pair=False)
     block_n_up, block_k_up = _tile(intermediate, size, programs, pair=True)
     block_n_down, block_k_down = _tile(size, intermediate, programs, pair=False)
-    for phase in range(first_phase, 4):
+    for phase in (1, 2, 3):
         _out_projection_mlp_kernel[(programs,)](
             x, x if gate is None else gate, out_weight, hidden, norm_weight, gate_up_weight, down_weight, act,
             z, head_norm_weight,
