@@ -25,8 +25,8 @@ def test_profile_names_every_operator_of_each_layer(report):
         "q/k norm + rotary + KV write": attention,
         "attention (split-KV decode + merge)": attention,
         "attention gate + out-projection + residual + MLP": attention,
-        "deltanet in-projection": delta,
-        "deltanet step (conv, gating, delta rule)": delta,  # its gated norm in the out-projection's prologue
+        # one sequence: in-projection and step in one kernel; its gated norm in the out-projection's prologue
+        "deltanet in-projection + step (conv, gating, delta rule)": delta,
         "deltanet gated norm + out-projection + residual + MLP": delta,
         "final norm + lm head + argmax": 1,
         "feedback: chosen ids -> next inputs": 1,
