@@ -59,13 +59,15 @@ def _signal(flags_ptr, epoch, MODE: tl.constexpr):
 
 @triton.jit
 def _wait(flags_ptr, epoch, PROGRAMS: tl.constexpr, BLOCK_P: tl.constexpr, MODE: tl.constexpr):
+    """Until every program has signalled `epoch`. BLOCK_P = the program's threads: one load per thread at
+    most (flags: thread i reads program i's flag; counter: thread 0 alone), combined across the program."""
+    lane = tl.arange(0, BLOCK_P)
     if MODE == 0:
-        every = tl.arange(0, BLOCK_P)
-        while tl.min(tl.load(flags_ptr + every, mask=every < PROGRAMS, other=2**30, volatile=True), axis=0) < epoch:
+        while tl.min(tl.load(flags_ptr + lane, mask=lane < PROGRAMS, other=2**30, volatile=True), axis=0) < epoch:
             pass
         _fence()
     elif MODE == 1:
-        while tl.load(flags_ptr, volatile=True) < epoch * PROGRAMS:
+        while tl.max(tl.load(flags_ptr + lane * 0, mask=lane == 0, other=0, volatile=True), axis=0) < epoch * PROGRAMS:
             pass
         _fence()
 
@@ -148,16 +150,20 @@ def main() -> None:
     bandwidth = measure_hbm_bandwidth()
     results = []
 
+    launched = {}
+
     def record(mode, times_ms, correct):
         us = statistics.median(times_ms) * 1e3
+        same = bool(torch.equal(launched["x"], correct[1])) if launched else True
         results.append(dict(mode=mode, us=us, us_per_phase=us / (2 * layers),
-                            pct_of_copy=100 * weight_bytes / (us * 1e-6) / (bandwidth * 1e12), correct=correct,
-                            times_ms=times_ms))
-        print(f"  {mode:10s} {us:8.1f} us a chain, {us / (2 * layers):5.2f} us a phase, "
-              f"{results[-1]['pct_of_copy']:5.1f}% of the copy bandwidth; result {'right' if correct else 'WRONG'}")
+                            pct_of_copy=100 * weight_bytes / (us * 1e-6) / (bandwidth * 1e12), correct=correct[0],
+                            same_as_launches=same, times_ms=times_ms))
+        print(f"  {mode:17s} {us:8.1f} us a chain, {us / (2 * layers):5.2f} us a phase, "
+              f"{results[-1]['pct_of_copy']:5.1f}% of the copy bandwidth; result {'right' if correct[0] else 'WRONG'}"
+              f"{', bit for bit as the launches' if same else ', not bit for bit as the launches'}")
 
-    def right():
-        return bool(torch.allclose(x.float(), expected, rtol=2e-2, atol=2e-2))
+    def right():  # 48 bf16 roundings in another order than torch's: a few percent of drift
+        return ((x.float() - expected).norm() / expected.norm()).item() < 0.05, x.clone()
 
     for pdl in (True, False):
         def chain():
@@ -173,6 +179,7 @@ def main() -> None:
         correct = right()
         times = [time_graph(chain, calls=1, replays=args.repeats)]  # median of the replays
         record("launches" + ("" if pdl else " (no PDL)"), times, correct)
+        launched.setdefault("x", correct[1])
 
     flags = torch.zeros(max(programs, 1), device="cuda", dtype=torch.int32)
     launches = 0
@@ -186,8 +193,8 @@ def main() -> None:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             _persistent_chain_kernel[(programs,)](x, h, up, down, flags, launches * 2 * layers, layers, HIDDEN,
-                                                  INTERMEDIATE, programs, triton.next_power_of_2(programs),
-                                                  MODE=number, num_warps=WARPS, **shapes)
+                                                  INTERMEDIATE, programs, 32 * WARPS, MODE=number, num_warps=WARPS,
+                                                  **shapes)
             end.record()
             end.synchronize()
             launches += 1
