@@ -29,7 +29,11 @@ and the waits cannot deadlock. At the real shape the grid (514 programs) is one 
 on one stream (each PDL launch waits for the previous kernel before its first arrival).
 
 Floor at the real shapes (K 1024, N 8224, Hk = Hv = 16, Dk = Dv = 128, bf16): the 16.8 MB weight, the 2 MiB
-state read and written, the conv state and weights (~120 KB): ~19 MB, 3.9 us at 4.9 TB/s; ~19 MFLOP.
+state read and written, the conv state and weights (~120 KB): ~19 MB, 4.5 us at the 4.2 TB/s the H200 copies
+at; ~19 MFLOP. Measured on the H200 (docs/perf-notes.md, twelfth session): its share of the decode step 9.30 us
+a layer, against 6.01 + 4.94 for the GEMV and the fused step; the whole step 12-21 us faster at context 128
+(benchmarks/engine_options.py). The layer's out-projection folded in the same way (tiles waiting for every
+step) measured at most 8 us a step faster and was not kept: that wait is grid-wide.
 CUDA-graph capturable: no host reads, every output buffer passed in, states updated in place, no tuning.
 """
 
