@@ -9,7 +9,8 @@ attention [gate | q | k | v] (the q_proj rows of transformers' per-head [q, gate
 gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [qkv | z | b | a], MLP
 [gate | up]. The pre-projection RMSNorms are fused into the projections' prologues, the residual adds into
 their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue;
-in a decode step the DeltaNet output norm too (output_norm_in_projection).
+in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
+layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode).
 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
