@@ -181,13 +181,11 @@ def main() -> None:
         record("launches" + ("" if pdl else " (no PDL)"), times, correct)
         launched.setdefault("x", correct[1])
 
-    flags = torch.zeros(max(programs, 1), device="cuda", dtype=torch.int32)
-    launches = 0
+    flags = torch.zeros(programs, device="cuda", dtype=torch.int32)
     for mode, number in MODES.items():
         flags.zero_()
         launches = 0
         times = []
-        correct = None
         for repeat in range(args.repeats + 1):
             x.copy_(start)
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -48,6 +48,7 @@ from ..common import (
     check_same_device,
     check_tensor,
     launch_options,
+    preferred_entry,
     wait_for_previous_kernel,
 )
 from ..conv.causal_conv1d import (
@@ -58,13 +59,13 @@ from ..conv.causal_conv1d import (
     store_conv_state,
 )
 from ..linear.fusion import accumulate_row, load_weight_tile, row_rstd
+from ..linear.gemv import PREFERRED_BY_K
 from .gating import ACTIVATION_DTYPES
 from .recurrent import delta_rule_update, state_slab
 
-# The GEMV's in-graph config for K <= 1024 (gemv.PREFERRED_BY_K and the engine's in-projection): 16 rows x 256
-# columns per step, 4 warps, 3 stages. The same shapes and warps give the same sums, bit for bit.
-ROWS = 16
-TILE_K = 256
+# The GEMV's in-graph tile for K <= 1024 (gemv.PREFERRED_BY_K, the engine's in-projection: 16 rows x 256
+# columns per step) and that config's 4 warps and 3 stages. The same shapes and warps give the same sums.
+_, ROWS, TILE_K = preferred_entry(PREFERRED_BY_K, 1024, ("SPLIT_K", "BLOCK_N", "BLOCK_K")).values()
 WARPS = 4
 STAGES = 3
 # four programs an SM (4 x 4 warps x 128 registers fill its 64K registers): the 514 programs of the real shape,
@@ -77,7 +78,7 @@ MAX_REGISTERS = 128
 def _projected_step_kernel(
     hidden_ptr, input_norm_ptr, weight_ptr, conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
     projection_ptr, qk_ptr, o_ptr, arrival_ptr, departure_ptr,
-    N, K, eps, scale, stride_wn, stride_wc, stride_cc,
+    K, eps, scale, stride_wn, stride_wc, stride_cc,
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_HK: tl.constexpr, ROWS: tl.constexpr, TILE_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -87,6 +88,7 @@ def _projected_step_kernel(
     KEY_ROWS: tl.constexpr = 2 * K_HEADS * K_DIM          # q | k
     CHANNELS: tl.constexpr = KEY_ROWS + V_HEADS * V_DIM   # q | k | v: the conv's channels
     GATE_ROWS: tl.constexpr = CHANNELS + V_HEADS * V_DIM  # where b | a start (after z)
+    N: tl.constexpr = GATE_ROWS + 2 * V_HEADS              # the weight's rows
     QK_TILES: tl.constexpr = KEY_ROWS // ROWS
     GATE_TILES: tl.constexpr = (2 * V_HEADS + ROWS - 1) // ROWS
     V_TILES: tl.constexpr = V_HEADS * V_DIM // ROWS
@@ -239,7 +241,7 @@ def gated_delta_rule_decode_projected(
     _projected_step_kernel[(triton.cdiv(N, ROWS),)](
         hidden, input_norm, weight, conv_weight, conv_state, A_log, dt_bias, state,
         projection, qk, delta_out, arrivals, departures,
-        N, K, eps, key_dim**-0.5, weight.stride(0), conv_weight.stride(0), conv_state.stride(1),
+        K, eps, key_dim**-0.5, weight.stride(0), conv_weight.stride(0), conv_state.stride(1),
         K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_DK=triton.next_power_of_2(key_dim),
         BLOCK_HK=triton.next_power_of_2(key_heads), ROWS=ROWS, TILE_K=TILE_K, USE_PDL=pdl,
