@@ -24,6 +24,7 @@ from qwen_triton.operators.gated_delta_rule.fused_decode import gated_delta_rule
 from qwen_triton.operators.linear import gemv
 from qwen_triton.operators.linear.linear import linear
 from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
+from qwen_triton.operators.linear import staged_out_projection_mlp as staged
 
 SHAPES = [  # name, weight rows, K, options (gemm_sweep.py uses them too)
     ("deltanet in-projection", 8224, 1024, dict(norm=True)),
@@ -111,8 +112,9 @@ def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
 
 
 def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
-    """A layer's out-projection + residual and MLP: out_projection_mlp (its three phases as three launches)
-    against the three `linear` calls it replaces, `layers` layers on distinct weights."""
+    """A layer's out-projection + residual and MLP: out_projection_mlp (its three phases as three launches),
+    staged_out_projection_mlp (one launch, every weight in shared memory) and the three `linear` calls they
+    replace, `layers` layers on distinct weights."""
     hidden_size, attended, intermediate = 1024, 2048, 3584
     blocks = [dict(out=torch.randn(hidden_size, attended, device="cuda", dtype=torch.bfloat16) * 0.02,
                    norm=torch.randn(hidden_size, device="cuda", dtype=torch.bfloat16) * 0.1,
@@ -128,6 +130,14 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
         b = blocks[i]
         out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6, act=act, pdl=pdl)
 
+    counters = staged.new_counters("cuda", layers)
+    descriptors = [staged.weight_descriptors(b["out"], b["gate_up"], b["down"]) for b in blocks]
+
+    def one_launch(i):
+        b = blocks[i]
+        staged.staged_out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6, counters[i],
+                                         act=act, pdl=pdl, descriptors=descriptors[i])
+
     def chain(i):
         b = blocks[i]
         linear(x, b["out"], residual=hidden, out=hidden, pdl=pdl)
@@ -135,11 +145,14 @@ def sweep_layer_tail(layers: int, hbm: float, pdl: bool) -> list[dict]:
         linear(act, b["down"], residual=hidden, out=hidden, pdl=pdl)
 
     rows = []
-    for name, launch in (("out_projection_mlp, 3 launches", per_sm), ("3 linear calls (GEMV)", chain)):
+    for name, launch in (("out_projection_mlp, 3 launches", per_sm), ("3 linear calls (GEMV)", chain),
+                         ("staged_out_projection_mlp, 1 launch", one_launch)):
         launch(0)  # compiles, autotunes
         us = graph_time_us(launch, layers)
         rows.append(dict(shape="layer tail (out-proj + MLP)", config=name, us=us,
                          pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12), autotuner_pick=False, pdl=pdl))
+    if counters[:, 3].any():
+        raise RuntimeError("staged_out_projection_mlp: a grid barrier gave up (counters' error flag set)")
     return rows
 
 
