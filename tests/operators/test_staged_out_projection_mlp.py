@@ -96,7 +96,8 @@ results = {}
 for head_norm in (False, True):
     constants = dict(HIDDEN=H, ATTENDED=A, INTERMEDIATE=I, OUT_GROUPS=launch["out_groups"],
                      UP_GROUPS=launch["up_groups"], HAS_GATE=not head_norm, HEAD_NORM=head_norm,
-                     HEAD_DIM=128 if head_norm else 256, ROUND_PRODUCT=True, USE_PDL=True)
+                     HEAD_DIM=128 if head_norm else 256, ROUND_PRODUCT=True, USE_PDL=True,
+                     TRACE=False, BARRIERS=True)
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=staged.WARPS.value))
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")

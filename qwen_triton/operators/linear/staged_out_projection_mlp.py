@@ -58,6 +58,10 @@ SPIN_LIMIT = gl.constexpr(1 << 24)  # polls of a barrier counter before a progra
 TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 # the counters a launch uses: [the two barriers, departures, the error flag]
 COUNTERS = 4
+# the trace points of a program (diagnostics, `trace=`): entry, the PDL wait, phase 1's input, its weights,
+# its stores, barrier 1, phase 2's input, its weights, its stores, barrier 2, phase 3's weights, its stores;
+# the loading warp's last copy issued
+TRACE_POINTS = gl.constexpr(16)
 
 
 @gluon.jit
@@ -109,6 +113,15 @@ def _sigmoid(x):
 
 
 @gluon.jit
+def _mark(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
+    """With TRACE, this program's clock (%globaltimer, ns) at trace point POINT (benchmarks/staged_tail_trace.py)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        gl.store(trace_ptr + gl.program_id(0) * TRACE_POINTS + POINT, now)
+
+
+@gluon.jit
 def _grid_barrier(counter_ptr, error_ptr, programs):
     """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
     everything each wrote before is then visible to every program's loads past L1."""
@@ -138,16 +151,15 @@ def _store_rows(acc, out_ptr, residual_ptr, first_row, N, layout: gl.constexpr, 
 @gluon.jit
 def _staged_kernel(
     out_descriptor, gate_up_descriptor, down_descriptor,
-    x_ptr, gate_ptr, z_ptr, head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, eps,
+    x_ptr, gate_ptr, z_ptr, head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps,
     HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr,
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
-    USE_PDL: gl.constexpr,
+    USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
     DOWN_SLICES: gl.constexpr = INTERMEDIATE // TILE_COLUMNS
-    layout: gl.constexpr = TILE_LAYOUT
     dtype: gl.constexpr = out_descriptor.dtype
     tile_layout: gl.constexpr = out_descriptor.layout
     program = gl.program_id(0)
@@ -169,12 +181,12 @@ def _staged_kernel(
     # others wait for the previous kernel and compute
     gl.warp_specialize([
         (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
-                    head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, eps, out_row, up_row, programs,
-                    HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, HAS_GATE, HEAD_NORM, HEAD_DIM,
-                    ROUND_PRODUCT, USE_PDL)),
+                    head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
+                    programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, HAS_GATE, HEAD_NORM, HEAD_DIM,
+                    ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS)),
         (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                         down_tiles, arrivals, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_SLICES,
-                         UP_SLICES, DOWN_SLICES)),
+                         down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                         OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE)),
     ], [1], [40])
     for phase in gl.static_range(3):
         mbarrier.invalidate(arrivals.index(phase))
@@ -182,9 +194,9 @@ def _staged_kernel(
 
 @gluon.jit
 def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
-                  arrivals, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
+                  arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
                   UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
-                  DOWN_SLICES: gl.constexpr):
+                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr):
     """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
@@ -194,21 +206,24 @@ def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles
     _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
     _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES)
+    _mark(trace_ptr, 12, TRACE)
 
 
 @gluon.jit
 def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
-             hidden_ptr, norm_ptr, act_ptr, counter_ptr, eps, out_row, up_row, programs,
+             hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row, programs,
              HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
              UP_GROUPS: gl.constexpr, HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
-             ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr):
+             ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
     DOWN_SLICES: gl.constexpr = INTERMEDIATE // TILE_COLUMNS
     layout: gl.constexpr = TILE_LAYOUT
     dtype: gl.constexpr = out_tiles.dtype
+    _mark(trace_ptr, 0, TRACE)
     _previous_kernel_done(USE_PDL)
+    _mark(trace_ptr, 1, TRACE)
 
     # phase 1: x' into shared memory, then h[out rows] += x' @ W_o[out rows]^T
     if HEAD_NORM:
@@ -238,11 +253,16 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
             x = (x.to(gl.float32) * _sigmoid(gate)).to(dtype)
         inputs.store(x)
     gl.thread_barrier()
+    _mark(trace_ptr, 2, TRACE)
     mbarrier.wait(arrivals.index(0), 0)
+    _mark(trace_ptr, 3, TRACE)
     for group in gl.static_range(OUT_GROUPS):
         acc = _group_sums(out_tiles, inputs, group * OUT_SLICES, OUT_SLICES, layout)
         _store_rows(acc, hidden_ptr, hidden_ptr, out_row + group * TILE_ROWS, HIDDEN, layout, True)
-    _grid_barrier(counter_ptr, counter_ptr + 3, programs)
+    _mark(trace_ptr, 4, TRACE)
+    if BARRIERS:
+        _grid_barrier(counter_ptr, counter_ptr + 3, programs)
+    _mark(trace_ptr, 5, TRACE)
 
     # phase 2: the MLP's RMSNorm of h into shared memory, then act[up rows] = swiglu(gate, up)
     offsets = _vector_offsets()
@@ -252,13 +272,18 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     norm_weight = gl.load(norm_ptr + offsets, mask=mask, other=0.0).to(gl.float32)
     inputs.store((h * rstd * (1.0 + norm_weight)).to(dtype))
     gl.thread_barrier()
+    _mark(trace_ptr, 6, TRACE)
     mbarrier.wait(arrivals.index(1), 0)
+    _mark(trace_ptr, 7, TRACE)
     for group in gl.static_range(UP_GROUPS):
         acc = _group_sums(gate_tiles, inputs, group * UP_SLICES, UP_SLICES, layout)
         acc_up = _group_sums(up_tiles, inputs, group * UP_SLICES, UP_SLICES, layout)
         _store_rows(acc * _sigmoid(acc) * acc_up, act_ptr, act_ptr, up_row + group * TILE_ROWS, INTERMEDIATE,
                     layout, False)
-    _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs)
+    _mark(trace_ptr, 8, TRACE)
+    if BARRIERS:
+        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs)
+    _mark(trace_ptr, 9, TRACE)
     _next_kernel_may_launch(USE_PDL)
 
     # phase 3: h[out rows] += act @ W_d[out rows]^T
@@ -266,11 +291,13 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     inputs.store(gl.load(act_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
+    _mark(trace_ptr, 10, TRACE)
     for group in gl.static_range(OUT_GROUPS):
         acc = _group_sums(down_tiles, inputs, group * DOWN_SLICES, DOWN_SLICES, layout)
         _store_rows(acc, hidden_ptr, hidden_ptr, out_row + group * TILE_ROWS, HIDDEN, layout, True)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
+    _mark(trace_ptr, 11, TRACE)
     departed = gl.atomic_add(counter_ptr + 2, 1, sem="relaxed", scope="gpu")
     if departed == programs - 1:
         gl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
@@ -326,12 +353,17 @@ def staged_out_projection_mlp(
     head_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     descriptors: tuple | None = None,
     programs: int | None = None,
+    trace: torch.Tensor | None = None,
+    barriers: bool = True,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
     `new_counters` (COUNTERS int32, zero; left zero), used by no other launch in flight. descriptors: from
     `weight_descriptors` (built here when None). programs: SMs to use (default all). Raises ValueError where
-    `plan` says the kernel does not apply."""
+    `plan` says the kernel does not apply.
+    Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
+    program's clock at the trace points; barriers=False leaves the grid barriers out (wrong results: the
+    design's bound)."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -371,10 +403,11 @@ def staged_out_projection_mlp(
     if descriptors is None:
         descriptors = weight_descriptors(out_weight, gate_up_weight, down_weight)
     _staged_kernel[(launch["grid"],)](
-        *descriptors, x, x if gate is None else gate, z, head_norm_weight, hidden, norm_weight, act, counters, eps,
+        *descriptors, x, x if gate is None else gate, z, head_norm_weight, hidden, norm_weight, act, counters,
+        counters if trace is None else trace, eps,
         HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate,
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
-        USE_PDL=pdl, num_warps=WARPS.value, **launch_options(pdl),
+        USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers, num_warps=WARPS.value, **launch_options(pdl),
     )
     return hidden
