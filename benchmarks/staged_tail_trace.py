@@ -2,9 +2,10 @@
 
 A CUDA graph of `--layers` launches back to back on distinct weights (Qwen3.5-0.8B's tail: H 1024, A 2048,
 I 3584, bf16, PDL), as a decode step chains layer tails, replayed; each program writes %globaltimer at the
-trace points of staged_out_projection_mlp.TRACE_POINTS. For each layer (the first and last left out) the
-times are taken from the layer's first program entry; the report gives, per point, the median over layers of
-the median and the latest program. Also the graph's time per launch with the trace off and on, with and
+trace points of staged_out_projection_mlp.TRACE_POINTS (SM cycles, converted at the clock measured against
+%globaltimer over the launch). For each layer (the first and last left out) and program the times are taken
+from the program's entry; the report gives, per point, the median over programs and layers and the layers'
+median of their latest program, and from %globaltimer (about 1 us steps) how far apart the programs entered. Also the graph's time per launch with the trace off and on, with and
 without the grid barriers (without: wrong results, the design's bound).
 
     python3 benchmarks/staged_tail_trace.py [--layers 24] [--out trace.json]
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -68,26 +68,31 @@ def main() -> None:
                 stamps = trace.cpu().double()
     if counters[:, 3].any():
         raise RuntimeError("a grid barrier gave up (the counters' error flag)")
-    starts = stamps[:, :, 0].min(dim=1).values
+    inner = slice(1, layers - 1)  # the first and last layers start and end the graph: left out
+    cycles = stamps[inner, :, 11] - stamps[inner, :, 0]
+    nanoseconds = stamps[inner, :, 14] - stamps[inner, :, 13]
+    ghz = (cycles.sum() / nanoseconds.sum()).item()  # the SM clock, from the two clocks over every program
     rows = []
     for point, name in enumerate(POINTS):
-        medians, latest = [], []
-        for layer in range(1, layers - 1):
-            relative = (stamps[layer, :, point] - starts[layer]) / 1e3
-            medians.append(relative.median().item())
-            latest.append(relative.max().item())
-        rows.append(dict(point=name, median_us=statistics.median(medians), latest_us=statistics.median(latest)))
-    periods = [(starts[layer + 1] - starts[layer]).item() / 1e3 for layer in range(1, layers - 1)]
+        since_entry = (stamps[inner, :, point] - stamps[inner, :, 0]) / ghz / 1e3  # us from the program's entry
+        rows.append(dict(point=name, median_us=since_entry.median().item(),
+                         latest_us=since_entry.max(dim=1).values.median().item()))
+    entries = stamps[:, :, 13]
+    starts = entries.min(dim=1).values
     result["trace"] = rows
-    result["period_us"] = statistics.median(periods)
-    result["entry_spread_us"] = statistics.median(
-        (stamps[layer, :, 0].max() - stamps[layer, :, 0].min()).item() / 1e3 for layer in range(1, layers - 1))
+    result["sm_clock_GHz"] = ghz
+    result["period_us"] = (starts[2:layers - 1] - starts[1:layers - 2]).median().item() / 1e3
+    result["entry_spread_us"] = (entries.max(dim=1).values - starts)[inner].median().item() / 1e3
+    result["span_us"] = ((stamps[:, :, 14].max(dim=1).values - starts)[inner]).median().item() / 1e3
     for name, us in result["times_us"].items():
         print(f"{name}: {us:.2f} us a launch")
-    print(f"period between layers' first entries {result['period_us']:.2f} us; entries spread over "
-          f"{result['entry_spread_us']:.2f} us")
+    print(f"SM clock {ghz:.3f} GHz; period between layers' first entries {result['period_us']:.2f} us; entries "
+          f"spread over {result['entry_spread_us']:.2f} us; first entry to last exit {result['span_us']:.2f} us "
+          "(%globaltimer, about 1 us steps)")
+    print("from each program's own entry (SM clock), median over programs and layers; latest: the layers' median "
+          "of their latest program")
     for row in rows:
-        print(f"{row['point']:>26}: median program {row['median_us']:6.2f} us, latest {row['latest_us']:6.2f} us")
+        print(f"{row['point']:>26}: median {row['median_us']:6.2f} us, latest {row['latest_us']:6.2f} us")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -48,19 +48,17 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common import check_same_device, check_tensor, launch_options, sm_count
 
-WARPS = gl.constexpr(4)
-TILE_ROWS = gl.constexpr(4)  # a warp a row
+WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
+TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a Hopper program may allocate
 SPIN_LIMIT = gl.constexpr(1 << 24)  # polls of a barrier counter before a program gives up (a bug, never a wait)
-# [TILE_ROWS, TILE_COLUMNS] in registers: a warp a row, 8 consecutive columns a lane
-TILE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))
 # the counters a launch uses: [the two barriers, departures, the error flag]
 COUNTERS = 4
 # the trace points of a program (diagnostics, `trace=`): entry, the PDL wait, phase 1's input, its weights,
 # its stores, barrier 1, phase 2's input, its weights, its stores, barrier 2, phase 3's weights, its stores;
-# the loading warp's last copy issued
+# the loading warp's last copy issued (SM cycles); then the entry and the end in %globaltimer ns
 TRACE_POINTS = gl.constexpr(16)
 
 
@@ -78,33 +76,42 @@ def _next_kernel_may_launch(USE_PDL: gl.constexpr):
                                   is_pure=False, pack=1)
 
 
+@gluon.constexpr_function
+def _groups_layout(groups, warps):
+    # [groups, TILE_ROWS, TILE_COLUMNS] in registers: warps over the groups first, then over a group's rows (no
+    # product is reduced across warps); 8 consecutive columns a lane (16-byte shared-memory loads)
+    across_groups = min(groups, warps)
+    return gl.BlockedLayout([1, 1, 8], [1, 1, 32], [across_groups, warps // across_groups, 1], [2, 1, 0])
+
+
 @gluon.jit
-def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr):
+def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, PADDED: gl.constexpr,
+           SLICES: gl.constexpr):
     """TMA copies of rows [first_row, first_row + GROUPS * TILE_ROWS) of a weight, every column, into tiles
-    [GROUPS * SLICES, TILE_ROWS, TILE_COLUMNS] (group g, slice s at g * SLICES + s), counted on barrier.
-    Rows past the weight arrive as zeros."""
-    for group in gl.static_range(GROUPS):
-        for part in gl.static_range(SLICES):
-            tma.async_copy_global_to_shared(descriptor, [first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                            barrier, tiles.index(group * SLICES + part))
+    [SLICES, PADDED, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g]; the padding groups are
+    never written), counted on barrier. Rows past the weight arrive as zeros."""
+    for part in gl.static_range(SLICES):
+        for group in gl.static_range(GROUPS):
+            tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
+                                            barrier, tiles.index(part).slice(group, 1))
 
 
 @gluon.jit
-def _group_sums(tiles, inputs, FIRST: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr):
-    """The TILE_ROWS dot products of tiles FIRST .. FIRST + SLICES - 1 (one group of rows, every column) with the
-    input vector in shared memory: [TILE_ROWS] float32 in SliceLayout(1, layout)."""
-    acc = gl.zeros([TILE_ROWS, TILE_COLUMNS], gl.float32, layout)
+def _phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr):
+    """The dot products of every staged row with the input vector in shared memory: [PADDED, TILE_ROWS]
+    float32 in SliceLayout(2, layout) (garbage in the padding groups)."""
+    acc = gl.zeros([PADDED, TILE_ROWS, TILE_COLUMNS], gl.float32, layout)
     for part in gl.static_range(SLICES):
-        weight = tiles.index(FIRST + part).load(layout).to(gl.float32)
-        x = inputs.slice(part * TILE_COLUMNS, TILE_COLUMNS).load(gl.SliceLayout(0, layout)).to(gl.float32)
-        acc += weight * gl.expand_dims(x, 0)
-    return gl.sum(acc, axis=1)
+        weight = tiles.index(part).load(layout).to(gl.float32)
+        x = inputs.slice(part * TILE_COLUMNS, TILE_COLUMNS).load(gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+        acc += weight * gl.expand_dims(gl.expand_dims(x.to(gl.float32), 0), 0)
+    return gl.sum(acc, axis=2)
 
 
 @gluon.jit
 def _vector_offsets():
     """Offsets 0 .. INPUT_SLICES * TILE_COLUMNS - 1, 8 consecutive a lane."""
-    return gl.arange(0, INPUT_SLICES * TILE_COLUMNS, layout=gl.BlockedLayout([8], [32], [4], [0]))
+    return gl.arange(0, INPUT_SLICES * TILE_COLUMNS, layout=gl.BlockedLayout([8], [32], [WARPS], [0]))
 
 
 @gluon.jit
@@ -114,7 +121,15 @@ def _sigmoid(x):
 
 @gluon.jit
 def _mark(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
-    """With TRACE, this program's clock (%globaltimer, ns) at trace point POINT (benchmarks/staged_tail_trace.py)."""
+    """With TRACE, this program's SM clock (%clock64, cycles) at trace point POINT (staged_tail_trace.py)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(trace_ptr + gl.program_id(0) * TRACE_POINTS + POINT, now)
+
+
+@gluon.jit
+def _mark_time(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
+    """`_mark` in %globaltimer ns: the same clock on every SM, in steps of about 1 us on the H200."""
     if TRACE:
         now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
                                         pack=1)
@@ -139,10 +154,14 @@ def _grid_barrier(counter_ptr, error_ptr, programs):
 
 
 @gluon.jit
-def _store_rows(acc, out_ptr, residual_ptr, first_row, N, layout: gl.constexpr, HAS_RESIDUAL: gl.constexpr):
-    """out[rows] = acc (+ residual[rows]), rounded to out's dtype; rows = first_row + 0 .. TILE_ROWS - 1 < N."""
-    rows = first_row + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, layout))
-    mask = rows < N
+def _store_rows(acc, out_ptr, residual_ptr, first_row, N, GROUPS: gl.constexpr, layout: gl.constexpr,
+                HAS_RESIDUAL: gl.constexpr):
+    """out[rows] = acc (+ residual[rows]), rounded to out's dtype, for acc [PADDED, TILE_ROWS] in
+    SliceLayout(2, layout): rows first_row + g * TILE_ROWS + r of the first GROUPS groups that are below N."""
+    group = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    row = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    rows = first_row + gl.expand_dims(group, 1) * TILE_ROWS + gl.expand_dims(row, 0)
+    mask = (gl.expand_dims(group, 1) < GROUPS) & (rows < N)
     if HAS_RESIDUAL:
         acc = acc + gl.load(residual_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
     gl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -153,7 +172,7 @@ def _staged_kernel(
     out_descriptor, gate_up_descriptor, down_descriptor,
     x_ptr, gate_ptr, z_ptr, head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps,
     HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr,
-    OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr,
+    OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
 ):
@@ -167,10 +186,10 @@ def _staged_kernel(
     out_row = program * (OUT_GROUPS * TILE_ROWS)
     up_row = program * (UP_GROUPS * TILE_ROWS)
 
-    out_tiles = gl.allocate_shared_memory(dtype, [OUT_GROUPS * OUT_SLICES, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    gate_tiles = gl.allocate_shared_memory(dtype, [UP_GROUPS * UP_SLICES, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    up_tiles = gl.allocate_shared_memory(dtype, [UP_GROUPS * UP_SLICES, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    down_tiles = gl.allocate_shared_memory(dtype, [OUT_GROUPS * DOWN_SLICES, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    out_tiles = gl.allocate_shared_memory(dtype, [OUT_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    gate_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    up_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     arrivals = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for phase in gl.static_range(3):
@@ -182,12 +201,12 @@ def _staged_kernel(
     gl.warp_specialize([
         (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
                     head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
-                    programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, HAS_GATE, HEAD_NORM, HEAD_DIM,
-                    ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS)),
+                    programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED, HAS_GATE,
+                    HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS)),
         (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                          down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                         OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE)),
-    ], [1], [40])
+                         OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE)),
+    ], [1], [96])
     for phase in gl.static_range(3):
         mbarrier.invalidate(arrivals.index(phase))
 
@@ -195,17 +214,17 @@ def _staged_kernel(
 @gluon.jit
 def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
                   arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
-                  UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
-                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr):
+                  UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
+                  OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr, DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr):
     """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
-    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES)
+    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_PADDED, OUT_SLICES)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
-    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES)
-    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES)
+    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_PADDED, UP_SLICES)
+    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_PADDED, UP_SLICES)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
-    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES)
+    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, OUT_PADDED, DOWN_SLICES)
     _mark(trace_ptr, 12, TRACE)
 
 
@@ -213,14 +232,17 @@ def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles
 def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
              hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row, programs,
              HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
-             UP_GROUPS: gl.constexpr, HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
+             UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
+             HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
     DOWN_SLICES: gl.constexpr = INTERMEDIATE // TILE_COLUMNS
-    layout: gl.constexpr = TILE_LAYOUT
+    out_layout: gl.constexpr = _groups_layout(OUT_PADDED, WARPS)
+    up_layout: gl.constexpr = _groups_layout(UP_PADDED, WARPS)
     dtype: gl.constexpr = out_tiles.dtype
+    _mark_time(trace_ptr, 13, TRACE)
     _mark(trace_ptr, 0, TRACE)
     _previous_kernel_done(USE_PDL)
     _mark(trace_ptr, 1, TRACE)
@@ -229,7 +251,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     if HEAD_NORM:
         # the Gated DeltaNet output norm per head (gated_rms_norm.py's roundings), heads as rows
         HEAD_ROWS: gl.constexpr = INPUT_SLICES * TILE_COLUMNS // HEAD_DIM
-        head_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        head_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
         head = gl.arange(0, HEAD_ROWS, layout=gl.SliceLayout(1, head_layout))
         lane = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, head_layout))
         channel = gl.expand_dims(head, 1) * HEAD_DIM + gl.expand_dims(lane, 0)
@@ -256,9 +278,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _mark(trace_ptr, 2, TRACE)
     mbarrier.wait(arrivals.index(0), 0)
     _mark(trace_ptr, 3, TRACE)
-    for group in gl.static_range(OUT_GROUPS):
-        acc = _group_sums(out_tiles, inputs, group * OUT_SLICES, OUT_SLICES, layout)
-        _store_rows(acc, hidden_ptr, hidden_ptr, out_row + group * TILE_ROWS, HIDDEN, layout, True)
+    acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
+    _store_rows(acc, hidden_ptr, hidden_ptr, out_row, HIDDEN, OUT_GROUPS, out_layout, True)
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
         _grid_barrier(counter_ptr, counter_ptr + 3, programs)
@@ -275,11 +296,9 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _mark(trace_ptr, 6, TRACE)
     mbarrier.wait(arrivals.index(1), 0)
     _mark(trace_ptr, 7, TRACE)
-    for group in gl.static_range(UP_GROUPS):
-        acc = _group_sums(gate_tiles, inputs, group * UP_SLICES, UP_SLICES, layout)
-        acc_up = _group_sums(up_tiles, inputs, group * UP_SLICES, UP_SLICES, layout)
-        _store_rows(acc * _sigmoid(acc) * acc_up, act_ptr, act_ptr, up_row + group * TILE_ROWS, INTERMEDIATE,
-                    layout, False)
+    acc = _phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    acc_up = _phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    _store_rows(acc * _sigmoid(acc) * acc_up, act_ptr, act_ptr, up_row, INTERMEDIATE, UP_GROUPS, up_layout, False)
     _mark(trace_ptr, 8, TRACE)
     if BARRIERS:
         _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs)
@@ -292,12 +311,12 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
     _mark(trace_ptr, 10, TRACE)
-    for group in gl.static_range(OUT_GROUPS):
-        acc = _group_sums(down_tiles, inputs, group * DOWN_SLICES, DOWN_SLICES, layout)
-        _store_rows(acc, hidden_ptr, hidden_ptr, out_row + group * TILE_ROWS, HIDDEN, layout, True)
+    acc = _phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
+    _store_rows(acc, hidden_ptr, hidden_ptr, out_row, HIDDEN, OUT_GROUPS, out_layout, True)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
     _mark(trace_ptr, 11, TRACE)
+    _mark_time(trace_ptr, 14, TRACE)
     departed = gl.atomic_add(counter_ptr + 2, 1, sem="relaxed", scope="gpu")
     if departed == programs - 1:
         gl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
@@ -305,8 +324,14 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
         gl.atomic_xchg(counter_ptr + 2, 0, sem="relaxed", scope="gpu")
 
 
+def padded_groups(groups: int) -> int:
+    """A phase's row groups as the registers hold them: a power of two, at least 2 (test_plan)."""
+    return max(2, triton.next_power_of_2(groups))
+
+
 def plan(hidden: int, attended: int, intermediate: int, programs: int) -> dict | None:
-    """The launch at these sizes on `programs` SMs: dict(grid, out_groups, up_groups, shared_bytes), or None
+    """The launch at these sizes on `programs` SMs: dict(grid, out_groups, up_groups (of TILE_ROWS rows a program),
+    out_padded, up_padded (`padded_groups`), copies (TMA copies a program), shared_bytes), or None
     where the kernel does not apply (a size not a multiple of 256, an input longer than INPUT_SLICES x 256,
     or the weights not fitting in shared memory)."""
     if any(size % TILE_COLUMNS.value for size in (hidden, attended, intermediate)):
@@ -316,19 +341,25 @@ def plan(hidden: int, attended: int, intermediate: int, programs: int) -> dict |
     out_groups = triton.cdiv(triton.cdiv(hidden, programs), TILE_ROWS.value)
     up_groups = triton.cdiv(triton.cdiv(intermediate, programs), TILE_ROWS.value)
     grid = max(triton.cdiv(hidden, out_groups * TILE_ROWS.value), triton.cdiv(intermediate, up_groups * TILE_ROWS.value))
+    out_padded, up_padded = padded_groups(out_groups), padded_groups(up_groups)
     tile_bytes = TILE_ROWS.value * TILE_COLUMNS.value * 2
-    tiles = out_groups * (attended + intermediate) // TILE_COLUMNS.value + 2 * up_groups * hidden // TILE_COLUMNS.value
+    tiles = (out_padded * (attended + intermediate) + 2 * up_padded * hidden) // TILE_COLUMNS.value
     shared_bytes = tiles * tile_bytes + INPUT_SLICES.value * TILE_COLUMNS.value * 2 + 64
-    if shared_bytes > SHARED_MEMORY_LIMIT - 8 * 1024:  # room for the compiler's reduction scratch
+    if shared_bytes > SHARED_MEMORY_LIMIT - 2 * 1024:  # room for the compiler's scratch
         return None
-    return dict(grid=grid, out_groups=out_groups, up_groups=up_groups, shared_bytes=shared_bytes)
+    return dict(grid=grid, out_groups=out_groups, up_groups=up_groups, out_padded=out_padded, up_padded=up_padded,
+                copies=(out_groups * (attended + intermediate) + 2 * up_groups * hidden) // TILE_COLUMNS.value,
+                shared_bytes=shared_bytes)
 
 
 def weight_descriptors(out_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor):
     """The TMA descriptors of a layer's three weights (tiles of TILE_ROWS x TILE_COLUMNS, unswizzled): build
     them once per layer and pass them to every call."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    return tuple(TensorDescriptor.from_tensor(weight, [TILE_ROWS.value, TILE_COLUMNS.value], layout)
+    # the weight as [1, N, K] and its tiles as [1, TILE_ROWS, TILE_COLUMNS], so a tile lands as one entry of the
+    # kernel's [tiles, TILE_ROWS, TILE_COLUMNS] buffers, which its warps read in rank 3
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    return tuple(TensorDescriptor(weight, [1, *weight.shape], [weight.numel(), weight.shape[1], 1],
+                                  [1, TILE_ROWS.value, TILE_COLUMNS.value], layout)
                  for weight in (out_weight, gate_up_weight, down_weight))
 
 
@@ -407,6 +438,7 @@ def staged_out_projection_mlp(
         counters if trace is None else trace, eps,
         HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate,
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"],
+        OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers, num_warps=WARPS.value, **launch_options(pdl),
     )
