@@ -26,6 +26,35 @@ POINTS = ["entry", "PDL wait done", "phase 1 input stored", "phase 1 weights arr
           "barrier 2 passed", "phase 3 weights arrived", "phase 3 stored", "loader: last copy issued"]
 
 
+VARIANTS = {  # name: staged_out_projection_mlp's diagnostic options
+    "staged": dict(),
+    "staged, copies row group by row group": dict(rows_first=True),
+    "without the grid barriers (wrong results)": dict(barriers=False),
+    "weights only (no computing)": dict(stream_only=True),
+    "weights only, copies row group by row group": dict(stream_only=True, rows_first=True),
+}
+TRACED = ["staged", "staged, copies row group by row group"]
+
+
+def summary(stamps: torch.Tensor, layers: int) -> dict:
+    """The trace of one replay ([layers, programs, TRACE_POINTS]) as the module docstring describes."""
+    inner = slice(1, layers - 1)  # the first and last layers start and end the graph: left out
+    cycles = stamps[inner, :, 11] - stamps[inner, :, 0]
+    nanoseconds = stamps[inner, :, 14] - stamps[inner, :, 13]
+    ghz = (cycles.sum() / nanoseconds.sum()).item()  # the SM clock, from the two clocks over every program
+    rows = []
+    for point, name in enumerate(POINTS):
+        since_entry = (stamps[inner, :, point] - stamps[inner, :, 0]) / ghz / 1e3  # us from the program's entry
+        rows.append(dict(point=name, median_us=since_entry.median().item(),
+                         latest_us=since_entry.max(dim=1).values.median().item()))
+    entries = stamps[:, :, 13]
+    starts = entries.min(dim=1).values
+    return dict(trace=rows, sm_clock_GHz=ghz,
+                period_us=(starts[2:layers - 1] - starts[1:layers - 2]).median().item() / 1e3,
+                entry_spread_us=(entries.max(dim=1).values - starts)[inner].median().item() / 1e3,
+                span_us=((stamps[:, :, 14].max(dim=1).values - starts)[inner]).median().item() / 1e3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -46,7 +75,7 @@ def main() -> None:
     grid = staged.plan(hidden_size, attended, intermediate, torch.cuda.get_device_properties(0).multi_processor_count)["grid"]
     trace = torch.zeros(layers, grid, staged.TRACE_POINTS.value, device="cuda", dtype=torch.int64)
 
-    def launcher(traced, barriers):
+    def launcher(traced, **options):
         calls = iter(range(10**9))
 
         def launch():
@@ -54,45 +83,31 @@ def main() -> None:
             b = blocks[i]
             staged.staged_out_projection_mlp(x, b["out"], hidden, b["norm"], b["gate_up"], b["down"], 1e-6,
                                              counters[i], act=act, pdl=True, descriptors=descriptors[i],
-                                             trace=trace[i] if traced else None, barriers=barriers)
+                                             trace=trace[i] if traced else None, **options)
         return launch
 
-    result = dict(layers=layers, grid=grid, times_us={})
-    for traced in (False, True):
-        for barriers in (True, False):
-            launch = launcher(traced, barriers)
-            launch()
-            us = time_graph(launch, calls=layers, replays=20) * 1e3
-            result["times_us"][f"trace {'on' if traced else 'off'}, barriers {'on' if barriers else 'off'}"] = us
-            if traced and barriers:
-                stamps = trace.cpu().double()
+    result = dict(layers=layers, grid=grid, times_us={}, traces={})
+    for name, options in VARIANTS.items():
+        launch = launcher(False, **options)
+        launch()
+        result["times_us"][name] = time_graph(launch, calls=layers, replays=20) * 1e3
+    for name in TRACED:
+        launch = launcher(True, **VARIANTS[name])
+        launch()
+        result["times_us"][name + ", traced"] = time_graph(launch, calls=layers, replays=20) * 1e3
+        result["traces"][name] = summary(trace.cpu().double(), layers)
     if counters[:, 3].any():
         raise RuntimeError("a grid barrier gave up (the counters' error flag)")
-    inner = slice(1, layers - 1)  # the first and last layers start and end the graph: left out
-    cycles = stamps[inner, :, 11] - stamps[inner, :, 0]
-    nanoseconds = stamps[inner, :, 14] - stamps[inner, :, 13]
-    ghz = (cycles.sum() / nanoseconds.sum()).item()  # the SM clock, from the two clocks over every program
-    rows = []
-    for point, name in enumerate(POINTS):
-        since_entry = (stamps[inner, :, point] - stamps[inner, :, 0]) / ghz / 1e3  # us from the program's entry
-        rows.append(dict(point=name, median_us=since_entry.median().item(),
-                         latest_us=since_entry.max(dim=1).values.median().item()))
-    entries = stamps[:, :, 13]
-    starts = entries.min(dim=1).values
-    result["trace"] = rows
-    result["sm_clock_GHz"] = ghz
-    result["period_us"] = (starts[2:layers - 1] - starts[1:layers - 2]).median().item() / 1e3
-    result["entry_spread_us"] = (entries.max(dim=1).values - starts)[inner].median().item() / 1e3
-    result["span_us"] = ((stamps[:, :, 14].max(dim=1).values - starts)[inner]).median().item() / 1e3
     for name, us in result["times_us"].items():
         print(f"{name}: {us:.2f} us a launch")
-    print(f"SM clock {ghz:.3f} GHz; period between layers' first entries {result['period_us']:.2f} us; entries "
-          f"spread over {result['entry_spread_us']:.2f} us; first entry to last exit {result['span_us']:.2f} us "
-          "(%globaltimer, about 1 us steps)")
-    print("from each program's own entry (SM clock), median over programs and layers; latest: the layers' median "
-          "of their latest program")
-    for row in rows:
-        print(f"{row['point']:>26}: median {row['median_us']:6.2f} us, latest {row['latest_us']:6.2f} us")
+    for name, traced in result["traces"].items():
+        print(f"\n{name}: SM clock {traced['sm_clock_GHz']:.3f} GHz; period between layers' first entries "
+              f"{traced['period_us']:.2f} us; entries spread over {traced['entry_spread_us']:.2f} us; first entry to "
+              f"last exit {traced['span_us']:.2f} us (%globaltimer, about 1 us steps)")
+        print("from each program's own entry (SM clock), median over programs and layers; latest: the layers' "
+              "median of their latest program")
+        for row in traced["trace"]:
+            print(f"{row['point']:>26}: median {row['median_us']:6.2f} us, latest {row['latest_us']:6.2f} us")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -86,14 +86,20 @@ def _groups_layout(groups, warps):
 
 @gluon.jit
 def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, PADDED: gl.constexpr,
-           SLICES: gl.constexpr):
+           SLICES: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """TMA copies of rows [first_row, first_row + GROUPS * TILE_ROWS) of a weight, every column, into tiles
     [SLICES, PADDED, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g]; the padding groups are
     never written), counted on barrier. Rows past the weight arrive as zeros."""
-    for part in gl.static_range(SLICES):
+    if ROWS_FIRST:
         for group in gl.static_range(GROUPS):
-            tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                            barrier, tiles.index(part).slice(group, 1))
+            for part in gl.static_range(SLICES):
+                tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
+                                                barrier, tiles.index(part).slice(group, 1))
+    else:
+        for part in gl.static_range(SLICES):
+            for group in gl.static_range(GROUPS):
+                tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
+                                                barrier, tiles.index(part).slice(group, 1))
 
 
 @gluon.jit
@@ -154,17 +160,13 @@ def _grid_barrier(counter_ptr, error_ptr, programs):
 
 
 @gluon.jit
-def _store_rows(acc, out_ptr, residual_ptr, first_row, N, GROUPS: gl.constexpr, layout: gl.constexpr,
-                HAS_RESIDUAL: gl.constexpr):
-    """out[rows] = acc (+ residual[rows]), rounded to out's dtype, for acc [PADDED, TILE_ROWS] in
-    SliceLayout(2, layout): rows first_row + g * TILE_ROWS + r of the first GROUPS groups that are below N."""
-    group = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+def _own_rows(first_row, N, GROUPS: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
+    """(rows, mask) [PADDED, TILE_ROWS] in SliceLayout(2, layout), as `_phase_sums` returns its sums: row
+    first_row + g * TILE_ROWS + r, masked past the first GROUPS groups and past N."""
+    group = gl.arange(0, PADDED, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
     row = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
     rows = first_row + gl.expand_dims(group, 1) * TILE_ROWS + gl.expand_dims(row, 0)
-    mask = (gl.expand_dims(group, 1) < GROUPS) & (rows < N)
-    if HAS_RESIDUAL:
-        acc = acc + gl.load(residual_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
-    gl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return rows, (gl.expand_dims(group, 1) < GROUPS) & (rows < N)
 
 
 @gluon.jit
@@ -174,7 +176,8 @@ def _staged_kernel(
     HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr,
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
-    USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
+    USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
+    ROWS_FIRST: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -198,15 +201,23 @@ def _staged_kernel(
 
     # one warp asks for every weight of the three phases, in the order the phases read them, while the
     # others wait for the previous kernel and compute
-    gl.warp_specialize([
-        (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
-                    head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
-                    programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED, HAS_GATE,
-                    HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS)),
-        (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                         down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                         OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE)),
-    ], [1], [96])
+    if STREAM_ONLY:
+        gl.warp_specialize([
+            (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
+            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST)),
+        ], [1], [64])
+    else:
+        gl.warp_specialize([
+            (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
+                        head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
+                        programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
+                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS)),
+            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST)),
+        ], [1], [64])
     for phase in gl.static_range(3):
         mbarrier.invalidate(arrivals.index(phase))
 
@@ -215,17 +226,34 @@ def _staged_kernel(
 def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
                   arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
                   UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
-                  OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr, DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr):
-    """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier."""
+                  OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr, DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr,
+                  ROWS_FIRST: gl.constexpr):
+    """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier
+    (ROWS_FIRST: each row group's column slices one after another, else each column slice's row groups)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
-    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_PADDED, OUT_SLICES)
+    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_PADDED, OUT_SLICES, ROWS_FIRST)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
-    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_PADDED, UP_SLICES)
-    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_PADDED, UP_SLICES)
+    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_PADDED, UP_SLICES, ROWS_FIRST)
+    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_PADDED, UP_SLICES,
+           ROWS_FIRST)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
-    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, OUT_PADDED, DOWN_SLICES)
+    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, OUT_PADDED, DOWN_SLICES,
+           ROWS_FIRST)
     _mark(trace_ptr, 12, TRACE)
+
+
+@gluon.jit
+def _wait_for_weights(arrivals, trace_ptr, USE_PDL: gl.constexpr, TRACE: gl.constexpr):
+    """The computing warps in the streaming-only diagnostic: wait for every weight, compute nothing."""
+    _mark_time(trace_ptr, 13, TRACE)
+    _mark(trace_ptr, 0, TRACE)
+    _previous_kernel_done(USE_PDL)
+    for phase in gl.static_range(3):
+        mbarrier.wait(arrivals.index(phase), 0)
+    _mark(trace_ptr, 10, TRACE)
+    _mark(trace_ptr, 11, TRACE)
+    _mark_time(trace_ptr, 14, TRACE)
 
 
 @gluon.jit
@@ -244,8 +272,15 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     dtype: gl.constexpr = out_tiles.dtype
     _mark_time(trace_ptr, 13, TRACE)
     _mark(trace_ptr, 0, TRACE)
+    # what no earlier kernel writes, loaded before the PDL wait: the MLP's norm weight (and the head norm's)
+    offsets = _vector_offsets()
+    norm_weight = gl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(gl.float32)
     _previous_kernel_done(USE_PDL)
     _mark(trace_ptr, 1, TRACE)
+    # this program's rows of h, loaded with phase 1's input, before the weight copies fill the memory system's
+    # queues (a load issued behind them waits microseconds); phase 3 adds to phase 1's result in registers
+    rows, row_mask = _own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
+    residual = gl.load(hidden_ptr + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
 
     # phase 1: x' into shared memory, then h[out rows] += x' @ W_o[out rows]^T
     if HEAD_NORM:
@@ -258,7 +293,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
         mask = channel < ATTENDED
         x = gl.load(x_ptr + channel, mask=mask, other=0.0).to(gl.float32)
         z = gl.load(z_ptr + channel, mask=mask, other=0.0).to(gl.float32)
-        weight = gl.load(head_norm_ptr + lane).to(gl.float32)
+        weight = gl.load(head_norm_ptr + lane).to(gl.float32)  # (not written by earlier kernels)
         normed = x * gl.expand_dims(gl.rsqrt(gl.sum(x * x, axis=1) / HEAD_DIM + eps), 1)
         normed = normed.to(dtype).to(gl.float32)
         product = gl.expand_dims(weight, 0) * normed
@@ -267,7 +302,6 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
         normed = product * (z / (1.0 + gl.exp(-z)))
         inputs.reshape([HEAD_ROWS, HEAD_DIM]).store(normed.to(dtype))
     else:
-        offsets = _vector_offsets()
         mask = offsets < ATTENDED
         x = gl.load(x_ptr + offsets, mask=mask, other=0.0)
         if HAS_GATE:
@@ -279,18 +313,16 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     mbarrier.wait(arrivals.index(0), 0)
     _mark(trace_ptr, 3, TRACE)
     acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
-    _store_rows(acc, hidden_ptr, hidden_ptr, out_row, HIDDEN, OUT_GROUPS, out_layout, True)
+    residual = (acc + residual.to(gl.float32)).to(dtype)
+    gl.store(hidden_ptr + rows, residual, mask=row_mask)
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
         _grid_barrier(counter_ptr, counter_ptr + 3, programs)
     _mark(trace_ptr, 5, TRACE)
 
     # phase 2: the MLP's RMSNorm of h into shared memory, then act[up rows] = swiglu(gate, up)
-    offsets = _vector_offsets()
-    mask = offsets < HIDDEN
-    h = gl.load(hidden_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
+    h = gl.load(hidden_ptr + offsets, mask=offsets < HIDDEN, other=0.0, cache_modifier=".cg").to(gl.float32)
     rstd = gl.rsqrt(gl.sum(h * h, axis=0) / HIDDEN + eps)
-    norm_weight = gl.load(norm_ptr + offsets, mask=mask, other=0.0).to(gl.float32)
     inputs.store((h * rstd * (1.0 + norm_weight)).to(dtype))
     gl.thread_barrier()
     _mark(trace_ptr, 6, TRACE)
@@ -298,7 +330,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _mark(trace_ptr, 7, TRACE)
     acc = _phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
     acc_up = _phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
-    _store_rows(acc * _sigmoid(acc) * acc_up, act_ptr, act_ptr, up_row, INTERMEDIATE, UP_GROUPS, up_layout, False)
+    up_rows, up_mask = _own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
+    gl.store(act_ptr + up_rows, (acc * _sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
     _mark(trace_ptr, 8, TRACE)
     if BARRIERS:
         _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs)
@@ -306,13 +339,12 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _next_kernel_may_launch(USE_PDL)
 
     # phase 3: h[out rows] += act @ W_d[out rows]^T
-    mask = offsets < INTERMEDIATE
-    inputs.store(gl.load(act_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg"))
+    inputs.store(gl.load(act_ptr + offsets, mask=offsets < INTERMEDIATE, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
     _mark(trace_ptr, 10, TRACE)
     acc = _phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
-    _store_rows(acc, hidden_ptr, hidden_ptr, out_row, HIDDEN, OUT_GROUPS, out_layout, True)
+    gl.store(hidden_ptr + rows, (acc + residual.to(gl.float32)).to(dtype), mask=row_mask)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
     _mark(trace_ptr, 11, TRACE)
@@ -386,6 +418,8 @@ def staged_out_projection_mlp(
     programs: int | None = None,
     trace: torch.Tensor | None = None,
     barriers: bool = True,
+    stream_only: bool = False,
+    rows_first: bool = False,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -393,8 +427,8 @@ def staged_out_projection_mlp(
     `weight_descriptors` (built here when None). programs: SMs to use (default all). Raises ValueError where
     `plan` says the kernel does not apply.
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
-    program's clock at the trace points; barriers=False leaves the grid barriers out (wrong results: the
-    design's bound)."""
+    program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
+    the computing (wrong results: the design's bounds); rows_first: the loading warp's order of copies."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -440,6 +474,7 @@ def staged_out_projection_mlp(
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"],
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
-        USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers, num_warps=WARPS.value, **launch_options(pdl),
+        USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
+        STREAM_ONLY=stream_only, ROWS_FIRST=rows_first, num_warps=WARPS.value, **launch_options(pdl),
     )
     return hidden
