@@ -102,7 +102,8 @@ for head_norm in (False, True):
                      UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
                      HAS_GATE=not head_norm, HEAD_NORM=head_norm,
                      HEAD_DIM=128 if head_norm else 256, ROUND_PRODUCT=True, USE_PDL=True,
-                     TRACE=False, BARRIERS=True, STREAM_ONLY=False, ROWS_FIRST=False)
+                     TRACE=False, BARRIERS=True, STREAM_ONLY=False, ROWS_FIRST=False,
+                     ONE_POLLER=True, WARPS=staged.WARPS.value)
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=staged.WARPS.value))
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")

@@ -49,6 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
+ONE_POLLER = True  # a grid barrier polled by one thread a program
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -115,7 +116,7 @@ def _phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layou
 
 
 @gluon.jit
-def _vector_offsets():
+def _vector_offsets(WARPS: gl.constexpr):
     """Offsets 0 .. INPUT_SLICES * TILE_COLUMNS - 1, 8 consecutive a lane."""
     return gl.arange(0, INPUT_SLICES * TILE_COLUMNS, layout=gl.BlockedLayout([8], [32], [WARPS], [0]))
 
@@ -143,15 +144,26 @@ def _mark_time(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _grid_barrier(counter_ptr, error_ptr, programs):
+def _poll(counter_ptr, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr):
+    """The counter's value, read past L1 (ONE_POLLER: by one thread, handed to the others through shared
+    memory, so a program sends one read a poll, not one a warp)."""
+    if ONE_POLLER:
+        thread = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        return gl.max(gl.load(counter_ptr + thread * 0, mask=thread == 0, other=0, volatile=True), axis=0)
+    else:
+        return gl.load(counter_ptr, volatile=True)
+
+
+@gluon.jit
+def _grid_barrier(counter_ptr, error_ptr, programs, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr):
     """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
     everything each wrote before is then visible to every program's loads past L1."""
     gl.thread_barrier()
     gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    arrived = gl.load(counter_ptr, volatile=True)
+    arrived = _poll(counter_ptr, ONE_POLLER, WARPS)
     spins = 0
     while (arrived < programs) & (spins < SPIN_LIMIT):
-        arrived = gl.load(counter_ptr, volatile=True)
+        arrived = _poll(counter_ptr, ONE_POLLER, WARPS)
         spins += 1
     if spins >= SPIN_LIMIT:
         gl.atomic_xchg(error_ptr, 1, sem="relaxed", scope="gpu")
@@ -177,7 +189,7 @@ def _staged_kernel(
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    ROWS_FIRST: gl.constexpr,
+    ROWS_FIRST: gl.constexpr, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -213,7 +225,7 @@ def _staged_kernel(
             (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
                         head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
                         programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
-                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS)),
+                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, ONE_POLLER, WARPS)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
                              OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST)),
@@ -262,7 +274,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
              HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
              UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
-             ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr):
+             ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
+             ONE_POLLER: gl.constexpr, WARPS: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -273,7 +286,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _mark_time(trace_ptr, 13, TRACE)
     _mark(trace_ptr, 0, TRACE)
     # what no earlier kernel writes, loaded before the PDL wait: the MLP's norm weight (and the head norm's)
-    offsets = _vector_offsets()
+    offsets = _vector_offsets(WARPS)
     norm_weight = gl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(gl.float32)
     _previous_kernel_done(USE_PDL)
     _mark(trace_ptr, 1, TRACE)
@@ -317,7 +330,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
-        _grid_barrier(counter_ptr, counter_ptr + 3, programs)
+        _grid_barrier(counter_ptr, counter_ptr + 3, programs, ONE_POLLER, WARPS)
     _mark(trace_ptr, 5, TRACE)
 
     # phase 2: the MLP's RMSNorm of h into shared memory, then act[up rows] = swiglu(gate, up)
@@ -334,7 +347,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     gl.store(act_ptr + up_rows, (acc * _sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
     _mark(trace_ptr, 8, TRACE)
     if BARRIERS:
-        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs)
+        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, ONE_POLLER, WARPS)
     _mark(trace_ptr, 9, TRACE)
     _next_kernel_may_launch(USE_PDL)
 
@@ -420,6 +433,8 @@ def staged_out_projection_mlp(
     barriers: bool = True,
     stream_only: bool = False,
     rows_first: bool = False,
+    one_poller: bool = ONE_POLLER,
+    warps: int = WARPS.value,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -428,7 +443,8 @@ def staged_out_projection_mlp(
     `plan` says the kernel does not apply.
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
     program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
-    the computing (wrong results: the design's bounds); rows_first: the loading warp's order of copies."""
+    the computing (wrong results: the design's bounds); rows_first: the loading warp's order of copies;
+    one_poller: one thread a program polls a barrier, not every thread; warps: the computing warps."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -475,6 +491,7 @@ def staged_out_projection_mlp(
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, ROWS_FIRST=rows_first, num_warps=WARPS.value, **launch_options(pdl),
+        STREAM_ONLY=stream_only, ROWS_FIRST=rows_first, ONE_POLLER=one_poller, WARPS=warps, num_warps=warps,
+        **launch_options(pdl),
     )
     return hidden
