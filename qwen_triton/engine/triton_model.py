@@ -10,7 +10,8 @@ gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [
 [gate | up]. The pre-projection RMSNorms are fused into the projections' prologues, the residual adds into
 their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue;
 in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
-layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode).
+layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode), and on Hopper a
+layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp).
 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
-from ..operators.common import pdl_available
+from ..operators.common import hopper_or_later, interpreting, pdl_available, sm_count
 from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
@@ -49,6 +50,7 @@ from ..operators.gated_delta_rule import (
 from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
+from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemv import MAX_ROWS
 from ..operators.sampling import feed_back, sample
 from ..state import ModelState
@@ -109,6 +111,7 @@ class TritonModel:
         out_projection_mlp: bool = True,
         output_norm_in_projection: bool = True,
         projected_delta_decode: bool = True,
+        staged_out_projection_mlp: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -126,6 +129,9 @@ class TritonModel:
         self.output_norm_in_projection = output_norm_in_projection
         # with it, a one-sequence decode step's DeltaNet in-projection and step in one kernel (projected_decode.py)
         self.projected_delta_decode = projected_delta_decode
+        # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
+        # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
+        self.staged_out_projection_mlp = staged_out_projection_mlp
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -169,6 +175,14 @@ class TritonModel:
                 gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]).contiguous(),
                 down=weights[p + "mlp.down_proj.weight"],
             ))
+        self._staged_descriptors: list = []
+        self._staged_counters = None
+        if self._staged_tail_applies():
+            # the TMA descriptors of each layer's three weights, and each layer's barrier counters (zero, and left
+            # zero by every launch; a layer's own row, so no two launches in flight share one)
+            self._staged_descriptors = [staged.weight_descriptors(layer.out, mlp.gate_up, mlp.down)
+                                        for layer, mlp in zip(self.layers, self.mlps)]
+            self._staged_counters = staged.new_counters(self.device, len(self.layers))
         self.rotary = rotary_table(max_length, c.rotary_dim, c.rope_theta, self.device)
         # the split-KV count of batch 1 for every batch: a sequence's attention is then summed in the same
         # order whatever batch it decodes in (batched generation equals one at a time)
@@ -261,6 +275,16 @@ class TritonModel:
         rows, option out_projection_mlp)."""
         return scratch is not None and self.out_projection_mlp and rows <= MAX_ROWS
 
+    def _staged_tail_applies(self) -> bool:
+        """Whether this model can run `staged_out_projection_mlp` at all (option staged_out_projection_mlp): a
+        Hopper GPU (not the interpreter), bfloat16, and sizes its launch plan takes."""
+        c = self.config
+        return (self.staged_out_projection_mlp and self.out_projection_mlp and self.device.type == "cuda"
+                and not interpreting() and hopper_or_later(self.device) and self.dtype == torch.bfloat16
+                and staged.plan(c.hidden_size, self.layers[0].out.shape[1], c.intermediate_size,
+                                sm_count(self.device)) is not None
+                and all(layer.out.shape[1] == self.layers[0].out.shape[1] for layer in self.layers))
+
     def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
                     pdl=False, head_norm=None):
         """x + out-projection(attended) (+ residual), then + MLP: `out_projection_mlp` (one program per SM per
@@ -273,6 +297,11 @@ class TritonModel:
                                                gate=gate is not None, element_size=x.element_size())
 
             with self._operator(f"{kind} + residual + MLP", i, cost):
+                if self._staged_counters is not None and x.shape[0] == 1:
+                    return staged.staged_out_projection_mlp(
+                        attended, out_weight, x, mlp.input_norm, mlp.gate_up, mlp.down, c.rms_norm_eps,
+                        self._staged_counters[i], gate=gate, act=scratch["mlp_hidden"], pdl=pdl,
+                        head_norm=head_norm, descriptors=self._staged_descriptors[i])
                 return out_projection_mlp(attended, out_weight, x, mlp.input_norm, mlp.gate_up, mlp.down,
                                           c.rms_norm_eps, gate=gate, act=scratch["mlp_hidden"], pdl=pdl,
                                           head_norm=head_norm)

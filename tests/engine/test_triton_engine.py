@@ -288,3 +288,28 @@ def test_decode_pipeline_refuses_inputs_the_step_ahead_did_not_run_on(checkpoint
     llm.model.decode_tokens(torch.tensor([1]), torch.tensor([0]), pipeline.sampling, None)  # no feedback
     with pytest.raises(ValueError, match="did not run with feedback"):
         llm.model.decode_tokens(None, None, pipeline.sampling, None)
+
+
+@pytest.mark.gpu
+def test_gpu_staged_layer_tail_runs_and_matches_the_three_launches(monkeypatch):
+    # one sequence on Hopper: every layer's out-projection and MLP is one staged_out_projection_mlp launch
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("staged_out_projection_mlp needs compute capability 9.0 (TMA)")
+    calls = []
+    original = triton_model.staged.staged_out_projection_mlp
+    monkeypatch.setattr(triton_model.staged, "staged_out_projection_mlp",
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    token_ids = torch.randint(0, 248_000, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    scores = {}
+    for staged in (True, False):
+        calls.clear()
+        llm = _real_model("triton", torch.bfloat16, staged_out_projection_mlp=staged, cuda_graph=False)
+        scores[staged] = llm.score(token_ids, prefill=8).float()
+        assert len(calls) == (16 * 24 if staged else 0)  # 16 decode steps x 24 layers
+        del llm
+        torch.cuda.empty_cache()
+    assert torch.isfinite(scores[True]).all()
+    errors, agreement = _step_errors(scores[True], scores[False])
+    print(f"staged against three launches: max relative logit difference {errors.max().item():.3e}, "
+          f"top-1 agreement {agreement:.3f}")
+    assert errors.max() < 5e-2 and agreement >= 0.9
