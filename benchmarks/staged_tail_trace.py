@@ -28,13 +28,13 @@ POINTS = ["entry", "PDL wait done", "phase 1 input stored", "phase 1 weights arr
 
 VARIANTS = {  # name: staged_out_projection_mlp's diagnostic options
     "staged": dict(),
+    "staged, paced (down weights past barrier 1)": dict(paced=True),
     "staged, every thread polls": dict(one_poller=False),
     "staged, 16 computing warps": dict(warps=16),
-    "staged, 4 computing warps": dict(warps=4),
     "without the grid barriers (wrong results)": dict(barriers=False),
     "weights only (no computing)": dict(stream_only=True),
 }
-TRACED = ["staged", "staged, 16 computing warps"]
+TRACED = ["staged", "staged, paced (down weights past barrier 1)"]
 
 
 def summary(stamps: torch.Tensor, layers: int) -> dict:

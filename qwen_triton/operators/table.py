@@ -26,8 +26,10 @@ PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a 
 # projected_delta_decode); several sequences run the GEMV, then the fused step
 PROJECTED_STEP_DECODE = "gated_delta_rule.projected_decode:_projected_step_kernel"
 FUSED_STEP_DECODE = "gated_delta_rule.fused_decode:_fused_step_kernel"
-# a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: three phases of
-# one kernel, one program per SM
+# a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: for one sequence on
+# Hopper one launch with every weight staged in shared memory (engine option staged_out_projection_mlp), else
+# three phases of one kernel, one program per SM
+STAGED_TAIL_DECODE = "linear.staged_out_projection_mlp:_staged_kernel"
 LAYER_TAIL_DECODE = "linear.out_projection_mlp:_out_projection_mlp_kernel"
 
 OPERATORS: tuple[Operator, ...] = (
@@ -45,16 +47,16 @@ OPERATORS: tuple[Operator, ...] = (
              ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
              "prefill: flash (online softmax); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),
-             "gate: a prologue (decode, phase 1 of the layer's out_projection_mlp kernel), a row pass (prefill); "
-             "residual in the epilogue"),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
+             "gate: a prologue (decode, phase 1 of the layer's tail kernel: staged for one sequence on Hopper, "
+             "else out_projection_mlp), a row pass (prefill); residual in the epilogue"),
     Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LAYER_TAIL_DECODE,),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "norm: a prologue (decode, phase 2 of the tail kernel), a row pass (prefill); SwiGLU in the epilogue"),
-    Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (LAYER_TAIL_DECODE,),
+    Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "residual in the epilogue (decode: phase 3 of the tail kernel)"),
     Operator("14-15", "RMSNorm with (1 + w) weights, fused with the residual add",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, LAYER_TAIL_DECODE),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "the add is the previous projection's epilogue, the norm the next projection's prologue"),
     Operator("16-17", "LM head (tied embedding) and argmax",
              (LINEAR_PREFILL, LINEAR_DECODE),
@@ -82,10 +84,10 @@ OPERATORS: tuple[Operator, ...] = (
              "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",
              ("gated_delta_rule.chunk:_chunk_output_kernel",),
-             (LAYER_TAIL_DECODE,),
+             (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "prefill: the chunked rule's output kernel, each program whole head rows (standalone: "
              "gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel); decode: the out-projection's prologue "
-             "(phase 1 of the layer's out_projection_mlp kernel, each program for the whole row); without "
+             "(phase 1 of the layer's tail kernel, each program for the whole row); without "
              "out_projection_mlp, the fused step's last program per head"),
     Operator("26", "final RMSNorm", (PROLOGUE_PREFILL, LINEAR_DECODE), ("lm_head.argmax:_lm_head_argmax_kernel",),
              "the LM head's prologue, or its row pass when it projects more than 16 rows "

@@ -1,14 +1,16 @@
-"""Projections: the split-K GEMV (decode), the tiled GEMM (prefill) and the `linear` launcher over both; and
-`out_projection_mlp`, a decode layer's out-projection and MLP, one program per SM."""
+"""Projections: the split-K GEMV (decode), the tiled GEMM (prefill) and the `linear` launcher over both; and a
+decode layer's out-projection and MLP: `out_projection_mlp` (three launches, one program per SM) and, for one
+sequence on Hopper, `staged_out_projection_mlp` (one Gluon launch, every weight staged in shared memory)."""
 
 from __future__ import annotations
 
 import torch
 
 from .linear import linear
+from ..common import hopper_or_later
 from .out_projection_mlp import out_projection_mlp, out_projection_mlp_cost
 
-__all__ = ["linear", "out_projection_mlp", "out_projection_mlp_cost", "benchmark_cases"]
+__all__ = ["linear", "out_projection_mlp", "out_projection_mlp_cost", "benchmark_cases", "layer_tail_cases"]
 
 HIDDEN = 1024
 # (name, weight rows, K, fusions): every projection of a Qwen3.5-0.8B layer
@@ -52,4 +54,30 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16, tokens=(1, 4096)) -> li
                 bytes=moved * size,
                 flops=2 * M * rows * K,
             ))
+    return cases + layer_tail_cases(device, dtype)
+
+
+def layer_tail_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
+    """A decode layer's out-projection + residual and MLP for one token at the 0.8B shapes (H 1024, A 2048,
+    I 3584): `out_projection_mlp` and, on Hopper in bfloat16, `staged_out_projection_mlp`."""
+    from . import staged_out_projection_mlp as staged
+
+    size, attended, intermediate = HIDDEN, 2048, 3584
+    out_weight = torch.randn(size, attended, device=device, dtype=dtype) * attended ** -0.5
+    norm_weight = torch.randn(size, device=device, dtype=dtype) * 0.1
+    gate_up = torch.randn(2 * intermediate, size, device=device, dtype=dtype) * size ** -0.5
+    down = torch.randn(size, intermediate, device=device, dtype=dtype) * intermediate ** -0.5
+    x = torch.randn(1, attended, device=device, dtype=dtype)
+    hidden = torch.randn(1, size, device=device, dtype=dtype)
+    act = torch.empty(1, intermediate, device=device, dtype=dtype)
+    moved, flops = out_projection_mlp_cost(1, size, attended, intermediate, element_size=out_weight.element_size())
+    cases = [dict(name="layer tail out_projection_mlp (3 launches) M=1", bytes=moved, flops=flops,
+                  fn=lambda: out_projection_mlp(x, out_weight, hidden, norm_weight, gate_up, down, 1e-6, act=act))]
+    if dtype == torch.bfloat16 and hopper_or_later(device):
+        counters = staged.new_counters(device)[0]
+        descriptors = staged.weight_descriptors(out_weight, gate_up, down)
+        cases.append(dict(name="layer tail staged_out_projection_mlp (1 launch) M=1", bytes=moved, flops=flops,
+                          fn=lambda: staged.staged_out_projection_mlp(
+                              x, out_weight, hidden, norm_weight, gate_up, down, 1e-6, counters, act=act,
+                              descriptors=descriptors)))
     return cases

@@ -189,7 +189,7 @@ def _staged_kernel(
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    ROWS_FIRST: gl.constexpr, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr,
+    ROWS_FIRST: gl.constexpr, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -206,8 +206,9 @@ def _staged_kernel(
     up_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    arrivals = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
-    for phase in gl.static_range(3):
+    # an mbarrier per phase's weights, and one the computing warps arrive on once past the first grid barrier
+    arrivals = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for phase in gl.static_range(4):
         mbarrier.init(arrivals.index(phase), count=1)
     fence_async_shared()
 
@@ -218,19 +219,20 @@ def _staged_kernel(
             (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST)),
+                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST, PACED)),
         ], [1], [64])
     else:
         gl.warp_specialize([
             (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
                         head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
                         programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
-                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, ONE_POLLER, WARPS)),
+                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, ONE_POLLER, WARPS,
+                        PACED)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST)),
+                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST, PACED)),
         ], [1], [64])
-    for phase in gl.static_range(3):
+    for phase in gl.static_range(4):
         mbarrier.invalidate(arrivals.index(phase))
 
 
@@ -239,9 +241,10 @@ def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles
                   arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
                   UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
                   OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr, DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr,
-                  ROWS_FIRST: gl.constexpr):
+                  ROWS_FIRST: gl.constexpr, PACED: gl.constexpr):
     """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier
-    (ROWS_FIRST: each row group's column slices one after another, else each column slice's row groups)."""
+    (ROWS_FIRST: each row group's column slices one after another, else each column slice's row groups;
+    PACED: phase 3's only once the computing warps are past the first grid barrier)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
     _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_PADDED, OUT_SLICES, ROWS_FIRST)
@@ -249,6 +252,8 @@ def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles
     _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_PADDED, UP_SLICES, ROWS_FIRST)
     _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_PADDED, UP_SLICES,
            ROWS_FIRST)
+    if PACED:
+        mbarrier.wait(arrivals.index(3), 0)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
     _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, OUT_PADDED, DOWN_SLICES,
            ROWS_FIRST)
@@ -275,7 +280,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
              UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
-             ONE_POLLER: gl.constexpr, WARPS: gl.constexpr):
+             ONE_POLLER: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -331,6 +336,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
         _grid_barrier(counter_ptr, counter_ptr + 3, programs, ONE_POLLER, WARPS)
+    if PACED:
+        mbarrier.arrive(arrivals.index(3))
     _mark(trace_ptr, 5, TRACE)
 
     # phase 2: the MLP's RMSNorm of h into shared memory, then act[up rows] = swiglu(gate, up)
@@ -435,6 +442,7 @@ def staged_out_projection_mlp(
     rows_first: bool = False,
     one_poller: bool = ONE_POLLER,
     warps: int = WARPS.value,
+    paced: bool = False,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -444,7 +452,8 @@ def staged_out_projection_mlp(
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
     program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
     the computing (wrong results: the design's bounds); rows_first: the loading warp's order of copies;
-    one_poller: one thread a program polls a barrier, not every thread; warps: the computing warps."""
+    one_poller: one thread a program polls a barrier, not every thread; warps: the computing warps; paced: the
+    down projection's weights requested only past the first grid barrier."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -491,7 +500,8 @@ def staged_out_projection_mlp(
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, ROWS_FIRST=rows_first, ONE_POLLER=one_poller, WARPS=warps, num_warps=warps,
+        STREAM_ONLY=stream_only, ROWS_FIRST=rows_first, ONE_POLLER=one_poller, WARPS=warps, PACED=paced,
+        num_warps=warps,
         **launch_options(pdl),
     )
     return hidden
