@@ -2,7 +2,7 @@
 
 The kernel is Gluon, which the interpreter does not run. On the CPU: the launch plan at the real and at
 unsupported sizes, every argument check, and the kernel compiled for the H200 (sm_90, Triton's ptxas) at the
-real shapes, with and without the DeltaNet head norm and paced: its shared memory within a Hopper program's limit, no
+real shapes, with and without the DeltaNet head norm, each way of pacing the weight copies: its shared memory within a Hopper program's limit, no
 register spills, and one TMA copy per planned weight tile.
 GPU (bfloat16): at Qwen3.5-0.8B's shapes as close to the float64 math as the three-launch kernel it replaces
 (gated and head-normed), at sizes no program count divides (programs with no rows of a phase), the counters
@@ -97,19 +97,20 @@ signature = {name: mangle_type(descriptors[name]) if name in descriptors else "*
              "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "constexpr" for name in kernel.arg_names}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 results = {}
-for head_norm, PACED in ((False, False), (True, False), (False, True)):
+for head_norm, PACED in ((False, staged.PACED), (True, staged.PACED), (False, 0), (False, 2)):
     constants = dict(HIDDEN=H, ATTENDED=A, INTERMEDIATE=I, OUT_GROUPS=launch["out_groups"],
                      UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
                      HAS_GATE=not head_norm, HEAD_NORM=head_norm,
                      HEAD_DIM=128 if head_norm else 256, ROUND_PRODUCT=True, USE_PDL=True,
-                     TRACE=False, BARRIERS=True, STREAM_ONLY=False, ROWS_FIRST=False,
-                     ONE_POLLER=True, WARPS=staged.WARPS.value, PACED=PACED)
+                     TRACE=False, BARRIERS=True, STREAM_ONLY=False,
+                     ONE_POLLER=True, WARPS=staged.WARPS.value, PACED=PACED,
+                     UP_EARLY=(launch["up_groups"] + 1) // 2 if PACED >= 2 else launch["up_groups"])
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=staged.WARPS.value))
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    results[("head-norm" if head_norm else "gate") + (", paced" if PACED else "")] = dict(
+    results[("head-norm" if head_norm else "gate") + f", paced {PACED}"] = dict(
         shared=compiled.metadata.shared, stack=int(usage.split("STACK:")[1].split()[0]),
         copies=compiled.asm["ptx"].count("cp.async.bulk.tensor"))
 print(json.dumps(dict(results, plan=launch)))
@@ -200,7 +201,9 @@ def test_gpu_cuda_graph_with_pdl():
 
 
 @pytest.mark.gpu
-def test_gpu_paced_equals_unpaced():
-    # the down projection's weights requested past the first barrier: the same arithmetic, bit for bit
+@pytest.mark.parametrize("paced", [0, 2])
+def test_gpu_pacing_changes_no_bit(paced):
+    # the weights requested at other times: the same arithmetic, bit for bit
     block = make_block(1, 1024, 2048, 3584, torch.bfloat16, "cuda", gated=True, seed=14)
-    assert torch.equal(run(block, paced=True), run(block))
+    assert paced != staged.PACED
+    assert torch.equal(run(block, paced=paced), run(block))

@@ -50,6 +50,7 @@ from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
 ONE_POLLER = True  # a grid barrier polled by one thread a program
+PACED = 1  # the down projection's weights requested past the first grid barrier (_load_weights)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -86,21 +87,15 @@ def _groups_layout(groups, warps):
 
 
 @gluon.jit
-def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, PADDED: gl.constexpr,
-           SLICES: gl.constexpr, ROWS_FIRST: gl.constexpr):
-    """TMA copies of rows [first_row, first_row + GROUPS * TILE_ROWS) of a weight, every column, into tiles
-    [SLICES, PADDED, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g]; the padding groups are
-    never written), counted on barrier. Rows past the weight arrive as zeros."""
-    if ROWS_FIRST:
-        for group in gl.static_range(GROUPS):
-            for part in gl.static_range(SLICES):
-                tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                                barrier, tiles.index(part).slice(group, 1))
-    else:
-        for part in gl.static_range(SLICES):
-            for group in gl.static_range(GROUPS):
-                tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                                barrier, tiles.index(part).slice(group, 1))
+def _stage(descriptor, tiles, barrier, first_row, FIRST_GROUP: gl.constexpr, GROUPS: gl.constexpr,
+           SLICES: gl.constexpr):
+    """TMA copies of row groups FIRST_GROUP .. GROUPS - 1 (TILE_ROWS rows each from first_row) of a weight, every
+    column, into tiles [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g];
+    the padding groups are never written), counted on barrier. Rows past the weight arrive as zeros."""
+    for part in gl.static_range(SLICES):
+        for group in gl.static_range(FIRST_GROUP, GROUPS):
+            tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
+                                            barrier, tiles.index(part).slice(group, 1))
 
 
 @gluon.jit
@@ -189,7 +184,7 @@ def _staged_kernel(
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    ROWS_FIRST: gl.constexpr, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr,
+    ONE_POLLER: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr, UP_EARLY: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -205,10 +200,12 @@ def _staged_kernel(
     gate_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     up_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # an mbarrier per phase's weights, and one the computing warps arrive on once past the first grid barrier
-    arrivals = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for phase in gl.static_range(4):
+    inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # an mbarrier per phase's weights; two the computing warps arrive on (pacing the loading warp): once past the
+    # first grid barrier, once phase 1 is stored
+    arrivals = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for phase in gl.static_range(5):
         mbarrier.init(arrivals.index(phase), count=1)
     fence_async_shared()
 
@@ -219,7 +216,7 @@ def _staged_kernel(
             (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST, PACED)),
+                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, 0, UP_GROUPS)),
         ], [1], [64])
     else:
         gl.warp_specialize([
@@ -230,33 +227,35 @@ def _staged_kernel(
                         PACED)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_PADDED, UP_PADDED, OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, ROWS_FIRST, PACED)),
+                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED, UP_EARLY)),
         ], [1], [64])
-    for phase in gl.static_range(4):
+    for phase in gl.static_range(5):
         mbarrier.invalidate(arrivals.index(phase))
 
 
 @gluon.jit
 def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
                   arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
-                  UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
-                  OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr, DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr,
-                  ROWS_FIRST: gl.constexpr, PACED: gl.constexpr):
-    """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier
-    (ROWS_FIRST: each row group's column slices one after another, else each column slice's row groups;
-    PACED: phase 3's only once the computing warps are past the first grid barrier)."""
+                  UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
+                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr, UP_EARLY: gl.constexpr):
+    """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier.
+    PACED 0: all at once; 1: phase 3's once the computing warps are past the first grid barrier (mbarrier 3);
+    2: also phase 2's row groups past the first UP_EARLY once they have stored phase 1 (mbarrier 4)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
-    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_PADDED, OUT_SLICES, ROWS_FIRST)
+    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, 0, OUT_GROUPS, OUT_SLICES)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
-    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_PADDED, UP_SLICES, ROWS_FIRST)
-    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_PADDED, UP_SLICES,
-           ROWS_FIRST)
-    if PACED:
+    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, 0, UP_EARLY, UP_SLICES)
+    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, 0, UP_EARLY, UP_SLICES)
+    if PACED >= 2:
+        mbarrier.wait(arrivals.index(4), 0)
+        _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_EARLY, UP_GROUPS, UP_SLICES)
+        _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_EARLY, UP_GROUPS,
+               UP_SLICES)
+    if PACED >= 1:
         mbarrier.wait(arrivals.index(3), 0)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
-    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, OUT_PADDED, DOWN_SLICES,
-           ROWS_FIRST)
+    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, 0, OUT_GROUPS, DOWN_SLICES)
     _mark(trace_ptr, 12, TRACE)
 
 
@@ -333,10 +332,12 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
     residual = (acc + residual.to(gl.float32)).to(dtype)
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
+    if PACED >= 2:
+        mbarrier.arrive(arrivals.index(4))
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
         _grid_barrier(counter_ptr, counter_ptr + 3, programs, ONE_POLLER, WARPS)
-    if PACED:
+    if PACED >= 1:
         mbarrier.arrive(arrivals.index(3))
     _mark(trace_ptr, 5, TRACE)
 
@@ -392,7 +393,8 @@ def plan(hidden: int, attended: int, intermediate: int, programs: int) -> dict |
         return None
     out_groups = triton.cdiv(triton.cdiv(hidden, programs), TILE_ROWS.value)
     up_groups = triton.cdiv(triton.cdiv(intermediate, programs), TILE_ROWS.value)
-    grid = max(triton.cdiv(hidden, out_groups * TILE_ROWS.value), triton.cdiv(intermediate, up_groups * TILE_ROWS.value))
+    grid = max(triton.cdiv(hidden, out_groups * TILE_ROWS.value),
+               triton.cdiv(intermediate, up_groups * TILE_ROWS.value))
     out_padded, up_padded = padded_groups(out_groups), padded_groups(up_groups)
     tile_bytes = TILE_ROWS.value * TILE_COLUMNS.value * 2
     tiles = (out_padded * (attended + intermediate) + 2 * up_padded * hidden) // TILE_COLUMNS.value
@@ -439,10 +441,9 @@ def staged_out_projection_mlp(
     trace: torch.Tensor | None = None,
     barriers: bool = True,
     stream_only: bool = False,
-    rows_first: bool = False,
     one_poller: bool = ONE_POLLER,
     warps: int = WARPS.value,
-    paced: bool = False,
+    paced: int = PACED,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -451,9 +452,8 @@ def staged_out_projection_mlp(
     `plan` says the kernel does not apply.
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
     program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
-    the computing (wrong results: the design's bounds); rows_first: the loading warp's order of copies;
-    one_poller: one thread a program polls a barrier, not every thread; warps: the computing warps; paced: the
-    down projection's weights requested only past the first grid barrier."""
+    the computing (wrong results: the design's bounds); one_poller: one thread a program polls a barrier, not
+    every thread; warps: the computing warps; paced: how the loading warp spaces its copies (`_load_weights`)."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -500,7 +500,8 @@ def staged_out_projection_mlp(
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, ROWS_FIRST=rows_first, ONE_POLLER=one_poller, WARPS=warps, PACED=paced,
+        STREAM_ONLY=stream_only, ONE_POLLER=one_poller, WARPS=warps, PACED=paced,
+        UP_EARLY=(launch["up_groups"] + 1) // 2 if paced >= 2 else launch["up_groups"],
         num_warps=warps,
         **launch_options(pdl),
     )
