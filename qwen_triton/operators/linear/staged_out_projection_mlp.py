@@ -29,8 +29,8 @@ The grid barrier: every program's threads meet (`thread_barrier`), one thread ad
 with release semantics, all poll it (relaxed loads) until it reads the number of programs, then an acquire.
 The last program to leave the second barrier resets the counters (CUDA-graph replay). Every program of the
 grid must be resident at once for the barriers to complete: one program per SM (its shared memory takes the
-SM), at most one per SM, and the next kernel is let launch (PDL) only past the first barrier, when every
-program is resident, so it cannot take an SM a program still needs. A poll gives up after SPIN_LIMIT reads and raises the counters' error flag
+SM), at most one per SM, and the next kernel is let launch (PDL) only after the second barrier, so it cannot
+take an SM a program still needs. A poll gives up after SPIN_LIMIT reads and raises the counters' error flag
 (a wrong result and a flag the host can read, instead of a hung GPU).
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB (~6.2 us at
@@ -51,9 +51,6 @@ from ..common import check_same_device, check_tensor, launch_options, sm_count
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
 ONE_POLLER = True  # a grid barrier polled by one thread a program
 PACED = 1  # the down projection's weights requested past the first grid barrier (_load_weights)
-# the grid barrier past which the next kernel may launch (PDL): 1 or 2; never before the first, which is when every
-# program of the grid is known to be resident
-NEXT_KERNEL_AFTER_BARRIER = gl.constexpr(1)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -343,11 +340,6 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     if PACED >= 1:
         mbarrier.arrive(arrivals.index(3))
     _mark(trace_ptr, 5, TRACE)
-    if NEXT_KERNEL_AFTER_BARRIER == 1:
-        # every program of this grid is resident now (each has reached the barrier), so the next kernel's programs
-        # can take no SM one of these still needs: let it launch, its programs' weight loads start on the SMs
-        # this grid leaves free and as these programs leave
-        _next_kernel_may_launch(USE_PDL)
 
     # phase 2: the MLP's RMSNorm of h into shared memory, then act[up rows] = swiglu(gate, up)
     h = gl.load(hidden_ptr + offsets, mask=offsets < HIDDEN, other=0.0, cache_modifier=".cg").to(gl.float32)
@@ -365,8 +357,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     if BARRIERS:
         _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, ONE_POLLER, WARPS)
     _mark(trace_ptr, 9, TRACE)
-    if NEXT_KERNEL_AFTER_BARRIER == 2:
-        _next_kernel_may_launch(USE_PDL)
+    _next_kernel_may_launch(USE_PDL)
 
     # phase 3: h[out rows] += act @ W_d[out rows]^T
     inputs.store(gl.load(act_ptr + offsets, mask=offsets < INTERMEDIATE, other=0.0, cache_modifier=".cg"))
