@@ -4,38 +4,47 @@ The same three phases and roundings as out_projection_mlp.py, for one token (x, 
     phase 1   h = h + x' @ W_o^T                        x' = x * sigmoid(gate), or gated_rms_norm(x, z)
     phase 2   a = swiglu(rms_norm(h) (1 + w) @ W_gu^T)
     phase 3   h = h + a @ W_d^T
-but as one launch of one program per SM, each of which owns fixed output rows of every phase and, before
-anything else (before its PDL wait, so during the previous kernel's drain), asks the TMA engine for all of
-its weight rows of all three phases at once: 200 KB a program at the Qwen3.5-0.8B shape, 26.2 MB in all,
-the whole layer tail in the machine's shared memory. The phases then meet at two grid-wide barriers (a
-counter in global memory: each program's release add, then a poll), but HBM never waits for them: the
-weights of phases 2 and 3 arrive while phase 1 computes and the programs wait for each other. That is the
-difference from the one-launch tail built from `tl` (fifth session, docs/perf-notes.md), which could keep
-one tile ahead in registers and left HBM idle at every barrier; and from the three launches the engine used
-before, whose PDL boundaries each cost a drain and a ramp of the memory system.
+but as one launch of one program per SM, each of which owns fixed output rows of every phase and asks the
+TMA engine for all of its weight rows (a loading warp; the first copies before the PDL wait, so during the
+previous kernel's drain): 200 KB a program at the Qwen3.5-0.8B shape, 26.2 MB in all, the whole layer tail in
+the machine's shared memory. The phases meet at two grid-wide barriers (a counter in global memory: each
+program's release add, then a poll), and the weights of the later phases arrive while the earlier ones
+compute and the programs wait for each other. That is the difference from the one-launch tail built from
+`tl` (fifth session, docs/perf-notes.md), which could keep one tile ahead in registers and left HBM idle at
+every barrier, and from the three launches of out_projection_mlp.py, whose PDL boundaries each cost a drain
+and a ramp of the memory system.
 
-Written in Gluon (`triton.experimental.gluon`, Triton's lower-level language that ships with Triton), which
-exposes what `tl` does not: shared-memory allocations, TMA copies (`tma.async_copy_global_to_shared`) and
-their mbarriers. Hopper or later; the interpreter does not run Gluon, so the CPU tests compile it for sm_90
-and the GPU tests check it against the three-launch kernel and float64.
+Written in Gluon (`triton.experimental.gluon`, Triton's lower-level language that ships with Triton 3.6),
+which exposes what `tl` does not: shared-memory allocations, TMA copies (`tma.async_copy_global_to_shared`),
+mbarriers and warp specialisation. Hopper or later; the interpreter does not run Gluon, so the CPU tests
+compile it for sm_90 and the GPU tests check it against the three-launch kernel and float64.
 
-Each program: its rows of W_o and W_d in tiles of [TILE_ROWS, TILE_COLUMNS] (4 x 256), its gate and up rows of
-W_gu likewise, one mbarrier per phase counting the phase's bytes. A phase's input vector x' (the prologue
-applied: the gate or the head norm, the MLP's RMSNorm) is formed by every program into shared memory, and
-each group of 4 rows is a product over the row's 256-column slices in registers (one warp a row), reduced
-once. Rows are read back past L1 (".cg": other programs wrote them in this launch).
+Each program: its rows of W_o and W_d, and its gate and up rows of W_gu, as tiles of [TILE_ROWS, TILE_COLUMNS]
+(4 x 256) stored column slice by column slice, one mbarrier per phase counting the phase's bytes. A phase's
+input vector x' (the prologue applied: the gate or the head norm, the MLP's RMSNorm) is formed by every
+program into shared memory; 8 computing warps then hold the phase's row groups across warps (a group's 4 rows
+in one warp, 8 consecutive columns a lane), multiply slice by slice and reduce each row within its warp. The
+program's own rows of h are loaded with phase 1's input, before the weight copies fill the memory system's
+queues, and phase 3 adds to phase 1's result in registers; the rows every program wrote (h after phase 1, the
+activations) are read back past L1 (".cg").
 
 The grid barrier: every program's threads meet (`thread_barrier`), one thread adds 1 to the phase's counter
-with release semantics, all poll it (relaxed loads) until it reads the number of programs, then an acquire.
-The last program to leave the second barrier resets the counters (CUDA-graph replay). Every program of the
-grid must be resident at once for the barriers to complete: one program per SM (its shared memory takes the
-SM), at most one per SM, and the next kernel is let launch (PDL) only after the second barrier, so it cannot
-take an SM a program still needs. A poll gives up after SPIN_LIMIT reads and raises the counters' error flag
-(a wrong result and a flag the host can read, instead of a hung GPU).
+with release semantics, one thread a program polls it (a relaxed read handed to the others through shared
+memory) until it reads the number of programs, then an acquire. The last program to leave resets the counters
+(CUDA-graph replay). Every program of the grid must be resident at once for the barriers to complete: one
+program per SM (its shared memory takes the SM), and the next kernel is let launch (PDL) only past the second
+barrier, so it cannot take an SM a program still needs. A poll gives up after SPIN_LIMIT reads and raises the
+counters' error flag (a wrong result and a flag the host can read, instead of a hung GPU).
+
+Pacing (PACED = 1): the down projection's weights are requested once the program is past the first barrier.
+With every weight requested at once, the first barrier's adds and polls waited behind the whole layer's
+copies in the memory system's queues (`benchmarks/staged_tail_trace.py`).
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB (~6.2 us at
-the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP.
-"""
+the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP. Measured on the H200 (docs/perf-notes.md,
+thirteenth session): 10.8 us a layer back to back in a CUDA graph with PDL (2.4 TB/s;
+`staged_tail_trace.py`; the three launches 12.05-12.25 us in `decode_sweep.py --parts tail`); in the engine's
+decode step 641.4 against 714.6 us at context 128 (`engine_options.py`)."""
 
 from __future__ import annotations
 
