@@ -20,7 +20,8 @@ three split-K GEMVs (benchmarks/decode_sweep.py --parts tail; docs/perf-notes.md
 (The three phases in one launch, the programs meeting at grid-wide barriers, measured slower, 14.0 us,
 and its GPU test later failed on accuracy; it was removed: docs/perf-notes.md.)
 For one sequence on Hopper the engine runs staged_out_projection_mlp.py instead: the three phases in one Gluon
-launch whose programs hold all of their weights in shared memory (10.8 us a layer in the same sweep).
+launch whose programs hold all of their weights in shared memory (10.8 us a layer back to back in
+benchmarks/staged_tail_trace.py, against 12.05-12.25 us for these three launches in decode_sweep.py).
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16, M = 1): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB
 (~6.2 us at the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP.
