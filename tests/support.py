@@ -74,3 +74,25 @@ def run_without_interpreter(script: str, timeout: int = 600):
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     """max |ours - reference| / max |reference|."""
     return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+def graph_replays_as_eager(step, output: torch.Tensor, replays: int = 3) -> torch.Tensor:
+    """Run step() once eagerly (on a side stream, as capture wants), capture it in a CUDA graph, then replay the
+    graph `replays` times from output's value before the eager run, asserting each replay leaves output equal to
+    the eager result bit for bit; returns the eager result."""
+    start = output.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = output.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(replays):
+        output.copy_(start)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(output, eager)
+    return eager

@@ -19,7 +19,7 @@ from qwen_triton.operators.linear import linear
 from qwen_triton.operators.linear.out_projection_mlp import out_projection_mlp
 
 from qwen_triton.reference import functional as fn
-from tests.support import run_without_interpreter
+from tests.support import graph_replays_as_eager, run_without_interpreter
 
 EPS = 1e-6
 
@@ -225,18 +225,4 @@ def test_gpu_cuda_graph_with_pdl():
                                block["gate_up_weight"], block["down_weight"], EPS, gate=block.get("gate"),
                                act=act, pdl=True)
 
-    start = hidden.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    eager = hidden.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):  # each replay from the same start must give the eager result
-        hidden.copy_(start)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(hidden, eager)
+    graph_replays_as_eager(step, hidden)  # each replay from the same start gives the eager result

@@ -20,7 +20,7 @@ from qwen_triton.operators.linear import staged_out_projection_mlp as staged
 from qwen_triton.operators.linear.staged_out_projection_mlp import staged_out_projection_mlp
 from tests.operators.test_out_projection_mlp import EPS, linear_chain, make, make_block, reference
 from tests.operators.test_out_projection_mlp import run as run_three_launches
-from tests.support import run_without_interpreter
+from tests.support import graph_replays_as_eager, run_without_interpreter
 
 
 def run(block, counters=None, **options):
@@ -178,25 +178,11 @@ def test_gpu_cuda_graph_with_pdl():
                                       block["gate_up_weight"], block["down_weight"], EPS, counters[i],
                                       gate=block.get("gate"), act=act, pdl=True, descriptors=descriptors[i])
 
-    start = hidden.clone()
-    expected = start.clone()
+    expected = hidden.clone()
     for block in layers:  # the three-launch kernel, layer after layer
         expected = run_three_launches(dict(block, hidden=expected))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    eager = hidden.clone()
+    eager = graph_replays_as_eager(step, hidden)  # each replay from the same start gives the eager result
     assert relative_error(eager, expected.double()) < 5e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):  # each replay from the same start must give the eager result
-        hidden.copy_(start)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(hidden, eager)
     assert not counters.any(), counters
 
 
