@@ -277,13 +277,16 @@ class TritonModel:
 
     def _staged_tail_applies(self) -> bool:
         """Whether this model can run `staged_out_projection_mlp` at all (option staged_out_projection_mlp): a
-        Hopper GPU (not the interpreter), bfloat16, and sizes its launch plan takes."""
+        Hopper GPU (not the interpreter), bfloat16, sizes its launch plan takes and a DeltaNet value head its
+        head norm takes (a power of two of at least 32)."""
         c = self.config
+        head_dim = c.linear_value_head_dim
         return (self.staged_out_projection_mlp and self.out_projection_mlp and self.device.type == "cuda"
                 and not interpreting() and hopper_or_later(self.device) and self.dtype == torch.bfloat16
                 and staged.plan(c.hidden_size, self.layers[0].out.shape[1], c.intermediate_size,
                                 sm_count(self.device)) is not None
-                and all(layer.out.shape[1] == self.layers[0].out.shape[1] for layer in self.layers))
+                and all(layer.out.shape[1] == self.layers[0].out.shape[1] for layer in self.layers)
+                and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
 
     def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
                     pdl=False, head_norm=None):
