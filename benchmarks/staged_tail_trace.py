@@ -28,14 +28,12 @@ POINTS = ["entry", "PDL wait done", "phase 1 input stored", "phase 1 weights arr
 
 VARIANTS = {  # name: staged_out_projection_mlp's diagnostic options
     "staged (default: down weights requested past barrier 1)": dict(),
-    "all weights requested at once": dict(paced=0),
-    "also half the gate/up weights past phase 1": dict(paced=2),
-    "every thread polls": dict(one_poller=False),
+    "all weights requested at once": dict(paced=False),
     "16 computing warps": dict(warps=16),
     "without the grid barriers (wrong results)": dict(barriers=False),
     "weights only (no computing)": dict(stream_only=True),
 }
-TRACED = ["staged (default: down weights requested past barrier 1)", "also half the gate/up weights past phase 1"]
+TRACED = ["staged (default: down weights requested past barrier 1)", "all weights requested at once"]
 
 
 def summary(stamps: torch.Tensor, layers: int) -> dict:

@@ -36,7 +36,7 @@ program per SM (its shared memory takes the SM), and the next kernel is let laun
 barrier, so it cannot take an SM a program still needs. A poll gives up after SPIN_LIMIT reads and raises the
 counters' error flag (a wrong result and a flag the host can read, instead of a hung GPU).
 
-Pacing (PACED = 1): the down projection's weights are requested once the program is past the first barrier.
+Pacing (PACED): the down projection's weights are requested once the program is past the first barrier.
 With every weight requested at once, the first barrier's adds and polls waited behind the whole layer's
 copies in the memory system's queues (`benchmarks/staged_tail_trace.py`).
 
@@ -58,8 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
-ONE_POLLER = True  # a grid barrier polled by one thread a program
-PACED = 1  # the down projection's weights requested past the first grid barrier (_load_weights)
+PACED = True  # the down projection's weights requested past the first grid barrier (_load_weights)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -73,6 +72,8 @@ COUNTERS = 4
 TRACE_POINTS = gl.constexpr(16)
 
 
+# operators/common.py's wait_for_previous_kernel and allow_next_kernel, in Gluon (a Gluon kernel cannot call
+# `triton.jit` functions): the same two PTX instructions
 @gluon.jit
 def _previous_kernel_done(USE_PDL: gl.constexpr):
     if USE_PDL:
@@ -96,13 +97,12 @@ def _groups_layout(groups, warps):
 
 
 @gluon.jit
-def _stage(descriptor, tiles, barrier, first_row, FIRST_GROUP: gl.constexpr, GROUPS: gl.constexpr,
-           SLICES: gl.constexpr):
-    """TMA copies of row groups FIRST_GROUP .. GROUPS - 1 (TILE_ROWS rows each from first_row) of a weight, every
-    column, into tiles [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g];
-    the padding groups are never written), counted on barrier. Rows past the weight arrive as zeros."""
+def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr):
+    """TMA copies of GROUPS row groups (TILE_ROWS rows each from first_row) of a weight, every column, into tiles
+    [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g]; the padding
+    groups are never written), counted on barrier. Rows past the weight arrive as zeros."""
     for part in gl.static_range(SLICES):
-        for group in gl.static_range(FIRST_GROUP, GROUPS):
+        for group in gl.static_range(GROUPS):
             tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
                                             barrier, tiles.index(part).slice(group, 1))
 
@@ -148,26 +148,23 @@ def _mark_time(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _poll(counter_ptr, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr):
-    """The counter's value, read past L1 (ONE_POLLER: by one thread, handed to the others through shared
-    memory, so a program sends one read a poll, not one a warp)."""
-    if ONE_POLLER:
-        thread = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-        return gl.max(gl.load(counter_ptr + thread * 0, mask=thread == 0, other=0, volatile=True), axis=0)
-    else:
-        return gl.load(counter_ptr, volatile=True)
+def _poll(counter_ptr, WARPS: gl.constexpr):
+    """The counter's value, read past L1 by one thread and handed to the others through shared memory, so a
+    program sends one read a poll, not one a warp (every thread polling measured 1.3 us slower a layer)."""
+    thread = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    return gl.max(gl.load(counter_ptr + thread * 0, mask=thread == 0, other=0, volatile=True), axis=0)
 
 
 @gluon.jit
-def _grid_barrier(counter_ptr, error_ptr, programs, ONE_POLLER: gl.constexpr, WARPS: gl.constexpr):
+def _grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
     """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
     everything each wrote before is then visible to every program's loads past L1."""
     gl.thread_barrier()
     gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    arrived = _poll(counter_ptr, ONE_POLLER, WARPS)
+    arrived = _poll(counter_ptr, WARPS)
     spins = 0
     while (arrived < programs) & (spins < SPIN_LIMIT):
-        arrived = _poll(counter_ptr, ONE_POLLER, WARPS)
+        arrived = _poll(counter_ptr, WARPS)
         spins += 1
     if spins >= SPIN_LIMIT:
         gl.atomic_xchg(error_ptr, 1, sem="relaxed", scope="gpu")
@@ -193,7 +190,7 @@ def _staged_kernel(
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    ONE_POLLER: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr, UP_EARLY: gl.constexpr,
+    WARPS: gl.constexpr, PACED: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -211,10 +208,10 @@ def _staged_kernel(
     down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    # an mbarrier per phase's weights; two the computing warps arrive on (pacing the loading warp): once past the
-    # first grid barrier, once phase 1 is stored
-    arrivals = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    for phase in gl.static_range(5):
+    # an mbarrier per phase's weights, and one the computing warps arrive on once past the first grid barrier
+    # (pacing the loading warp)
+    arrivals = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for phase in gl.static_range(4):
         mbarrier.init(arrivals.index(phase), count=1)
     fence_async_shared()
 
@@ -225,20 +222,19 @@ def _staged_kernel(
             (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, 0, UP_GROUPS)),
+                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, False)),
         ], [1], [64])
     else:
         gl.warp_specialize([
             (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
                         head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
                         programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
-                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, ONE_POLLER, WARPS,
-                        PACED)),
+                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED)),
             (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                              down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED, UP_EARLY)),
+                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED)),
         ], [1], [64])
-    for phase in gl.static_range(5):
+    for phase in gl.static_range(4):
         mbarrier.invalidate(arrivals.index(phase))
 
 
@@ -246,25 +242,19 @@ def _staged_kernel(
 def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
                   arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
                   UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
-                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr, UP_EARLY: gl.constexpr):
-    """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier.
-    PACED 0: all at once; 1: phase 3's once the computing warps are past the first grid barrier (mbarrier 3);
-    2: also phase 2's row groups past the first UP_EARLY once they have stored phase 1 (mbarrier 4)."""
+                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr):
+    """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier;
+    with PACED phase 3's only once the computing warps are past the first grid barrier (mbarrier 3)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
-    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, 0, OUT_GROUPS, OUT_SLICES)
+    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
-    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, 0, UP_EARLY, UP_SLICES)
-    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, 0, UP_EARLY, UP_SLICES)
-    if PACED >= 2:
-        mbarrier.wait(arrivals.index(4), 0)
-        _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_EARLY, UP_GROUPS, UP_SLICES)
-        _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_EARLY, UP_GROUPS,
-               UP_SLICES)
-    if PACED >= 1:
+    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES)
+    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES)
+    if PACED:
         mbarrier.wait(arrivals.index(3), 0)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
-    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, 0, OUT_GROUPS, DOWN_SLICES)
+    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES)
     _mark(trace_ptr, 12, TRACE)
 
 
@@ -288,7 +278,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
              UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
-             ONE_POLLER: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr):
+             WARPS: gl.constexpr, PACED: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -341,12 +331,10 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
     residual = (acc + residual.to(gl.float32)).to(dtype)
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
-    if PACED >= 2:
-        mbarrier.arrive(arrivals.index(4))
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
-        _grid_barrier(counter_ptr, counter_ptr + 3, programs, ONE_POLLER, WARPS)
-    if PACED >= 1:
+        _grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
+    if PACED:
         mbarrier.arrive(arrivals.index(3))
     _mark(trace_ptr, 5, TRACE)
 
@@ -364,7 +352,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     gl.store(act_ptr + up_rows, (acc * _sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
     _mark(trace_ptr, 8, TRACE)
     if BARRIERS:
-        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, ONE_POLLER, WARPS)
+        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
     _mark(trace_ptr, 9, TRACE)
     _next_kernel_may_launch(USE_PDL)
 
@@ -450,9 +438,8 @@ def staged_out_projection_mlp(
     trace: torch.Tensor | None = None,
     barriers: bool = True,
     stream_only: bool = False,
-    one_poller: bool = ONE_POLLER,
     warps: int = WARPS.value,
-    paced: int = PACED,
+    paced: bool = PACED,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -461,8 +448,8 @@ def staged_out_projection_mlp(
     `plan` says the kernel does not apply.
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
     program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
-    the computing (wrong results: the design's bounds); one_poller: one thread a program polls a barrier, not
-    every thread; warps: the computing warps; paced: how the loading warp spaces its copies (`_load_weights`)."""
+    the computing (wrong results: the design's bounds); warps: the computing warps; paced=False: every weight
+    requested at once (`_load_weights`)."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -509,9 +496,7 @@ def staged_out_projection_mlp(
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, ONE_POLLER=one_poller, WARPS=warps, PACED=paced,
-        UP_EARLY=(launch["up_groups"] + 1) // 2 if paced >= 2 else launch["up_groups"],
-        num_warps=warps,
+        STREAM_ONLY=stream_only, WARPS=warps, PACED=paced, num_warps=warps,
         **launch_options(pdl),
     )
     return hidden
