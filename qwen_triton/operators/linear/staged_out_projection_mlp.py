@@ -58,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
-PACED = True  # the down projection's weights requested past the first grid barrier (_load_weights)
+PACED = True  # the down projection's weights requested past the first grid barrier (load_weights)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -75,7 +75,7 @@ TRACE_POINTS = gl.constexpr(16)
 # operators/common.py's wait_for_previous_kernel and allow_next_kernel, in Gluon (a Gluon kernel cannot call
 # `triton.jit` functions): the same two PTX instructions
 @gluon.jit
-def _previous_kernel_done(USE_PDL: gl.constexpr):
+def previous_kernel_done(USE_PDL: gl.constexpr):
     if USE_PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
@@ -89,7 +89,7 @@ def _next_kernel_may_launch(USE_PDL: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _groups_layout(groups, warps):
+def groups_layout(groups, warps):
     # [groups, TILE_ROWS, TILE_COLUMNS] in registers: warps over the groups first, then over a group's rows (no
     # product is reduced across warps); 8 consecutive columns a lane (16-byte shared-memory loads)
     across_groups = min(groups, warps)
@@ -97,18 +97,20 @@ def _groups_layout(groups, warps):
 
 
 @gluon.jit
-def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr):
+def stage_rows(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr,
+               FIRST_GROUP: gl.constexpr):
     """TMA copies of GROUPS row groups (TILE_ROWS rows each from first_row) of a weight, every column, into tiles
-    [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g]; the padding
-    groups are never written), counted on barrier. Rows past the weight arrive as zeros."""
+    [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] from group FIRST_GROUP on (column slice s of row group g at
+    [s, FIRST_GROUP + g]; groups not written are padding), counted on barrier. Rows past the weight arrive as
+    zeros."""
     for part in gl.static_range(SLICES):
         for group in gl.static_range(GROUPS):
             tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                            barrier, tiles.index(part).slice(group, 1))
+                                            barrier, tiles.index(part).slice(FIRST_GROUP + group, 1))
 
 
 @gluon.jit
-def _phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr):
+def phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr):
     """The dot products of every staged row with the input vector in shared memory: [PADDED, TILE_ROWS]
     float32 in SliceLayout(2, layout) (garbage in the padding groups)."""
     acc = gl.zeros([PADDED, TILE_ROWS, TILE_COLUMNS], gl.float32, layout)
@@ -120,13 +122,13 @@ def _phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layou
 
 
 @gluon.jit
-def _vector_offsets(WARPS: gl.constexpr):
+def vector_offsets(WARPS: gl.constexpr):
     """Offsets 0 .. INPUT_SLICES * TILE_COLUMNS - 1, 8 consecutive a lane."""
     return gl.arange(0, INPUT_SLICES * TILE_COLUMNS, layout=gl.BlockedLayout([8], [32], [WARPS], [0]))
 
 
 @gluon.jit
-def _sigmoid(x):
+def sigmoid(x):
     return 1.0 / (1.0 + gl.exp(-x))
 
 
@@ -156,7 +158,7 @@ def _poll(counter_ptr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
+def grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
     """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
     everything each wrote before is then visible to every program's loads past L1."""
     gl.thread_barrier()
@@ -173,8 +175,8 @@ def _grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _own_rows(first_row, N, GROUPS: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
-    """(rows, mask) [PADDED, TILE_ROWS] in SliceLayout(2, layout), as `_phase_sums` returns its sums: row
+def own_rows(first_row, N, GROUPS: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
+    """(rows, mask) [PADDED, TILE_ROWS] in SliceLayout(2, layout), as `phase_sums` returns its sums: row
     first_row + g * TILE_ROWS + r, masked past the first GROUPS groups and past N."""
     group = gl.arange(0, PADDED, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
     row = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
@@ -220,9 +222,9 @@ def _staged_kernel(
     if STREAM_ONLY:
         gl.warp_specialize([
             (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
-            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, False)),
+            (load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                            down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                            OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, False, False)),
         ], [1], [64])
     else:
         gl.warp_specialize([
@@ -230,31 +232,35 @@ def _staged_kernel(
                         head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
                         programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
                         HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED)),
-            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED)),
+            (load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                            down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                            OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED, False)),
         ], [1], [64])
     for phase in gl.static_range(4):
         mbarrier.invalidate(arrivals.index(phase))
 
 
 @gluon.jit
-def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
-                  arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
-                  UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
-                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr):
+def load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
+                 arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
+                 UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
+                 DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr, ROOM: gl.constexpr):
     """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier;
-    with PACED phase 3's only once the computing warps are past the first grid barrier (mbarrier 3)."""
+    with PACED phase 3's only once the computing warps are past the first grid barrier (mbarrier 3). ROOM: the
+    gate/up tiles share their room with an earlier phase's (staged_decode_layer.py): copied only once the
+    computing warps have read that phase (mbarrier 4)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
-    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES)
+    stage_rows(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES, 0)
+    if ROOM:
+        mbarrier.wait(arrivals.index(4), 0)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
-    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES)
-    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES)
+    stage_rows(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES, 0)
+    stage_rows(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES, 0)
     if PACED:
         mbarrier.wait(arrivals.index(3), 0)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
-    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES)
+    stage_rows(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES, 0)
     _mark(trace_ptr, 12, TRACE)
 
 
@@ -263,7 +269,7 @@ def _wait_for_weights(arrivals, trace_ptr, USE_PDL: gl.constexpr, TRACE: gl.cons
     """The computing warps in the streaming-only diagnostic: wait for every weight, compute nothing."""
     _mark_time(trace_ptr, 13, TRACE)
     _mark(trace_ptr, 0, TRACE)
-    _previous_kernel_done(USE_PDL)
+    previous_kernel_done(USE_PDL)
     for phase in gl.static_range(3):
         mbarrier.wait(arrivals.index(phase), 0)
     _mark(trace_ptr, 10, TRACE)
@@ -279,24 +285,44 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
              WARPS: gl.constexpr, PACED: gl.constexpr):
-    """The computing warps: the three phases and the two grid barriers."""
-    OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
-    UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
-    DOWN_SLICES: gl.constexpr = INTERMEDIATE // TILE_COLUMNS
-    out_layout: gl.constexpr = _groups_layout(OUT_PADDED, WARPS)
-    up_layout: gl.constexpr = _groups_layout(UP_PADDED, WARPS)
-    dtype: gl.constexpr = out_tiles.dtype
+    """The computing warps: the three phases and the two grid barriers (`tail_phases`)."""
+    out_layout: gl.constexpr = groups_layout(OUT_PADDED, WARPS)
     _mark_time(trace_ptr, 13, TRACE)
     _mark(trace_ptr, 0, TRACE)
     # what no earlier kernel writes, loaded before the PDL wait: the MLP's norm weight (and the head norm's)
-    offsets = _vector_offsets(WARPS)
+    offsets = vector_offsets(WARPS)
     norm_weight = gl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(gl.float32)
-    _previous_kernel_done(USE_PDL)
+    previous_kernel_done(USE_PDL)
     _mark(trace_ptr, 1, TRACE)
     # this program's rows of h, loaded with phase 1's input, before the weight copies fill the memory system's
     # queues (a load issued behind them waits microseconds); phase 3 adds to phase 1's result in registers
-    rows, row_mask = _own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
+    rows, row_mask = own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
     residual = gl.load(hidden_ptr + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+    tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
+                hidden_ptr, act_ptr, counter_ptr, trace_ptr, eps, rows, row_mask, residual, norm_weight, up_row,
+                programs, HIDDEN, ATTENDED, INTERMEDIATE, UP_GROUPS, OUT_PADDED, UP_PADDED, HAS_GATE, HEAD_NORM,
+                HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED, 0)
+
+
+@gluon.jit
+def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
+                hidden_ptr, act_ptr, counter_ptr, trace_ptr, eps, rows, row_mask, residual, norm_weight, up_row,
+                programs, HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr,
+                UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
+                HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
+                USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, WARPS: gl.constexpr,
+                PACED: gl.constexpr, EXTRA_COUNTERS: gl.constexpr):
+    """The computing warps' three phases and two grid barriers, from phase 1's input on: rows, row_mask and
+    residual, this program's rows of h and their values (`own_rows`); norm_weight, the MLP's norm weight at
+    `vector_offsets`. The last program out resets counters 0-2 and EXTRA_COUNTERS more from counter 4 on (those
+    of a kernel that runs phases before these, staged_decode_layer.py)."""
+    OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
+    UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
+    DOWN_SLICES: gl.constexpr = INTERMEDIATE // TILE_COLUMNS
+    out_layout: gl.constexpr = groups_layout(OUT_PADDED, WARPS)
+    up_layout: gl.constexpr = groups_layout(UP_PADDED, WARPS)
+    dtype: gl.constexpr = out_tiles.dtype
+    offsets = vector_offsets(WARPS)
 
     # phase 1: x' into shared memory, then h[out rows] += x' @ W_o[out rows]^T
     if HEAD_NORM:
@@ -307,8 +333,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
         lane = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, head_layout))
         channel = gl.expand_dims(head, 1) * HEAD_DIM + gl.expand_dims(lane, 0)
         mask = channel < ATTENDED
-        x = gl.load(x_ptr + channel, mask=mask, other=0.0).to(gl.float32)
-        z = gl.load(z_ptr + channel, mask=mask, other=0.0).to(gl.float32)
+        x = gl.load(x_ptr + channel, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
+        z = gl.load(z_ptr + channel, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
         weight = gl.load(head_norm_ptr + lane).to(gl.float32)  # (not written by earlier kernels)
         normed = x * gl.expand_dims(gl.rsqrt(gl.sum(x * x, axis=1) / HEAD_DIM + eps), 1)
         normed = normed.to(dtype).to(gl.float32)
@@ -322,18 +348,18 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
         x = gl.load(x_ptr + offsets, mask=mask, other=0.0)
         if HAS_GATE:
             gate = gl.load(gate_ptr + offsets, mask=mask, other=0.0).to(gl.float32)
-            x = (x.to(gl.float32) * _sigmoid(gate)).to(dtype)
+            x = (x.to(gl.float32) * sigmoid(gate)).to(dtype)
         inputs.store(x)
     gl.thread_barrier()
     _mark(trace_ptr, 2, TRACE)
     mbarrier.wait(arrivals.index(0), 0)
     _mark(trace_ptr, 3, TRACE)
-    acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
+    acc = phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
     residual = (acc + residual.to(gl.float32)).to(dtype)
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
-        _grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
+        grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
     if PACED:
         mbarrier.arrive(arrivals.index(3))
     _mark(trace_ptr, 5, TRACE)
@@ -346,13 +372,13 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     _mark(trace_ptr, 6, TRACE)
     mbarrier.wait(arrivals.index(1), 0)
     _mark(trace_ptr, 7, TRACE)
-    acc = _phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
-    acc_up = _phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
-    up_rows, up_mask = _own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
-    gl.store(act_ptr + up_rows, (acc * _sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
+    acc = phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    acc_up = phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    up_rows, up_mask = own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
+    gl.store(act_ptr + up_rows, (acc * sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
     _mark(trace_ptr, 8, TRACE)
     if BARRIERS:
-        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
+        grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
     _mark(trace_ptr, 9, TRACE)
     _next_kernel_may_launch(USE_PDL)
 
@@ -361,7 +387,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
     _mark(trace_ptr, 10, TRACE)
-    acc = _phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
+    acc = phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
     gl.store(hidden_ptr + rows, (acc + residual.to(gl.float32)).to(dtype), mask=row_mask)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
@@ -372,6 +398,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
         gl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(counter_ptr + 2, 0, sem="relaxed", scope="gpu")
+        for extra in gl.static_range(EXTRA_COUNTERS):
+            gl.atomic_xchg(counter_ptr + 4 + extra, 0, sem="relaxed", scope="gpu")
 
 
 def padded_groups(groups: int) -> int:
@@ -403,15 +431,19 @@ def plan(hidden: int, attended: int, intermediate: int, programs: int) -> dict |
                 shared_bytes=shared_bytes)
 
 
-def weight_descriptors(out_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor):
-    """The TMA descriptors of a layer's three weights (tiles of TILE_ROWS x TILE_COLUMNS, unswizzled): build
-    them once per layer and pass them to every call."""
+def tile_descriptor(weight: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of a weight [N, K] in tiles of TILE_ROWS x TILE_COLUMNS, unswizzled."""
     # the weight as [1, N, K] and its tiles as [1, TILE_ROWS, TILE_COLUMNS], so a tile lands as one entry of the
     # kernel's [tiles, TILE_ROWS, TILE_COLUMNS] buffers, which its warps read in rank 3
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
-    return tuple(TensorDescriptor(weight, [1, *weight.shape], [weight.numel(), weight.shape[1], 1],
-                                  [1, TILE_ROWS.value, TILE_COLUMNS.value], layout)
-                 for weight in (out_weight, gate_up_weight, down_weight))
+    return TensorDescriptor(weight, [1, *weight.shape], [weight.numel(), weight.shape[1], 1],
+                            [1, TILE_ROWS.value, TILE_COLUMNS.value], layout)
+
+
+def weight_descriptors(out_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor):
+    """The TMA descriptors of a layer's three weights (`tile_descriptor`): build them once per layer and pass
+    them to every call."""
+    return tuple(tile_descriptor(weight) for weight in (out_weight, gate_up_weight, down_weight))
 
 
 def new_counters(device, layers: int = 1) -> torch.Tensor:
@@ -449,7 +481,7 @@ def staged_out_projection_mlp(
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
     program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
     the computing (wrong results: the design's bounds); warps: the computing warps; paced=False: every weight
-    requested at once (`_load_weights`)."""
+    requested at once (`load_weights`)."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
