@@ -154,13 +154,13 @@ names = ("in_descriptor", "out_descriptor", "gate_up_descriptor", "down_descript
 descriptors = dict(zip(names, layer.weight_descriptors(*(torch.zeros(*shape, dtype=torch.bfloat16) for shape in
                                                          ((4 * A + 2 * heads, H), (H, A), (2 * I, H), (H, I))))))
 launch = layer.plan(H, heads, heads, D, D, 4, I, 132)
-floats = ("a_log_ptr", "dt_bias_ptr", "state_ptr")
-signature = {name: mangle_type(descriptors[name]) if name in descriptors else "*i32" if name == "counter_ptr" else
-             "*fp32" if name in floats else "*bf16" if name.endswith("_ptr") else "fp32" if name in ("eps", "scale")
-             else "i32" if name.startswith("stride") else "constexpr" for name in kernel.arg_names}
+types = dict(counter_ptr="*i32", trace_ptr="*i64", a_log_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32",
+             eps="fp32", scale="fp32", stride_wc="i32", stride_cc="i32")
+signature = {name: mangle_type(descriptors[name]) if name in descriptors else types.get(name, "*bf16" if
+             name.endswith("_ptr") else "constexpr") for name in kernel.arg_names}
 constants = dict(HIDDEN=H, HEADS=heads, HEAD_DIM=D, INTERMEDIATE=I, OUT_GROUPS=launch["out_groups"],
                  UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
-                 BLOCK_HIDDEN=H, USE_PDL=True, WARPS=layer.WARPS.value, PACED=True)
+                 BLOCK_HIDDEN=H, USE_PDL=True, WARPS=layer.WARPS.value, PACED=True, GATE_UP_AFTER=0, TRACE=False)
 compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=layer.WARPS.value))
 path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")

@@ -49,8 +49,11 @@ from ..linear import staged_out_projection_mlp as tail
 from ..linear.staged_out_projection_mlp import (
     INPUT_SLICES,
     TILE_COLUMNS,
+    TRACE_POINTS,
     TILE_ROWS,
     WARPS,
+    _mark,
+    _mark_time,
     grid_barrier,
     groups_layout,
     load_weights,
@@ -68,6 +71,13 @@ WIDTH = 4  # the conv's width this kernel is written for (Qwen3.5's)
 # the counters of a launch: the tail's four (its two barriers, departures, the error flag), the barrier after
 # the step, then one per head
 TAIL_COUNTERS = gl.constexpr(4)
+# when the loading warp may copy the gate/up rows into the room the in-projection's rows took: once phase 0 has
+# read them (0), once the head's barrier is passed (1), once every head's step is done (2)
+GATE_UP_AFTER = 0
+# the trace (diagnostics, `trace=`): [2, grid, TRACE_POINTS] int64; the first table staged_out_projection_mlp's
+# points (its phases, here after phase 0), the second phase 0's: entry, the PDL wait, h normed, the in-projection
+# rows arrived, their sums stored, the conv stored, the head's barrier passed, the step stored, the grid barrier
+PHASE_0_POINTS = 9
 
 
 def counter_count(heads: int) -> int:
@@ -88,11 +98,12 @@ def _softplus(x):
 def _layer_kernel(
     in_descriptor, out_descriptor, gate_up_descriptor, down_descriptor,
     hidden_ptr, input_norm_ptr, weight_ptr, conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
-    projection_ptr, mixed_ptr, o_ptr, head_norm_ptr, norm_ptr, act_ptr, counter_ptr, eps, scale,
+    projection_ptr, mixed_ptr, o_ptr, head_norm_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, scale,
     stride_wc, stride_cc,
     HIDDEN: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, INTERMEDIATE: gl.constexpr,
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     BLOCK_HIDDEN: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr,
+    GATE_UP_AFTER: gl.constexpr, TRACE: gl.constexpr,
 ):
     ATTENDED: gl.constexpr = HEADS * HEAD_DIM
     SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -123,12 +134,13 @@ def _layer_kernel(
     gl.warp_specialize([
         (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arrivals, hidden_ptr, input_norm_ptr,
                     weight_ptr, conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr, projection_ptr,
-                    mixed_ptr, o_ptr, head_norm_ptr, norm_ptr, act_ptr, counter_ptr, eps, scale, stride_wc,
-                    stride_cc, out_row, up_row, programs, HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE, OUT_GROUPS,
-                    UP_GROUPS, OUT_PADDED, UP_PADDED, BLOCK_HIDDEN, USE_PDL, WARPS, PACED)),
+                    mixed_ptr, o_ptr, head_norm_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, scale,
+                    stride_wc, stride_cc, out_row, up_row, programs, HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE,
+                    OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED, BLOCK_HIDDEN, USE_PDL, WARPS, PACED,
+                    GATE_UP_AFTER, TRACE)),
         (_load_layer_weights, (in_descriptor, out_descriptor, gate_up_descriptor, down_descriptor, out_tiles,
-                               gate_tiles, up_tiles, down_tiles, arrivals, counter_ptr, out_row, up_row, ATTENDED, INTERMEDIATE,
-                               OUT_GROUPS, UP_GROUPS, OUT_SLICES, SLICES, DOWN_SLICES, PACED)),
+                               gate_tiles, up_tiles, down_tiles, arrivals, trace_ptr, out_row, up_row, ATTENDED,
+                               INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_SLICES, SLICES, DOWN_SLICES, PACED, TRACE)),
     ], [1], [64])
     for phase in gl.static_range(6):
         mbarrier.invalidate(arrivals.index(phase))
@@ -139,7 +151,7 @@ def _load_layer_weights(in_descriptor, out_descriptor, gate_up_descriptor, down_
                         up_tiles, down_tiles, arrivals, trace_ptr, out_row, up_row, ATTENDED: gl.constexpr,
                         INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr,
                         OUT_SLICES: gl.constexpr, SLICES: gl.constexpr, DOWN_SLICES: gl.constexpr,
-                        PACED: gl.constexpr):
+                        PACED: gl.constexpr, TRACE: gl.constexpr):
     """The loading warp: this program's 64 in-projection rows (mbarrier 5), then the tail's weights
     (`load_weights`, the gate/up rows once phase 0 has freed the room)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * in_descriptor.dtype.primitive_bitwidth // 8
@@ -152,17 +164,18 @@ def _load_layer_weights(in_descriptor, out_descriptor, gate_up_descriptor, down_
         stage_rows(in_descriptor, up_tiles, arrivals.index(5), (2 + block) * ATTENDED + first, GROUPS, SLICES,
                    block * GROUPS)
     load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE,
-                 OUT_GROUPS, UP_GROUPS, OUT_SLICES, SLICES, DOWN_SLICES, False, PACED, True)
+                 OUT_GROUPS, UP_GROUPS, OUT_SLICES, SLICES, DOWN_SLICES, TRACE, PACED, True)
 
 
 @gluon.jit
 def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arrivals, hidden_ptr, input_norm_ptr, weight_ptr,
              conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr, projection_ptr, mixed_ptr, o_ptr,
-             head_norm_ptr, norm_ptr, act_ptr, counter_ptr, eps, scale, stride_wc, stride_cc, out_row, up_row,
-             programs, HIDDEN: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+             head_norm_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, scale, stride_wc, stride_cc, out_row,
+             up_row, programs, HIDDEN: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
              INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr,
              OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, BLOCK_HIDDEN: gl.constexpr,
-             USE_PDL: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr):
+             USE_PDL: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr, GATE_UP_AFTER: gl.constexpr,
+             TRACE: gl.constexpr):
     """The computing warps: phase 0 (module docstring), then the tail's phases."""
     ATTENDED: gl.constexpr = HEADS * HEAD_DIM
     SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -175,6 +188,10 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     program = gl.program_id(0)
     head = program // (HEAD_DIM // SLAB)
     first = program * SLAB  # = head x HEAD_DIM + this program's first value column
+    phase_0_trace = trace_ptr + gl.num_programs(0) * TRACE_POINTS  # the second table
+    _mark_time(trace_ptr, 13, TRACE)
+    _mark(trace_ptr, 0, TRACE)
+    _mark(phase_0_trace, 0, TRACE)
 
     # before the PDL wait, what no earlier kernel writes: the norm weights, the b and a rows of the head
     offsets = vector_offsets(WARPS)
@@ -209,6 +226,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
             + gl.expand_dims(values, 0))
     old = gl.load(slab)
     previous_kernel_done(USE_PDL)
+    _mark(trace_ptr, 1, TRACE)
+    _mark(phase_0_trace, 1, TRACE)
 
     # this program's rows of h (the tail's residual), and h normed into shared memory (the GEMV's prologue)
     rows, row_mask = own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
@@ -217,6 +236,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     rstd = gl.rsqrt(gl.sum(h * h, axis=0) / HIDDEN + eps)
     inputs.store((h * rstd * (1.0 + input_norm)).to(dtype))
     gl.thread_barrier()
+    _mark(phase_0_trace, 2, TRACE)
 
     # b and a, rounded as the projection stores them; the gates
     x = inputs.slice(0, BLOCK_HIDDEN).load(gl.SliceLayout(0, pair_layout)).to(gl.float32)
@@ -228,12 +248,15 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
 
     # the 64 in-projection rows, rounded as the GEMV stores them; then their room is the gate/up weights'
     mbarrier.wait(arrivals.index(5), 0)
+    _mark(phase_0_trace, 3, TRACE)
     first_half = phase_sums(gate_tiles, inputs, UP_PADDED, SLICES, up_layout)
     second_half = phase_sums(up_tiles, inputs, UP_PADDED, SLICES, up_layout)
     projected.slice(0, UP_PADDED).store(gl.convert_layout(first_half.to(dtype), rows_layout))
     projected.slice(UP_PADDED, UP_PADDED).store(gl.convert_layout(second_half.to(dtype), rows_layout))
     gl.thread_barrier()
-    mbarrier.arrive(arrivals.index(4))
+    if GATE_UP_AFTER == 0:
+        mbarrier.arrive(arrivals.index(4))
+    _mark(phase_0_trace, 4, TRACE)
 
     # the conv step of q | k | v (silu), its state advanced one input; z stored as projected
     new = projected.load(rows_layout)
@@ -245,9 +268,13 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     gl.store(state_row + 1, old_2, mask=conv_mask)
     gl.store(state_row + 2, new, mask=conv_mask)
     gl.store(projection_ptr + index, new, mask=flat >= 3 * SLAB)
+    _mark(phase_0_trace, 5, TRACE)
 
     # once the head's programs have stored its q and k: the delta rule on this program's slab (recurrent.py)
     grid_barrier(counter_ptr + TAIL_COUNTERS + 1 + head, counter_ptr + 3, HEAD_DIM // SLAB, WARPS)
+    if GATE_UP_AFTER == 1:
+        mbarrier.arrive(arrivals.index(4))
+    _mark(phase_0_trace, 6, TRACE)
     q = gl.load(mixed_ptr + head * HEAD_DIM + keys, cache_modifier=".cg").to(gl.float32)
     k = gl.load(mixed_ptr + ATTENDED + head * HEAD_DIM + keys, cache_modifier=".cg").to(gl.float32)
     v = gl.load(mixed_ptr + 2 * ATTENDED + first + values, cache_modifier=".cg").to(gl.float32)
@@ -259,13 +286,17 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     state = state + gl.expand_dims(k, 1) * gl.expand_dims(delta, 0)
     gl.store(slab, state)
     gl.store(o_ptr + first + values, gl.sum(state * gl.expand_dims(q, 1), axis=0).to(dtype))
+    _mark(phase_0_trace, 7, TRACE)
 
     # every head's o and z written: the tail, its head norm reading them
     grid_barrier(counter_ptr + TAIL_COUNTERS, counter_ptr + 3, programs, WARPS)
+    if GATE_UP_AFTER == 2:
+        mbarrier.arrive(arrivals.index(4))
+    _mark(phase_0_trace, 8, TRACE)
     tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, o_ptr,
-                o_ptr, projection_ptr + 3 * ATTENDED, head_norm_ptr, hidden_ptr, act_ptr, counter_ptr, counter_ptr,
+                o_ptr, projection_ptr + 3 * ATTENDED, head_norm_ptr, hidden_ptr, act_ptr, counter_ptr, trace_ptr,
                 eps, rows, row_mask, residual, norm_weight, up_row, programs, HIDDEN, ATTENDED, INTERMEDIATE,
-                UP_GROUPS, OUT_PADDED, UP_PADDED, False, True, HEAD_DIM, True, USE_PDL, False, True, WARPS, PACED,
+                UP_GROUPS, OUT_PADDED, UP_PADDED, False, True, HEAD_DIM, True, USE_PDL, TRACE, True, WARPS, PACED,
                 1 + HEADS)
 
 
@@ -327,6 +358,8 @@ def staged_decode_layer(
     pdl: bool = False,
     descriptors: tuple | None = None,
     programs: int | None = None,
+    trace: torch.Tensor | None = None,
+    gate_up_after: int = GATE_UP_AFTER,
 ) -> torch.Tensor:
     """One sequence's Gated DeltaNet layer decode step, in place: hidden [1, H] (the residual stream) becomes
     the layer's output; conv_state [1, C, 3] and state [1, Hv, Dk, Dv] float32 advance one token.
@@ -337,7 +370,9 @@ def staged_decode_layer(
     gate_up_weight [2 I, H]; down_weight [H, I]); counters, a row of `new_counters` used by no other launch in
     flight. Buffers written: projection [1, N] (its z columns), mixed [1, C] (the conv's outputs), delta_out
     [1, Hv, Dv] (o, un-normed), act [1, I]. descriptors: from `weight_descriptors` (built here when None);
-    programs: SMs to use (default all). Raises ValueError where `plan` says the kernel does not apply."""
+    programs: SMs to use (default all). Raises ValueError where `plan` says the kernel does not apply.
+    Diagnostics (benchmarks/staged_layer_trace.py): trace, an int64 [2, grid, TRACE_POINTS] tensor, receives each
+    program's clock at the trace points (PHASE_0_POINTS); gate_up_after: GATE_UP_AFTER's choices."""
     check_tensor("hidden", hidden, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     size = hidden.shape[1]
     check_tensor("state", state, shape=(1, None, None, None), dtype=torch.float32, contiguous=True)
@@ -384,11 +419,12 @@ def staged_decode_layer(
         descriptors = weight_descriptors(weight, out_weight, gate_up_weight, down_weight)
     _layer_kernel[(launch["grid"],)](
         *descriptors, hidden, input_norm, weight, conv_weight, conv_state, A_log, dt_bias, state, projection, mixed,
-        delta_out, head_norm_weight, norm_weight, act, counters, eps, key_dim**-0.5, conv_weight.stride(0),
+        delta_out, head_norm_weight, norm_weight, act, counters, counters if trace is None else trace, eps, key_dim**-0.5, conv_weight.stride(0),
         conv_state.stride(1),
         HIDDEN=size, HEADS=value_heads, HEAD_DIM=value_dim, INTERMEDIATE=intermediate,
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"],
-        UP_PADDED=launch["up_padded"], BLOCK_HIDDEN=triton.next_power_of_2(size), USE_PDL=pdl, WARPS=WARPS.value, PACED=tail.PACED,
+        UP_PADDED=launch["up_padded"], BLOCK_HIDDEN=triton.next_power_of_2(size), USE_PDL=pdl,
+        WARPS=WARPS.value, PACED=tail.PACED, GATE_UP_AFTER=gate_up_after, TRACE=trace is not None,
         num_warps=WARPS.value, **launch_options(pdl),
     )
     return hidden
