@@ -24,7 +24,7 @@ from qwen_triton.operators.gated_delta_rule.projected_decode import gated_delta_
 from qwen_triton.operators.linear import staged_out_projection_mlp as staged_tail
 
 PHASE_0 = ["entry", "PDL wait done", "h normed", "in-projection rows arrived", "their sums stored",
-           "conv stored", "head barrier passed", "step stored", "grid barrier passed"]
+           "conv stored", "head barrier passed", "step stored", "grid barrier passed", "q | k sums done"]
 H, HEADS, D, I = 1024, 16, 128, 3584
 A = HEADS * D
 
@@ -83,6 +83,7 @@ def main() -> None:
     variants = {"two kernels (projected step, staged tail)": dict(two_kernels=True)}
     variants.update({f"one launch, gate/up copied after {when}": dict(gate_up_after=choice) for choice, when in
                      enumerate(("phase 0's sums", "the head barrier", "the grid barrier"))})
+    variants["one launch, gate/up copied after the head barrier, down at once"] = dict(gate_up_after=1, paced=False)
     result = dict(layers=layers, grid=grid, times_us={}, traces={})
     for name, options in variants.items():
         launch = launcher(**options)
@@ -100,6 +101,9 @@ def main() -> None:
                 since = (stamps[inner, 1, :, point] - stamps[inner, 0, :, 0]) / traced["sm_clock_GHz"] / 1e3
                 rows.append(dict(point="phase 0: " + label, median_us=since.median().item(),
                                  latest_us=since.max(dim=1).values.median().item()))
+            since = (stamps[inner, 0, :, 15] - stamps[inner, 0, :, 0]) / traced["sm_clock_GHz"] / 1e3
+            rows.append(dict(point="phase 2 gate sums done", median_us=since.median().item(),
+                             latest_us=since.max(dim=1).values.median().item()))
             traced["trace"] = rows + [dict(row, point="tail: " + row["point"]) for row in traced["trace"]]
             result["traces"][name] = traced
     if counters[:, 3].any() or tail_counters[:, 3].any():

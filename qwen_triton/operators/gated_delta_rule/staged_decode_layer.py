@@ -250,6 +250,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     mbarrier.wait(arrivals.index(5), 0)
     _mark(phase_0_trace, 3, TRACE)
     first_half = phase_sums(gate_tiles, inputs, UP_PADDED, SLICES, up_layout)
+    _mark(phase_0_trace, 9, TRACE)
     second_half = phase_sums(up_tiles, inputs, UP_PADDED, SLICES, up_layout)
     projected.slice(0, UP_PADDED).store(gl.convert_layout(first_half.to(dtype), rows_layout))
     projected.slice(UP_PADDED, UP_PADDED).store(gl.convert_layout(second_half.to(dtype), rows_layout))
@@ -360,6 +361,7 @@ def staged_decode_layer(
     programs: int | None = None,
     trace: torch.Tensor | None = None,
     gate_up_after: int = GATE_UP_AFTER,
+    paced: bool = tail.PACED,
 ) -> torch.Tensor:
     """One sequence's Gated DeltaNet layer decode step, in place: hidden [1, H] (the residual stream) becomes
     the layer's output; conv_state [1, C, 3] and state [1, Hv, Dk, Dv] float32 advance one token.
@@ -424,7 +426,7 @@ def staged_decode_layer(
         HIDDEN=size, HEADS=value_heads, HEAD_DIM=value_dim, INTERMEDIATE=intermediate,
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"],
         UP_PADDED=launch["up_padded"], BLOCK_HIDDEN=triton.next_power_of_2(size), USE_PDL=pdl,
-        WARPS=WARPS.value, PACED=tail.PACED, GATE_UP_AFTER=gate_up_after, TRACE=trace is not None,
+        WARPS=WARPS.value, PACED=paced, GATE_UP_AFTER=gate_up_after, TRACE=trace is not None,
         num_warps=WARPS.value, **launch_options(pdl),
     )
     return hidden

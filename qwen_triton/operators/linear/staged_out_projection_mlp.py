@@ -373,6 +373,7 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
     mbarrier.wait(arrivals.index(1), 0)
     _mark(trace_ptr, 7, TRACE)
     acc = phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    _mark(trace_ptr, 15, TRACE)
     acc_up = phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
     up_rows, up_mask = own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
     gl.store(act_ptr + up_rows, (acc * sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
