@@ -54,6 +54,7 @@ from ..linear.staged_out_projection_mlp import (
     WARPS,
     _mark,
     _mark_time,
+    allocate_tiles,
     grid_barrier,
     groups_layout,
     load_weights,
@@ -116,11 +117,11 @@ def _layer_kernel(
     out_row = program * (OUT_GROUPS * TILE_ROWS)
     up_row = program * (UP_GROUPS * TILE_ROWS)
 
-    out_tiles = gl.allocate_shared_memory(dtype, [OUT_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    out_tiles = allocate_tiles(dtype, OUT_SLICES, OUT_PADDED, tile_layout)
     # the gate and up rows, and before them the in-projection's (q | k in the gate tiles, v | z in the up tiles)
-    gate_tiles = gl.allocate_shared_memory(dtype, [SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    up_tiles = gl.allocate_shared_memory(dtype, [SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    gate_tiles = allocate_tiles(dtype, SLICES, UP_PADDED, tile_layout)
+    up_tiles = allocate_tiles(dtype, SLICES, UP_PADDED, tile_layout)
+    down_tiles = allocate_tiles(dtype, DOWN_SLICES, OUT_PADDED, tile_layout)
     inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     projected = gl.allocate_shared_memory(dtype, [2 * UP_PADDED, TILE_ROWS],

@@ -97,16 +97,24 @@ def groups_layout(groups, warps):
 
 
 @gluon.jit
+def allocate_tiles(dtype: gl.constexpr, SLICES: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
+    """Shared memory for SLICES column slices of PADDED row groups of a weight: [SLICES x PADDED, 1, TILE_ROWS,
+    TILE_COLUMNS] (column slice s of row group g at s x PADDED + g), each entry one TMA box, so that a copy's
+    destination is an index, not a static slice, and the copying loops need not be unrolled."""
+    return gl.allocate_shared_memory(dtype, [SLICES * PADDED, 1, TILE_ROWS, TILE_COLUMNS], layout)
+
+
+@gluon.jit
 def stage_rows(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr,
                FIRST_GROUP: gl.constexpr):
     """TMA copies of GROUPS row groups (TILE_ROWS rows each from first_row) of a weight, every column, into tiles
-    [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] from group FIRST_GROUP on (column slice s of row group g at
-    [s, FIRST_GROUP + g]; groups not written are padding), counted on barrier. Rows past the weight arrive as
-    zeros."""
-    for part in gl.static_range(SLICES):
-        for group in gl.static_range(GROUPS):
+    (`allocate_tiles`) from group FIRST_GROUP on (groups not written are padding), counted on barrier. Rows past
+    the weight arrive as zeros."""
+    PADDED: gl.constexpr = tiles.shape[0] // SLICES
+    for part in range(SLICES + gl.program_id(1)):
+        for group in range(GROUPS + gl.program_id(1)):
             tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                            barrier, tiles.index(part).slice(FIRST_GROUP + group, 1))
+                                            barrier, tiles.index(part * PADDED + FIRST_GROUP + group))
 
 
 @gluon.jit
@@ -114,9 +122,11 @@ def phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout
     """The dot products of every staged row with the input vector in shared memory: [PADDED, TILE_ROWS]
     float32 in SliceLayout(2, layout) (garbage in the padding groups)."""
     acc = gl.zeros([PADDED, TILE_ROWS, TILE_COLUMNS], gl.float32, layout)
-    for part in gl.static_range(SLICES):
-        weight = tiles.index(part).load(layout).to(gl.float32)
-        x = inputs.slice(part * TILE_COLUMNS, TILE_COLUMNS).load(gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+    slices = inputs._reinterpret(inputs.dtype, [INPUT_SLICES, TILE_COLUMNS], inputs.layout)
+    by_slice = tiles._reinterpret(tiles.dtype, [SLICES, PADDED, TILE_ROWS, TILE_COLUMNS], tiles.layout)
+    for part in range(SLICES + gl.program_id(1)):
+        weight = by_slice.index(part).load(layout).to(gl.float32)
+        x = slices.index(part).load(gl.SliceLayout(0, gl.SliceLayout(0, layout)))
         acc += weight * gl.expand_dims(gl.expand_dims(x.to(gl.float32), 0), 0)
     return gl.sum(acc, axis=2)
 
@@ -204,10 +214,10 @@ def _staged_kernel(
     out_row = program * (OUT_GROUPS * TILE_ROWS)
     up_row = program * (UP_GROUPS * TILE_ROWS)
 
-    out_tiles = gl.allocate_shared_memory(dtype, [OUT_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    gate_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    up_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
-    down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    out_tiles = allocate_tiles(dtype, OUT_SLICES, OUT_PADDED, tile_layout)
+    gate_tiles = allocate_tiles(dtype, UP_SLICES, UP_PADDED, tile_layout)
+    up_tiles = allocate_tiles(dtype, UP_SLICES, UP_PADDED, tile_layout)
+    down_tiles = allocate_tiles(dtype, DOWN_SLICES, OUT_PADDED, tile_layout)
     inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # an mbarrier per phase's weights, and one the computing warps arrive on once past the first grid barrier
