@@ -24,7 +24,8 @@ from qwen_triton.operators.gated_delta_rule.projected_decode import gated_delta_
 from qwen_triton.operators.linear import staged_out_projection_mlp as staged_tail
 
 PHASE_0 = ["entry", "PDL wait done", "h normed", "in-projection rows arrived", "their sums stored",
-           "conv stored", "head barrier passed", "step stored", "grid barrier passed", "q | k sums done"]
+           "conv stored", "head barrier passed", "step stored", "grid barrier passed",
+           "q | k conv stored, arrived at the head barrier"]
 H, HEADS, D, I = 1024, 16, 128, 3584
 A = HEADS * D
 
@@ -82,8 +83,9 @@ def main() -> None:
 
     variants = {"two kernels (projected step, staged tail)": dict(two_kernels=True)}
     variants.update({f"one launch, gate/up copied after {when}": dict(gate_up_after=choice) for choice, when in
-                     enumerate(("phase 0's sums", "the head barrier", "the grid barrier"))})
-    variants["one launch, gate/up copied after the head barrier, down at once"] = dict(gate_up_after=1, paced=False)
+                     enumerate(("phase 0's sums", "the head barrier", "the grid barrier", "the program's step"))})
+    variants["one launch, gate/up copied after the head barrier, sums' loops rolled"] = dict(gate_up_after=1,
+                                                                                           unrolled=False)
     result = dict(layers=layers, grid=grid, times_us={}, traces={})
     for name, options in variants.items():
         launch = launcher(**options)

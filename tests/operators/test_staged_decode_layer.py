@@ -160,7 +160,7 @@ signature = {name: mangle_type(descriptors[name]) if name in descriptors else ty
              name.endswith("_ptr") else "constexpr") for name in kernel.arg_names}
 constants = dict(HIDDEN=H, HEADS=heads, HEAD_DIM=D, INTERMEDIATE=I, OUT_GROUPS=launch["out_groups"],
                  UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
-                 BLOCK_HIDDEN=H, USE_PDL=True, WARPS=layer.WARPS.value, PACED=True, GATE_UP_AFTER=0, TRACE=False)
+                 BLOCK_HIDDEN=H, USE_PDL=True, WARPS=layer.WARPS.value, PACED=True, GATE_UP_AFTER=0, TRACE=False, UNROLLED=True)
 compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=layer.WARPS.value))
 path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")

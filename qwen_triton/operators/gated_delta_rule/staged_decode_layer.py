@@ -55,6 +55,7 @@ from ..linear.staged_out_projection_mlp import (
     _mark,
     _mark_time,
     allocate_tiles,
+    arrive,
     grid_barrier,
     groups_layout,
     load_weights,
@@ -65,6 +66,7 @@ from ..linear.staged_out_projection_mlp import (
     stage_rows,
     tail_phases,
     vector_offsets,
+    wait_for,
 )
 
 SLAB = gl.constexpr(16)  # value columns a program steps; rows a program computes of each of q, k, v and z
@@ -73,12 +75,14 @@ WIDTH = 4  # the conv's width this kernel is written for (Qwen3.5's)
 # the step, then one per head
 TAIL_COUNTERS = gl.constexpr(4)
 # when the loading warp may copy the gate/up rows into the room the in-projection's rows took: once phase 0 has
-# read them (0), once the head's barrier is passed (1), once every head's step is done (2)
+# read them (0), once the head's barrier is passed (1), once every head's step is done (2), once this program's
+# step is done (3)
 GATE_UP_AFTER = 0
 # the trace (diagnostics, `trace=`): [2, grid, TRACE_POINTS] int64; the first table staged_out_projection_mlp's
 # points (its phases, here after phase 0), the second phase 0's: entry, the PDL wait, h normed, the in-projection
-# rows arrived, their sums stored, the conv stored, the head's barrier passed, the step stored, the grid barrier
-PHASE_0_POINTS = 9
+# rows arrived, their sums stored, the conv stored, the head's barrier passed, the step stored, the grid barrier,
+# q | k stored and arrived at the head's barrier
+PHASE_0_POINTS = 10
 
 
 def counter_count(heads: int) -> int:
@@ -96,6 +100,18 @@ def _softplus(x):
 
 
 @gluon.jit
+def _conv_step(new, old_0, old_1, old_2, conv_0, conv_1, conv_2, conv_3, state_row, mixed_ptrs, mask):
+    """The conv step (width 4, silu) of the channels under mask: their outputs to mixed_ptrs, their state
+    advanced one input (the new input `new`, as projected)."""
+    conv = (old_0.to(gl.float32) * conv_0 + old_1.to(gl.float32) * conv_1 + old_2.to(gl.float32) * conv_2
+            + new.to(gl.float32) * conv_3)
+    gl.store(mixed_ptrs, (conv / (1.0 + gl.exp(-conv))).to(new.dtype), mask=mask)
+    gl.store(state_row, old_1, mask=mask)
+    gl.store(state_row + 1, old_2, mask=mask)
+    gl.store(state_row + 2, new, mask=mask)
+
+
+@gluon.jit
 def _layer_kernel(
     in_descriptor, out_descriptor, gate_up_descriptor, down_descriptor,
     hidden_ptr, input_norm_ptr, weight_ptr, conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
@@ -104,7 +120,7 @@ def _layer_kernel(
     HIDDEN: gl.constexpr, HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, INTERMEDIATE: gl.constexpr,
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     BLOCK_HIDDEN: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr,
-    GATE_UP_AFTER: gl.constexpr, TRACE: gl.constexpr,
+    GATE_UP_AFTER: gl.constexpr, TRACE: gl.constexpr, UNROLLED: gl.constexpr,
 ):
     ATTENDED: gl.constexpr = HEADS * HEAD_DIM
     SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -138,7 +154,7 @@ def _layer_kernel(
                     mixed_ptr, o_ptr, head_norm_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, scale,
                     stride_wc, stride_cc, out_row, up_row, programs, HIDDEN, HEADS, HEAD_DIM, INTERMEDIATE,
                     OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED, BLOCK_HIDDEN, USE_PDL, WARPS, PACED,
-                    GATE_UP_AFTER, TRACE)),
+                    GATE_UP_AFTER, TRACE, UNROLLED)),
         (_load_layer_weights, (in_descriptor, out_descriptor, gate_up_descriptor, down_descriptor, out_tiles,
                                gate_tiles, up_tiles, down_tiles, arrivals, trace_ptr, out_row, up_row, ATTENDED,
                                INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_SLICES, SLICES, DOWN_SLICES, PACED, TRACE)),
@@ -176,7 +192,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
              INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr,
              OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, BLOCK_HIDDEN: gl.constexpr,
              USE_PDL: gl.constexpr, WARPS: gl.constexpr, PACED: gl.constexpr, GATE_UP_AFTER: gl.constexpr,
-             TRACE: gl.constexpr):
+             TRACE: gl.constexpr, UNROLLED: gl.constexpr):
     """The computing warps: phase 0 (module docstring), then the tail's phases."""
     ATTENDED: gl.constexpr = HEADS * HEAD_DIM
     SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -247,33 +263,33 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     decay = gl.exp(-gl.exp(a_log) * _softplus(a + dt_bias))
     beta = sigmoid(b).to(dtype).to(gl.float32)
 
-    # the 64 in-projection rows, rounded as the GEMV stores them; then their room is the gate/up weights'
+    # the 64 in-projection rows, rounded as the GEMV stores them: first q | k, whose conv outputs this
+    # program then stores and arrives at its head's barrier with, then v | z while the head's other programs
+    # arrive; then their room is the gate/up weights'
+    counter = counter_ptr + TAIL_COUNTERS + 1 + head
     mbarrier.wait(arrivals.index(5), 0)
     _mark(phase_0_trace, 3, TRACE)
-    first_half = phase_sums(gate_tiles, inputs, UP_PADDED, SLICES, up_layout)
-    _mark(phase_0_trace, 9, TRACE)
-    second_half = phase_sums(up_tiles, inputs, UP_PADDED, SLICES, up_layout)
+    first_half = phase_sums(gate_tiles, inputs, UP_PADDED, SLICES, up_layout, UNROLLED)
     projected.slice(0, UP_PADDED).store(gl.convert_layout(first_half.to(dtype), rows_layout))
+    gl.thread_barrier()
+    _conv_step(projected.load(rows_layout), old_0, old_1, old_2, conv_0, conv_1, conv_2, conv_3, state_row,
+               mixed_ptr + index, flat < 2 * SLAB)
+    arrive(counter)
+    _mark(phase_0_trace, 9, TRACE)
+    second_half = phase_sums(up_tiles, inputs, UP_PADDED, SLICES, up_layout, UNROLLED)
     projected.slice(UP_PADDED, UP_PADDED).store(gl.convert_layout(second_half.to(dtype), rows_layout))
     gl.thread_barrier()
     if GATE_UP_AFTER == 0:
         mbarrier.arrive(arrivals.index(4))
     _mark(phase_0_trace, 4, TRACE)
-
-    # the conv step of q | k | v (silu), its state advanced one input; z stored as projected
     new = projected.load(rows_layout)
-    new_float = new.to(gl.float32)
-    conv = (old_0.to(gl.float32) * conv_0 + old_1.to(gl.float32) * conv_1 + old_2.to(gl.float32) * conv_2
-            + new_float * conv_3)
-    gl.store(mixed_ptr + index, (conv / (1.0 + gl.exp(-conv))).to(dtype), mask=conv_mask)
-    gl.store(state_row, old_1, mask=conv_mask)
-    gl.store(state_row + 1, old_2, mask=conv_mask)
-    gl.store(state_row + 2, new, mask=conv_mask)
-    gl.store(projection_ptr + index, new, mask=flat >= 3 * SLAB)
+    _conv_step(new, old_0, old_1, old_2, conv_0, conv_1, conv_2, conv_3, state_row, mixed_ptr + index,
+               (flat >= 2 * SLAB) & conv_mask)
+    gl.store(projection_ptr + index, new, mask=flat >= 3 * SLAB)  # z, as projected
     _mark(phase_0_trace, 5, TRACE)
 
     # once the head's programs have stored its q and k: the delta rule on this program's slab (recurrent.py)
-    grid_barrier(counter_ptr + TAIL_COUNTERS + 1 + head, counter_ptr + 3, HEAD_DIM // SLAB, WARPS)
+    wait_for(counter, counter_ptr + 3, HEAD_DIM // SLAB, WARPS)
     if GATE_UP_AFTER == 1:
         mbarrier.arrive(arrivals.index(4))
     _mark(phase_0_trace, 6, TRACE)
@@ -288,6 +304,8 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
     state = state + gl.expand_dims(k, 1) * gl.expand_dims(delta, 0)
     gl.store(slab, state)
     gl.store(o_ptr + first + values, gl.sum(state * gl.expand_dims(q, 1), axis=0).to(dtype))
+    if GATE_UP_AFTER == 3:
+        mbarrier.arrive(arrivals.index(4))
     _mark(phase_0_trace, 7, TRACE)
 
     # every head's o and z written: the tail, its head norm reading them
@@ -299,7 +317,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, projected, arr
                 o_ptr, projection_ptr + 3 * ATTENDED, head_norm_ptr, hidden_ptr, act_ptr, counter_ptr, trace_ptr,
                 eps, rows, row_mask, residual, norm_weight, up_row, programs, HIDDEN, ATTENDED, INTERMEDIATE,
                 UP_GROUPS, OUT_PADDED, UP_PADDED, False, True, HEAD_DIM, True, USE_PDL, TRACE, True, WARPS, PACED,
-                1 + HEADS)
+                1 + HEADS, UNROLLED)
 
 
 def plan(hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, width: int,
@@ -363,6 +381,7 @@ def staged_decode_layer(
     trace: torch.Tensor | None = None,
     gate_up_after: int = GATE_UP_AFTER,
     paced: bool = tail.PACED,
+    unrolled: bool = tail.UNROLLED,
 ) -> torch.Tensor:
     """One sequence's Gated DeltaNet layer decode step, in place: hidden [1, H] (the residual stream) becomes
     the layer's output; conv_state [1, C, 3] and state [1, Hv, Dk, Dv] float32 advance one token.
@@ -428,6 +447,7 @@ def staged_decode_layer(
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"], OUT_PADDED=launch["out_padded"],
         UP_PADDED=launch["up_padded"], BLOCK_HIDDEN=triton.next_power_of_2(size), USE_PDL=pdl,
         WARPS=WARPS.value, PACED=paced, GATE_UP_AFTER=gate_up_after, TRACE=trace is not None,
+        UNROLLED=unrolled,
         num_warps=WARPS.value, **launch_options(pdl),
     )
     return hidden

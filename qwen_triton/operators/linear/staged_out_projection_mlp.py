@@ -59,6 +59,7 @@ from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
 PACED = True  # the down projection's weights requested past the first grid barrier (load_weights)
+UNROLLED = True  # the sums' loops over column slices unrolled (phase_sums)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -111,6 +112,9 @@ def stage_rows(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLIC
     (`allocate_tiles`) from group FIRST_GROUP on (groups not written are padding), counted on barrier. Rows past
     the weight arrive as zeros."""
     PADDED: gl.constexpr = tiles.shape[0] // SLICES
+    # trip counts the compiler cannot see (program_id(1) is 0 in this one-dimensional grid): the loops stay
+    # rolled, a few instructions for every copy instead of one copy's worth of code each (unrolled, the
+    # kernels' code outgrew the SMs' instruction cache: benchmarks/staged_layer_trace.py)
     for part in range(SLICES + gl.program_id(1)):
         for group in range(GROUPS + gl.program_id(1)):
             tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
@@ -118,16 +122,23 @@ def stage_rows(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLIC
 
 
 @gluon.jit
-def phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr):
+def phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr,
+               UNROLLED: gl.constexpr):
     """The dot products of every staged row with the input vector in shared memory: [PADDED, TILE_ROWS]
-    float32 in SliceLayout(2, layout) (garbage in the padding groups)."""
+    float32 in SliceLayout(2, layout) (garbage in the padding groups). UNROLLED: the loop over column slices
+    unrolled (faster, more code; `stage_rows`)."""
     acc = gl.zeros([PADDED, TILE_ROWS, TILE_COLUMNS], gl.float32, layout)
     slices = inputs._reinterpret(inputs.dtype, [INPUT_SLICES, TILE_COLUMNS], inputs.layout)
     by_slice = tiles._reinterpret(tiles.dtype, [SLICES, PADDED, TILE_ROWS, TILE_COLUMNS], tiles.layout)
-    for part in range(SLICES + gl.program_id(1)):
-        weight = by_slice.index(part).load(layout).to(gl.float32)
-        x = slices.index(part).load(gl.SliceLayout(0, gl.SliceLayout(0, layout)))
-        acc += weight * gl.expand_dims(gl.expand_dims(x.to(gl.float32), 0), 0)
+    x_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, layout))
+    if UNROLLED:
+        for part in gl.static_range(SLICES):
+            x = slices.index(part).load(x_layout).to(gl.float32)
+            acc += by_slice.index(part).load(layout).to(gl.float32) * gl.expand_dims(gl.expand_dims(x, 0), 0)
+    else:
+        for part in range(SLICES + gl.program_id(1)):
+            x = slices.index(part).load(x_layout).to(gl.float32)
+            acc += by_slice.index(part).load(layout).to(gl.float32) * gl.expand_dims(gl.expand_dims(x, 0), 0)
     return gl.sum(acc, axis=2)
 
 
@@ -168,11 +179,16 @@ def _poll(counter_ptr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
-    """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
-    everything each wrote before is then visible to every program's loads past L1."""
+def arrive(counter_ptr):
+    """This program's arrival at a barrier (its counter): every thread's writes before it are released."""
     gl.thread_barrier()
     gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def wait_for(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
+    """Wait until `programs` programs have arrived at the barrier (`arrive`); what each wrote before arriving
+    is then visible to this program's loads past L1."""
     arrived = _poll(counter_ptr, WARPS)
     spins = 0
     while (arrived < programs) & (spins < SPIN_LIMIT):
@@ -182,6 +198,14 @@ def grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
         gl.atomic_xchg(error_ptr, 1, sem="relaxed", scope="gpu")
     gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
+
+
+@gluon.jit
+def grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
+    """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
+    everything each wrote before is then visible to every program's loads past L1."""
+    arrive(counter_ptr)
+    wait_for(counter_ptr, error_ptr, programs, WARPS)
 
 
 @gluon.jit
@@ -202,7 +226,7 @@ def _staged_kernel(
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    WARPS: gl.constexpr, PACED: gl.constexpr,
+    WARPS: gl.constexpr, PACED: gl.constexpr, UNROLLED: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -241,7 +265,8 @@ def _staged_kernel(
             (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
                         head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
                         programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
-                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED)),
+                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED,
+                        UNROLLED)),
             (load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED, False)),
@@ -294,7 +319,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
              UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
-             WARPS: gl.constexpr, PACED: gl.constexpr):
+             WARPS: gl.constexpr, PACED: gl.constexpr, UNROLLED: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers (`tail_phases`)."""
     out_layout: gl.constexpr = groups_layout(OUT_PADDED, WARPS)
     _mark_time(trace_ptr, 13, TRACE)
@@ -311,7 +336,7 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
                 hidden_ptr, act_ptr, counter_ptr, trace_ptr, eps, rows, row_mask, residual, norm_weight, up_row,
                 programs, HIDDEN, ATTENDED, INTERMEDIATE, UP_GROUPS, OUT_PADDED, UP_PADDED, HAS_GATE, HEAD_NORM,
-                HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED, 0)
+                HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED, 0, UNROLLED)
 
 
 @gluon.jit
@@ -321,7 +346,7 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
                 UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
                 HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
                 USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, WARPS: gl.constexpr,
-                PACED: gl.constexpr, EXTRA_COUNTERS: gl.constexpr):
+                PACED: gl.constexpr, EXTRA_COUNTERS: gl.constexpr, UNROLLED: gl.constexpr):
     """The computing warps' three phases and two grid barriers, from phase 1's input on: rows, row_mask and
     residual, this program's rows of h and their values (`own_rows`); norm_weight, the MLP's norm weight at
     `vector_offsets`. The last program out resets counters 0-2 and EXTRA_COUNTERS more from counter 4 on (those
@@ -364,7 +389,7 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
     _mark(trace_ptr, 2, TRACE)
     mbarrier.wait(arrivals.index(0), 0)
     _mark(trace_ptr, 3, TRACE)
-    acc = phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
+    acc = phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout, UNROLLED)
     residual = (acc + residual.to(gl.float32)).to(dtype)
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
     _mark(trace_ptr, 4, TRACE)
@@ -382,9 +407,9 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
     _mark(trace_ptr, 6, TRACE)
     mbarrier.wait(arrivals.index(1), 0)
     _mark(trace_ptr, 7, TRACE)
-    acc = phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    acc = phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout, UNROLLED)
     _mark(trace_ptr, 15, TRACE)
-    acc_up = phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    acc_up = phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout, UNROLLED)
     up_rows, up_mask = own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
     gl.store(act_ptr + up_rows, (acc * sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
     _mark(trace_ptr, 8, TRACE)
@@ -398,7 +423,7 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
     _mark(trace_ptr, 10, TRACE)
-    acc = phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
+    acc = phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout, UNROLLED)
     gl.store(hidden_ptr + rows, (acc + residual.to(gl.float32)).to(dtype), mask=row_mask)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
@@ -483,6 +508,7 @@ def staged_out_projection_mlp(
     stream_only: bool = False,
     warps: int = WARPS.value,
     paced: bool = PACED,
+    unrolled: bool = UNROLLED,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -539,7 +565,7 @@ def staged_out_projection_mlp(
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, WARPS=warps, PACED=paced, num_warps=warps,
+        STREAM_ONLY=stream_only, WARPS=warps, PACED=paced, UNROLLED=unrolled, num_warps=warps,
         **launch_options(pdl),
     )
     return hidden
