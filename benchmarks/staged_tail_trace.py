@@ -30,7 +30,6 @@ VARIANTS = {  # name: staged_out_projection_mlp's diagnostic options
     "staged (default: down weights requested past barrier 1)": dict(),
     "all weights requested at once": dict(paced=False),
     "16 computing warps": dict(warps=16),
-    "the sums' loops rolled": dict(unrolled=False),
     "without the grid barriers (wrong results)": dict(barriers=False),
     "weights only (no computing)": dict(stream_only=True),
 }

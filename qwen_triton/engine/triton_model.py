@@ -11,8 +11,7 @@ gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [
 their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue;
 in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
 layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode), and on Hopper a
-layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp),
-and a whole DeltaNet layer as one such launch (staged_delta_layer).
+layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp).
 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
@@ -51,8 +50,6 @@ from ..operators.gated_delta_rule import (
 from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
-from ..operators.gated_delta_rule import staged_decode_layer as staged_layer
-from ..operators.gated_delta_rule.staged_decode_layer import staged_decode_layer_cost
 from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemv import MAX_ROWS
 from ..operators.sampling import feed_back, sample
@@ -115,7 +112,6 @@ class TritonModel:
         output_norm_in_projection: bool = True,
         projected_delta_decode: bool = True,
         staged_out_projection_mlp: bool = True,
-        staged_delta_layer: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -136,8 +132,6 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
-        # with both, a one-sequence decode step's whole DeltaNet layer as one such launch (staged_decode_layer.py)
-        self.staged_delta_layer = staged_delta_layer
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -189,15 +183,6 @@ class TritonModel:
             self._staged_descriptors = [staged.weight_descriptors(layer.out, mlp.gate_up, mlp.down)
                                         for layer, mlp in zip(self.layers, self.mlps)]
             self._staged_counters = staged.new_counters(self.device, len(self.layers))
-        self._staged_layer_descriptors: dict = {}
-        self._staged_layer_counters = None
-        if self._staged_layer_applies():
-            # a DeltaNet layer's four weights, and its counters (a layer's own row, as the tail's)
-            self._staged_layer_descriptors = {
-                i: staged_layer.weight_descriptors(layer.projection, layer.out, mlp.gate_up, mlp.down)
-                for i, (layer, mlp) in enumerate(zip(self.layers, self.mlps)) if isinstance(layer, DeltaNetWeights)}
-            self._staged_layer_counters = staged_layer.new_counters(self.device, c.linear_num_value_heads,
-                                                                    len(self.layers))
         self.rotary = rotary_table(max_length, c.rotary_dim, c.rope_theta, self.device)
         # the split-KV count of batch 1 for every batch: a sequence's attention is then summed in the same
         # order whatever batch it decodes in (batched generation equals one at a time)
@@ -302,17 +287,6 @@ class TritonModel:
                                 sm_count(self.device)) is not None
                 and all(layer.out.shape[1] == self.layers[0].out.shape[1] for layer in self.layers)
                 and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
-
-    def _staged_layer_applies(self) -> bool:
-        """Whether this model can run a DeltaNet layer's decode step as `staged_decode_layer` (option
-        staged_delta_layer, on top of staged_out_projection_mlp and projected_delta_decode): the shapes its launch
-        plan takes."""
-        c = self.config
-        return (self.staged_delta_layer and self.projected_delta_decode and self.fused_delta_decode
-                and self.output_norm_in_projection and self._staged_tail_applies()
-                and staged_layer.plan(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
-                                      c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
-                                      c.intermediate_size, sm_count(self.device)) is not None)
 
     def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
                     pdl=False, head_norm=None):
@@ -446,23 +420,8 @@ class TritonModel:
                 and c.linear_key_head_dim % PROJECTED_ROWS == 0 and c.linear_value_head_dim % PROJECTED_ROWS == 0)
 
     def _projected_delta_layer(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, scratch):
-        """A one-sequence DeltaNet layer's decode: in-projection and step in one kernel, then its tail; or the
-        whole layer as one staged launch (option staged_delta_layer)."""
+        """A one-sequence DeltaNet layer's decode: in-projection and step in one kernel, then its tail."""
         c = self.config
-        if self._staged_layer_counters is not None:
-            def layer_cost():
-                return staged_decode_layer_cost(c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim,
-                                                c.intermediate_size, c.linear_conv_kernel_dim,
-                                                self.embed.element_size())
-
-            with self._operator("deltanet layer (staged: in-projection, step, out-projection, MLP)", i,
-                                layer_cost):
-                return staged_layer.staged_decode_layer(
-                    x, w.input_norm, c.rms_norm_eps, w.projection, w.conv, self.state.conv[i][:1], w.A_log,
-                    w.dt_bias, self.state.recurrent[i][:1], w.norm, w.out, mlp.input_norm, mlp.gate_up, mlp.down,
-                    self._staged_layer_counters[i], scratch["delta_projection"], scratch["conv_out"],
-                    scratch["delta_out"], scratch["mlp_hidden"], pdl=self.pdl,
-                    descriptors=self._staged_layer_descriptors[i])
 
         def cost():
             return gated_delta_rule_decode_projected_cost(

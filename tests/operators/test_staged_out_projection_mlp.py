@@ -103,7 +103,7 @@ for head_norm, PACED in ((False, True), (True, True), (False, False)):
                      HAS_GATE=not head_norm, HEAD_NORM=head_norm,
                      HEAD_DIM=128 if head_norm else 256, ROUND_PRODUCT=True, USE_PDL=True,
                      TRACE=False, BARRIERS=True, STREAM_ONLY=False,
-                     WARPS=staged.WARPS.value, PACED=PACED, UNROLLED=True)
+                     WARPS=staged.WARPS.value, PACED=PACED)
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=staged.WARPS.value))
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")

@@ -58,8 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
-PACED = True  # the down projection's weights requested past the first grid barrier (load_weights)
-UNROLLED = True  # the sums' loops over column slices unrolled (phase_sums)
+PACED = True  # the down projection's weights requested past the first grid barrier (_load_weights)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -76,7 +75,7 @@ TRACE_POINTS = gl.constexpr(16)
 # operators/common.py's wait_for_previous_kernel and allow_next_kernel, in Gluon (a Gluon kernel cannot call
 # `triton.jit` functions): the same two PTX instructions
 @gluon.jit
-def previous_kernel_done(USE_PDL: gl.constexpr):
+def _previous_kernel_done(USE_PDL: gl.constexpr):
     if USE_PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
@@ -90,7 +89,7 @@ def _next_kernel_may_launch(USE_PDL: gl.constexpr):
 
 
 @gluon.constexpr_function
-def groups_layout(groups, warps):
+def _groups_layout(groups, warps):
     # [groups, TILE_ROWS, TILE_COLUMNS] in registers: warps over the groups first, then over a group's rows (no
     # product is reduced across warps); 8 consecutive columns a lane (16-byte shared-memory loads)
     across_groups = min(groups, warps)
@@ -98,58 +97,36 @@ def groups_layout(groups, warps):
 
 
 @gluon.jit
-def allocate_tiles(dtype: gl.constexpr, SLICES: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
-    """Shared memory for SLICES column slices of PADDED row groups of a weight: [SLICES x PADDED, 1, TILE_ROWS,
-    TILE_COLUMNS] (column slice s of row group g at s x PADDED + g), each entry one TMA box, so that a copy's
-    destination is an index, not a static slice, and the copying loops need not be unrolled."""
-    return gl.allocate_shared_memory(dtype, [SLICES * PADDED, 1, TILE_ROWS, TILE_COLUMNS], layout)
-
-
-@gluon.jit
-def stage_rows(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr,
-               FIRST_GROUP: gl.constexpr):
+def _stage(descriptor, tiles, barrier, first_row, GROUPS: gl.constexpr, SLICES: gl.constexpr):
     """TMA copies of GROUPS row groups (TILE_ROWS rows each from first_row) of a weight, every column, into tiles
-    (`allocate_tiles`) from group FIRST_GROUP on (groups not written are padding), counted on barrier. Rows past
-    the weight arrive as zeros."""
-    PADDED: gl.constexpr = tiles.shape[0] // SLICES
-    # trip counts the compiler cannot see (program_id(1) is 0 in this one-dimensional grid): the loops stay
-    # rolled, a few instructions for every copy instead of one copy's worth of code each (unrolled, the
-    # kernels' code outgrew the SMs' instruction cache: benchmarks/staged_layer_trace.py)
-    for part in range(SLICES + gl.program_id(1)):
-        for group in range(GROUPS + gl.program_id(1)):
+    [SLICES, padded groups, TILE_ROWS, TILE_COLUMNS] (column slice s of row group g at [s, g]; the padding
+    groups are never written), counted on barrier. Rows past the weight arrive as zeros."""
+    for part in gl.static_range(SLICES):
+        for group in gl.static_range(GROUPS):
             tma.async_copy_global_to_shared(descriptor, [0, first_row + group * TILE_ROWS, part * TILE_COLUMNS],
-                                            barrier, tiles.index(part * PADDED + FIRST_GROUP + group))
+                                            barrier, tiles.index(part).slice(group, 1))
 
 
 @gluon.jit
-def phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr,
-               UNROLLED: gl.constexpr):
+def _phase_sums(tiles, inputs, PADDED: gl.constexpr, SLICES: gl.constexpr, layout: gl.constexpr):
     """The dot products of every staged row with the input vector in shared memory: [PADDED, TILE_ROWS]
-    float32 in SliceLayout(2, layout) (garbage in the padding groups). UNROLLED: the loop over column slices
-    unrolled (faster, more code; `stage_rows`)."""
+    float32 in SliceLayout(2, layout) (garbage in the padding groups)."""
     acc = gl.zeros([PADDED, TILE_ROWS, TILE_COLUMNS], gl.float32, layout)
-    slices = inputs._reinterpret(inputs.dtype, [INPUT_SLICES, TILE_COLUMNS], inputs.layout)
-    by_slice = tiles._reinterpret(tiles.dtype, [SLICES, PADDED, TILE_ROWS, TILE_COLUMNS], tiles.layout)
-    x_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, layout))
-    if UNROLLED:
-        for part in gl.static_range(SLICES):
-            x = slices.index(part).load(x_layout).to(gl.float32)
-            acc += by_slice.index(part).load(layout).to(gl.float32) * gl.expand_dims(gl.expand_dims(x, 0), 0)
-    else:
-        for part in range(SLICES + gl.program_id(1)):
-            x = slices.index(part).load(x_layout).to(gl.float32)
-            acc += by_slice.index(part).load(layout).to(gl.float32) * gl.expand_dims(gl.expand_dims(x, 0), 0)
+    for part in gl.static_range(SLICES):
+        weight = tiles.index(part).load(layout).to(gl.float32)
+        x = inputs.slice(part * TILE_COLUMNS, TILE_COLUMNS).load(gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+        acc += weight * gl.expand_dims(gl.expand_dims(x.to(gl.float32), 0), 0)
     return gl.sum(acc, axis=2)
 
 
 @gluon.jit
-def vector_offsets(WARPS: gl.constexpr):
+def _vector_offsets(WARPS: gl.constexpr):
     """Offsets 0 .. INPUT_SLICES * TILE_COLUMNS - 1, 8 consecutive a lane."""
     return gl.arange(0, INPUT_SLICES * TILE_COLUMNS, layout=gl.BlockedLayout([8], [32], [WARPS], [0]))
 
 
 @gluon.jit
-def sigmoid(x):
+def _sigmoid(x):
     return 1.0 / (1.0 + gl.exp(-x))
 
 
@@ -179,16 +156,11 @@ def _poll(counter_ptr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def arrive(counter_ptr):
-    """This program's arrival at a barrier (its counter): every thread's writes before it are released."""
+def _grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
+    """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
+    everything each wrote before is then visible to every program's loads past L1."""
     gl.thread_barrier()
     gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def wait_for(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
-    """Wait until `programs` programs have arrived at the barrier (`arrive`); what each wrote before arriving
-    is then visible to this program's loads past L1."""
     arrived = _poll(counter_ptr, WARPS)
     spins = 0
     while (arrived < programs) & (spins < SPIN_LIMIT):
@@ -201,16 +173,8 @@ def wait_for(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def grid_barrier(counter_ptr, error_ptr, programs, WARPS: gl.constexpr):
-    """Wait until every program of the grid has reached this barrier (its counter, see the module docstring);
-    everything each wrote before is then visible to every program's loads past L1."""
-    arrive(counter_ptr)
-    wait_for(counter_ptr, error_ptr, programs, WARPS)
-
-
-@gluon.jit
-def own_rows(first_row, N, GROUPS: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
-    """(rows, mask) [PADDED, TILE_ROWS] in SliceLayout(2, layout), as `phase_sums` returns its sums: row
+def _own_rows(first_row, N, GROUPS: gl.constexpr, PADDED: gl.constexpr, layout: gl.constexpr):
+    """(rows, mask) [PADDED, TILE_ROWS] in SliceLayout(2, layout), as `_phase_sums` returns its sums: row
     first_row + g * TILE_ROWS + r, masked past the first GROUPS groups and past N."""
     group = gl.arange(0, PADDED, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
     row = gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
@@ -226,7 +190,7 @@ def _staged_kernel(
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
     USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    WARPS: gl.constexpr, PACED: gl.constexpr, UNROLLED: gl.constexpr,
+    WARPS: gl.constexpr, PACED: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -238,10 +202,10 @@ def _staged_kernel(
     out_row = program * (OUT_GROUPS * TILE_ROWS)
     up_row = program * (UP_GROUPS * TILE_ROWS)
 
-    out_tiles = allocate_tiles(dtype, OUT_SLICES, OUT_PADDED, tile_layout)
-    gate_tiles = allocate_tiles(dtype, UP_SLICES, UP_PADDED, tile_layout)
-    up_tiles = allocate_tiles(dtype, UP_SLICES, UP_PADDED, tile_layout)
-    down_tiles = allocate_tiles(dtype, DOWN_SLICES, OUT_PADDED, tile_layout)
+    out_tiles = gl.allocate_shared_memory(dtype, [OUT_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    gate_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    up_tiles = gl.allocate_shared_memory(dtype, [UP_SLICES, UP_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
+    down_tiles = gl.allocate_shared_memory(dtype, [DOWN_SLICES, OUT_PADDED, TILE_ROWS, TILE_COLUMNS], tile_layout)
     inputs = gl.allocate_shared_memory(dtype, [INPUT_SLICES * TILE_COLUMNS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     # an mbarrier per phase's weights, and one the computing warps arrive on once past the first grid barrier
@@ -256,46 +220,41 @@ def _staged_kernel(
     if STREAM_ONLY:
         gl.warp_specialize([
             (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
-            (load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                            down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                            OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, False, False)),
+            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, False)),
         ], [1], [64])
     else:
         gl.warp_specialize([
             (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
                         head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
                         programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
-                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED,
-                        UNROLLED)),
-            (load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                            down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                            OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED, False)),
+                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED)),
+            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED)),
         ], [1], [64])
     for phase in gl.static_range(4):
         mbarrier.invalidate(arrivals.index(phase))
 
 
 @gluon.jit
-def load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
-                 arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
-                 UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
-                 DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr, ROOM: gl.constexpr):
+def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
+                  arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
+                  UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
+                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr):
     """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier;
-    with PACED phase 3's only once the computing warps are past the first grid barrier (mbarrier 3). ROOM: the
-    gate/up tiles share their room with an earlier phase's (staged_decode_layer.py): copied only once the
-    computing warps have read that phase (mbarrier 4)."""
+    with PACED phase 3's only once the computing warps are past the first grid barrier (mbarrier 3)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
-    stage_rows(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES, 0)
-    if ROOM:
-        mbarrier.wait(arrivals.index(4), 0)
+    _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
-    stage_rows(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES, 0)
-    stage_rows(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES, 0)
+    _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES)
+    _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES)
     if PACED:
         mbarrier.wait(arrivals.index(3), 0)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
-    stage_rows(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES, 0)
+    _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES)
     _mark(trace_ptr, 12, TRACE)
 
 
@@ -304,7 +263,7 @@ def _wait_for_weights(arrivals, trace_ptr, USE_PDL: gl.constexpr, TRACE: gl.cons
     """The computing warps in the streaming-only diagnostic: wait for every weight, compute nothing."""
     _mark_time(trace_ptr, 13, TRACE)
     _mark(trace_ptr, 0, TRACE)
-    previous_kernel_done(USE_PDL)
+    _previous_kernel_done(USE_PDL)
     for phase in gl.static_range(3):
         mbarrier.wait(arrivals.index(phase), 0)
     _mark(trace_ptr, 10, TRACE)
@@ -319,45 +278,25 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
              UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
-             WARPS: gl.constexpr, PACED: gl.constexpr, UNROLLED: gl.constexpr):
-    """The computing warps: the three phases and the two grid barriers (`tail_phases`)."""
-    out_layout: gl.constexpr = groups_layout(OUT_PADDED, WARPS)
-    _mark_time(trace_ptr, 13, TRACE)
-    _mark(trace_ptr, 0, TRACE)
-    # what no earlier kernel writes, loaded before the PDL wait: the MLP's norm weight (and the head norm's)
-    offsets = vector_offsets(WARPS)
-    norm_weight = gl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(gl.float32)
-    previous_kernel_done(USE_PDL)
-    _mark(trace_ptr, 1, TRACE)
-    # this program's rows of h, loaded with phase 1's input, before the weight copies fill the memory system's
-    # queues (a load issued behind them waits microseconds); phase 3 adds to phase 1's result in registers
-    rows, row_mask = own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
-    residual = gl.load(hidden_ptr + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
-    tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
-                hidden_ptr, act_ptr, counter_ptr, trace_ptr, eps, rows, row_mask, residual, norm_weight, up_row,
-                programs, HIDDEN, ATTENDED, INTERMEDIATE, UP_GROUPS, OUT_PADDED, UP_PADDED, HAS_GATE, HEAD_NORM,
-                HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED, 0, UNROLLED)
-
-
-@gluon.jit
-def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
-                hidden_ptr, act_ptr, counter_ptr, trace_ptr, eps, rows, row_mask, residual, norm_weight, up_row,
-                programs, HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr,
-                UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
-                HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
-                USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, WARPS: gl.constexpr,
-                PACED: gl.constexpr, EXTRA_COUNTERS: gl.constexpr, UNROLLED: gl.constexpr):
-    """The computing warps' three phases and two grid barriers, from phase 1's input on: rows, row_mask and
-    residual, this program's rows of h and their values (`own_rows`); norm_weight, the MLP's norm weight at
-    `vector_offsets`. The last program out resets counters 0-2 and EXTRA_COUNTERS more from counter 4 on (those
-    of a kernel that runs phases before these, staged_decode_layer.py)."""
+             WARPS: gl.constexpr, PACED: gl.constexpr):
+    """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
     DOWN_SLICES: gl.constexpr = INTERMEDIATE // TILE_COLUMNS
-    out_layout: gl.constexpr = groups_layout(OUT_PADDED, WARPS)
-    up_layout: gl.constexpr = groups_layout(UP_PADDED, WARPS)
+    out_layout: gl.constexpr = _groups_layout(OUT_PADDED, WARPS)
+    up_layout: gl.constexpr = _groups_layout(UP_PADDED, WARPS)
     dtype: gl.constexpr = out_tiles.dtype
-    offsets = vector_offsets(WARPS)
+    _mark_time(trace_ptr, 13, TRACE)
+    _mark(trace_ptr, 0, TRACE)
+    # what no earlier kernel writes, loaded before the PDL wait: the MLP's norm weight (and the head norm's)
+    offsets = _vector_offsets(WARPS)
+    norm_weight = gl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(gl.float32)
+    _previous_kernel_done(USE_PDL)
+    _mark(trace_ptr, 1, TRACE)
+    # this program's rows of h, loaded with phase 1's input, before the weight copies fill the memory system's
+    # queues (a load issued behind them waits microseconds); phase 3 adds to phase 1's result in registers
+    rows, row_mask = _own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
+    residual = gl.load(hidden_ptr + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
 
     # phase 1: x' into shared memory, then h[out rows] += x' @ W_o[out rows]^T
     if HEAD_NORM:
@@ -368,8 +307,8 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
         lane = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, head_layout))
         channel = gl.expand_dims(head, 1) * HEAD_DIM + gl.expand_dims(lane, 0)
         mask = channel < ATTENDED
-        x = gl.load(x_ptr + channel, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
-        z = gl.load(z_ptr + channel, mask=mask, other=0.0, cache_modifier=".cg").to(gl.float32)
+        x = gl.load(x_ptr + channel, mask=mask, other=0.0).to(gl.float32)
+        z = gl.load(z_ptr + channel, mask=mask, other=0.0).to(gl.float32)
         weight = gl.load(head_norm_ptr + lane).to(gl.float32)  # (not written by earlier kernels)
         normed = x * gl.expand_dims(gl.rsqrt(gl.sum(x * x, axis=1) / HEAD_DIM + eps), 1)
         normed = normed.to(dtype).to(gl.float32)
@@ -383,18 +322,18 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
         x = gl.load(x_ptr + offsets, mask=mask, other=0.0)
         if HAS_GATE:
             gate = gl.load(gate_ptr + offsets, mask=mask, other=0.0).to(gl.float32)
-            x = (x.to(gl.float32) * sigmoid(gate)).to(dtype)
+            x = (x.to(gl.float32) * _sigmoid(gate)).to(dtype)
         inputs.store(x)
     gl.thread_barrier()
     _mark(trace_ptr, 2, TRACE)
     mbarrier.wait(arrivals.index(0), 0)
     _mark(trace_ptr, 3, TRACE)
-    acc = phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout, UNROLLED)
+    acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
     residual = (acc + residual.to(gl.float32)).to(dtype)
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
     _mark(trace_ptr, 4, TRACE)
     if BARRIERS:
-        grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
+        _grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
     if PACED:
         mbarrier.arrive(arrivals.index(3))
     _mark(trace_ptr, 5, TRACE)
@@ -407,14 +346,13 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
     _mark(trace_ptr, 6, TRACE)
     mbarrier.wait(arrivals.index(1), 0)
     _mark(trace_ptr, 7, TRACE)
-    acc = phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout, UNROLLED)
-    _mark(trace_ptr, 15, TRACE)
-    acc_up = phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout, UNROLLED)
-    up_rows, up_mask = own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
-    gl.store(act_ptr + up_rows, (acc * sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
+    acc = _phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    acc_up = _phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
+    up_rows, up_mask = _own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
+    gl.store(act_ptr + up_rows, (acc * _sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
     _mark(trace_ptr, 8, TRACE)
     if BARRIERS:
-        grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
+        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
     _mark(trace_ptr, 9, TRACE)
     _next_kernel_may_launch(USE_PDL)
 
@@ -423,7 +361,7 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
     _mark(trace_ptr, 10, TRACE)
-    acc = phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout, UNROLLED)
+    acc = _phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
     gl.store(hidden_ptr + rows, (acc + residual.to(gl.float32)).to(dtype), mask=row_mask)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
@@ -434,8 +372,6 @@ def tail_phases(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x
         gl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(counter_ptr + 1, 0, sem="relaxed", scope="gpu")
         gl.atomic_xchg(counter_ptr + 2, 0, sem="relaxed", scope="gpu")
-        for extra in gl.static_range(EXTRA_COUNTERS):
-            gl.atomic_xchg(counter_ptr + 4 + extra, 0, sem="relaxed", scope="gpu")
 
 
 def padded_groups(groups: int) -> int:
@@ -467,19 +403,15 @@ def plan(hidden: int, attended: int, intermediate: int, programs: int) -> dict |
                 shared_bytes=shared_bytes)
 
 
-def tile_descriptor(weight: torch.Tensor) -> TensorDescriptor:
-    """The TMA descriptor of a weight [N, K] in tiles of TILE_ROWS x TILE_COLUMNS, unswizzled."""
+def weight_descriptors(out_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor):
+    """The TMA descriptors of a layer's three weights (tiles of TILE_ROWS x TILE_COLUMNS, unswizzled): build
+    them once per layer and pass them to every call."""
     # the weight as [1, N, K] and its tiles as [1, TILE_ROWS, TILE_COLUMNS], so a tile lands as one entry of the
     # kernel's [tiles, TILE_ROWS, TILE_COLUMNS] buffers, which its warps read in rank 3
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
-    return TensorDescriptor(weight, [1, *weight.shape], [weight.numel(), weight.shape[1], 1],
-                            [1, TILE_ROWS.value, TILE_COLUMNS.value], layout)
-
-
-def weight_descriptors(out_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor):
-    """The TMA descriptors of a layer's three weights (`tile_descriptor`): build them once per layer and pass
-    them to every call."""
-    return tuple(tile_descriptor(weight) for weight in (out_weight, gate_up_weight, down_weight))
+    return tuple(TensorDescriptor(weight, [1, *weight.shape], [weight.numel(), weight.shape[1], 1],
+                                  [1, TILE_ROWS.value, TILE_COLUMNS.value], layout)
+                 for weight in (out_weight, gate_up_weight, down_weight))
 
 
 def new_counters(device, layers: int = 1) -> torch.Tensor:
@@ -508,7 +440,6 @@ def staged_out_projection_mlp(
     stream_only: bool = False,
     warps: int = WARPS.value,
     paced: bool = PACED,
-    unrolled: bool = UNROLLED,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
@@ -518,7 +449,7 @@ def staged_out_projection_mlp(
     Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
     program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
     the computing (wrong results: the design's bounds); warps: the computing warps; paced=False: every weight
-    requested at once (`load_weights`)."""
+    requested at once (`_load_weights`)."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -565,7 +496,7 @@ def staged_out_projection_mlp(
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
         USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, WARPS=warps, PACED=paced, UNROLLED=unrolled, num_warps=warps,
+        STREAM_ONLY=stream_only, WARPS=warps, PACED=paced, num_warps=warps,
         **launch_options(pdl),
     )
     return hidden
