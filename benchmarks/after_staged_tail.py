@@ -4,8 +4,11 @@ The thirteenth session's profiles had the LM head kernel at 126.3 us after the t
 (out_projection_mlp) and 145.1 us after staged_out_projection_mlp, the same tuned config, and the DeltaNet
 in-projection + step and the attention in-projection 2.4 and 1.4 us longer. Here, at Qwen3.5-0.8B's shapes
 (bf16, random weights), CUDA graphs of each tail alone, each follower alone, and each tail followed by each
-follower, the follower launched with and without PDL (the tails always with). A follower's share after a tail
-is the pair's time less the tail's alone. Followers: the LM head (final norm + argmax, `lm_head_argmax`), the
+follower, the follower launched with and without PDL (the tails always with), each case ending with a plain
+PyTorch kernel (no PDL), so that no case's next tail starts while its follower runs (a staged tail let launch
+early holds its SM's shared memory while it waits: the first version of this script, without the separator,
+had the LM head 21 us slower after a staged tail, most of which was the next staged tail). A follower's share
+after a tail is the pair's time less the tail's alone. Followers: the LM head (final norm + argmax, `lm_head_argmax`), the
 DeltaNet in-projection + step (`gated_delta_rule_decode_projected`), the attention in-projection (`linear`
 with its input norm).
 
@@ -70,13 +73,15 @@ def main() -> None:
         "attention in-projection": lambda pdl: linear(hidden, qkv_weight, norm_weight=norm, eps=1e-6, out=qkv,
                                                       pdl=pdl),
     }
-    cases = {f"{name} alone": function for name, function in tails.items()}
+    separator = torch.zeros(1, device="cuda")
+    cases = {f"{name} alone": lambda before=before: (before(), separator.add_(1))
+             for name, before in tails.items()}
     for follower, run in followers.items():
-        cases[f"{follower} alone"] = lambda run=run: run(True)
+        cases[f"{follower} alone"] = lambda run=run: (run(True), separator.add_(1))
         for tail, before in tails.items():
             for pdl in (True, False):
                 cases[f"{tail}, {follower}" + ("" if pdl else " without PDL")] = \
-                    lambda before=before, run=run, pdl=pdl: (before(), run(pdl))
+                    lambda before=before, run=run, pdl=pdl: (before(), run(pdl), separator.add_(1))
     for function in cases.values():  # compile and tune first
         function()
     torch.cuda.synchronize()
