@@ -91,6 +91,7 @@ PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
 # launches, 17 us longer than launched without PDL (benchmarks/after_staged_tail.py; docs/perf-notes.md,
 # fourteenth session); the kernels after the other tails run as fast as after three launches or faster.
 STAGED_BEFORE_LM_HEAD = False
+LM_HEAD_PDL = True  # the decode step's LM head launched with PDL (where the step's kernels are)
 
 
 def bucket(batch: int) -> int:
@@ -513,7 +514,7 @@ class TritonModel:
                                      out, w.out, x, mlp, buffers.scratch, pdl=pdl, head_norm=head_norm)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
-        final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl)
+        final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl and LM_HEAD_PDL)
         with self._operator("final norm + lm head" + (" + argmax" if mode in ("greedy", "temperature") else ""),
                             None, self._lm_head_cost(size, logits=mode not in ("greedy", "temperature"))):
             if mode == "greedy":
