@@ -86,12 +86,11 @@ class MLPWeights:
 
 
 PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
-# Whether the last layer's tail, the one before the LM head, is staged too (staged_out_projection_mlp). It is not:
-# the LM head launched with PDL after a staged tail ran 21 us longer than after out_projection_mlp's three
-# launches, 17 us longer than launched without PDL (benchmarks/after_staged_tail.py; docs/perf-notes.md,
-# fourteenth session); the kernels after the other tails run as fast as after three launches or faster.
-STAGED_BEFORE_LM_HEAD = False
-LM_HEAD_PDL = True  # the decode step's LM head launched with PDL (where the step's kernels are)
+# The decode step's LM head is launched without PDL (the step's other kernels with it, where they are): with
+# PDL the step took 22.6 us longer at context 128 after the staged tail, 12.4 after the three-launch one
+# (benchmarks/engine_options.py; docs/perf-notes.md, fourteenth session). Alone after a tail, with PDL, its
+# kernel ran 19-21 us longer after the staged tail (benchmarks/after_staged_tail.py).
+LM_HEAD_PDL = False
 
 
 def bucket(batch: int) -> int:
@@ -138,8 +137,6 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
-        # ... except the last layer's, before the LM head (STAGED_BEFORE_LM_HEAD)
-        self.staged_before_lm_head = STAGED_BEFORE_LM_HEAD
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -308,8 +305,7 @@ class TritonModel:
                                                gate=gate is not None, element_size=x.element_size())
 
             with self._operator(f"{kind} + residual + MLP", i, cost):
-                if self._staged_counters is not None and x.shape[0] == 1 and (
-                        i < len(self.layers) - 1 or self.staged_before_lm_head):
+                if self._staged_counters is not None and x.shape[0] == 1:
                     return staged.staged_out_projection_mlp(
                         attended, out_weight, x, mlp.input_norm, mlp.gate_up, mlp.down, c.rms_norm_eps,
                         self._staged_counters[i], gate=gate, act=scratch["mlp_hidden"], pdl=pdl,
