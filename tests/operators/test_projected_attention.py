@@ -4,17 +4,19 @@ qk_norm_rotary.
 
 On the CPU (interpreter) the chain's GEMV runs its interpreter tile, the kernel the GEMV's in-graph tile (16 x
 256): the sums differ in order, so the comparison has a tolerance there; on the GPU every output is compared bit
-for bit with the chain at the engine's pinned GEMV tile, and a CUDA graph of the launch replays the eager one.
+for bit with the chain at the engine's pinned GEMV tile (launched with it explicitly, whatever the autotuner
+keeps), and a CUDA graph of the launch replays the eager one.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from qwen_triton.operators.attention import projected_decode, qk_norm_rotary, rotary_table
 from qwen_triton.operators.attention.projected_decode import attention_projected_qkv
-from qwen_triton.operators.linear import linear
+from qwen_triton.operators.linear import gemv, linear
 from tests.support import run_without_interpreter
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -44,10 +46,26 @@ def clone_caches(layer):
     return dict(layer, key_cache=layer["key_cache"].clone(), value_cache=layer["value_cache"].clone())
 
 
+def pinned_gemv(hidden, weight, norm_weight, eps):
+    """The GEMV at the engine's pinned tile for K <= 1024 (gemv.PREFERRED_BY_K: 16 x 256, 4 warps, 3 stages),
+    whatever QWEN_TRITON_AUTOTUNE keeps: the tile the projected kernel sums as."""
+    out = torch.empty(1, weight.shape[0], device=hidden.device, dtype=hidden.dtype)
+    gemv._gemv_kernel[(triton.cdiv(weight.shape[0], projected_decode.ROWS), 1, 1)](
+        hidden, weight, out, out, hidden, norm_weight, out, out, 1, weight.shape[0], hidden.shape[1],
+        hidden.stride(0), weight.stride(0), out.stride(0), 0, 0, eps, ACTIVATION=0, HAS_RESIDUAL=False,
+        HAS_GATE=False, HAS_NORM=True, USE_PDL=False, BLOCK_N=projected_decode.ROWS, BLOCK_K=projected_decode.TILE_K,
+        SPLIT_K=1, num_warps=projected_decode.WARPS, num_stages=projected_decode.STAGES)
+    return out
+
+
 def chain(layer, eps=1e-6):
-    """The GEMV (norm prologue), then qk_norm_rotary on the row's q | k | v: (qkv, q), the caches written."""
+    """The GEMV (norm prologue), then qk_norm_rotary on the row's q | k | v: (qkv, q), the caches written. On
+    the GPU the GEMV at its pinned tile (`pinned_gemv`), else as `linear` picks it."""
     shape = layer["shape"]
-    qkv = linear(layer["hidden"], layer["weight"], norm_weight=layer["input_norm"], eps=eps)
+    if layer["hidden"].is_cuda:
+        qkv = pinned_gemv(layer["hidden"], layer["weight"], layer["input_norm"], eps)
+    else:
+        qkv = linear(layer["hidden"], layer["weight"], norm_weight=layer["input_norm"], eps=eps)
     gate_width = shape["num_heads"] * shape["head_dim"] if shape["gated"] else 0
     q = qk_norm_rotary(qkv[:, gate_width:], layer["q_norm_weight"], layer["k_norm_weight"], layer["cos_sin"],
                        layer["positions"], layer["slots"], layer["key_cache"], layer["value_cache"],
