@@ -36,16 +36,7 @@ import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
 from ..operators.common import hopper_or_later, interpreting, pdl_available, sm_count
-from ..operators.attention import (
-    attention_decode,
-    attention_prefill,
-    attention_projected_qkv,
-    attention_projected_qkv_cost,
-    decode_splits,
-    qk_norm_rotary,
-    rotary_table,
-)
-from ..operators.attention.projected_decode import ROWS as PROJECTED_ATTENTION_ROWS
+from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
@@ -126,7 +117,6 @@ class TritonModel:
         output_norm_in_projection: bool = True,
         projected_delta_decode: bool = True,
         staged_out_projection_mlp: bool = True,
-        projected_attention_decode: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -147,9 +137,6 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
-        # a one-sequence decode step's attention in-projection, q/k norms, RoPE and KV write in one kernel
-        # (attention/projected_decode.py)
-        self.projected_attention_decode = projected_attention_decode
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -247,25 +234,9 @@ class TritonModel:
     def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, positions, slots, attend, scratch=None,
                    pdl=False):
         c = self.config
-        gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
-        if (self.projected_attention_decode and scratch is not None and x.shape[0] == 1
-                and c.head_dim % PROJECTED_ATTENTION_ROWS == 0):
-            def cost():
-                return attention_projected_qkv_cost(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                                    c.head_dim, c.attn_output_gate, x.element_size())
-
-            with self._operator("attention in-projection + q/k norm + rotary + KV write", i, cost):
-                qkv = scratch["attention_qkv"]
-                q = attention_projected_qkv(
-                    x, w.input_norm, c.rms_norm_eps, w.qkv, w.q_norm, w.k_norm, self.rotary, positions, slots,
-                    self.state.key[i], self.state.value[i], qkv, scratch["attention_q"],
-                    num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                    gated=c.attn_output_gate, pdl=pdl)
-            attended = attend(i, q, self.state.key[i], self.state.value[i])
-            return self._layer_tail(i, "attention gate + out-projection", attended.view(1, -1), w.out, x, mlp,
-                                    scratch, gate=qkv[:, :gate_width] if c.attn_output_gate else None, pdl=pdl)
         qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
                            out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
+        gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
         rows, heads = x.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads
         with self._operator("q/k norm + rotary + KV write", i,
                             lambda: (2 * rows * heads * c.head_dim * x.element_size(), 10 * rows * heads * c.head_dim)):

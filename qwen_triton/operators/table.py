@@ -25,9 +25,6 @@ PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a 
 # a one-sequence decode step's DeltaNet in-projection, conv, gating and delta rule (engine option
 # projected_delta_decode); several sequences run the GEMV, then the fused step
 PROJECTED_STEP_DECODE = "gated_delta_rule.projected_decode:_projected_step_kernel"
-# a one-sequence decode step's attention in-projection with the q/k norms, RoPE and KV write (engine option
-# projected_attention_decode); several sequences run the GEMV, then qk_norm_rotary
-PROJECTED_QKV_DECODE = "attention.projected_decode:_projected_qkv_kernel"
 FUSED_STEP_DECODE = "gated_delta_rule.fused_decode:_fused_step_kernel"
 # a decode step's out-projection + residual, MLP norm, gate/up + SwiGLU and down + residual: for one sequence on
 # Hopper one launch with every weight staged in shared memory (engine option staged_out_projection_mlp), else
@@ -39,14 +36,12 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
              ("embedding.embedding:_embedding_kernel",)),
     Operator("2", "fused input projections (attention gate|q|k|v; DeltaNet qkv|z|b|a)",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, PROJECTED_STEP_DECODE, PROJECTED_QKV_DECODE),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, PROJECTED_STEP_DECODE),
              "weights concatenated at load; input RMSNorm: the GEMV's prologue (decode), a row pass (prefill); "
-             "a one-sequence decode step's DeltaNet and attention projections are the tiles of the projected "
-             "kernels"),
+             "a one-sequence decode step's DeltaNet projection is the tiles of the projected step kernel"),
     Operator("3-4", "per-head q/k RMSNorm + partial RoPE, k and v written to the KV cache",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
-             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", PROJECTED_QKV_DECODE),
-             "one sequence's decode: the last of a head's in-projection tiles to finish norms and rotates it"),
+             ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",)),
     Operator("5-7, 20-21", "attention: scores, scale, causal mask, softmax, PV",
              ("attention.prefill:_prefill_kernel",),
              ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),

@@ -75,29 +75,6 @@ def test_decode_with_the_projected_deltanet_step_matches_transformers(tmp_path, 
     assert relative_error(scores[True], scores[False]) <= 1e-5
 
 
-def test_decode_with_the_projected_attention_in_projection_matches_transformers(tmp_path, monkeypatch):
-    # a head dim of 32: a one-sequence decode step runs each attention layer's in-projection, q/k norms, rotary
-    # and KV write as one kernel (attention/projected_decode.py); the option off runs the GEMV and qk_norm_rotary
-    rope = dict(small_config()["rope_parameters"], mrope_section=[2, 1, 1])  # 4 rotary frequencies of 32 dims
-    config = small_config(head_dim=32, rope_parameters=rope)
-    directory = write_checkpoint(tmp_path, config, layout="causal", seed=13)
-    calls = []
-    original = triton_model.attention_projected_qkv
-    monkeypatch.setattr(triton_model, "attention_projected_qkv",
-                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
-    token_ids = torch.randint(0, config["vocab_size"], (7,), generator=torch.Generator().manual_seed(10)).tolist()
-    expected = transformers_score(_oracle(directory), token_ids, 2)
-    scores = {}
-    for projected in (True, False):
-        calls.clear()
-        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=16,
-                  projected_attention_decode=projected)
-        scores[projected] = llm.score(token_ids, prefill=2)
-        assert len(calls) == (5 * 1 if projected else 0)  # 5 decode steps x 1 attention layer
-        assert relative_error(scores[projected], expected) <= TOLERANCE
-    assert relative_error(scores[True], scores[False]) <= 1e-5
-
-
 def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence(checkpoints):
     # reset leaves the KV cache as it is (state.py): NaN in every cache position and in the conv and
     # recurrent states before a sequence must change no logit of a prefill or of the decode steps after it

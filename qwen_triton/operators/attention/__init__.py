@@ -1,7 +1,6 @@
 """Gated full attention (6 of the 24 layers): the kernels between the fused input projection and o_proj.
 
     qk_norm_rotary     per-head RMSNorm + RoPE of q and k, k and v written into the KV cache
-    attention_projected_qkv  one sequence's decode: the in-projection with qk_norm_rotary's work, one kernel
     attention_prefill  causal GQA of one sequence's prompt (flash attention)
     attention_decode   one token per sequence, split over the keys (flash-decoding) and merged
 
@@ -15,7 +14,6 @@ import torch
 from ..common import built_on_first_call
 from .decode import attention_decode, attention_decode_cost, decode_splits
 from .prefill import attention_prefill, attention_prefill_cost
-from .projected_decode import attention_projected_qkv, attention_projected_qkv_cost
 from .qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_cost, rotary_table
 
 # Qwen3.5-0.8B's full-attention shapes
@@ -83,5 +81,4 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
 __all__ = [
     "qk_norm_rotary", "rotary_table", "attention_prefill", "attention_decode", "decode_splits",
     "benchmark_cases", "qk_norm_rotary_cost", "attention_prefill_cost", "attention_decode_cost",
-    "attention_projected_qkv", "attention_projected_qkv_cost",
 ]

@@ -63,14 +63,13 @@ def rotary_table(max_length: int, rotary_dim: int, theta: float, device=None) ->
 @triton.jit
 def _norm_rotate_head(
     source, weight, table_row, eps,
-    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One head: zero-centred RMSNorm over D then rotate-half RoPE of the first ROTARY_DIM lanes (fp32).
-    CACHE: the source loads' cache modifier (".cg": rows other programs of the same launch wrote)."""
+    """One head: zero-centred RMSNorm over D then rotate-half RoPE of the first ROTARY_DIM lanes (fp32)."""
     HALF: tl.constexpr = ROTARY_DIM // 2
     lanes = tl.arange(0, BLOCK_D)
     in_head = lanes < HEAD_DIM
-    x = tl.load(source + lanes, mask=in_head, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    x = tl.load(source + lanes, mask=in_head, other=0.0).to(tl.float32)
     inverse_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
     w = tl.load(weight + lanes, mask=in_head, other=0.0).to(tl.float32)
     normed = x * inverse_rms * (1.0 + w)
@@ -78,7 +77,7 @@ def _norm_rotate_head(
     rotated = lanes < ROTARY_DIM
     first_half = lanes < HALF
     partner = tl.where(first_half, lanes + HALF, lanes - HALF)
-    x_partner = tl.load(source + partner, mask=rotated, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    x_partner = tl.load(source + partner, mask=rotated, other=0.0).to(tl.float32)
     w_partner = tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)
     normed_partner = x_partner * inverse_rms * (1.0 + w_partner)
     frequency = tl.where(first_half, lanes, lanes - HALF)
@@ -88,15 +87,15 @@ def _norm_rotate_head(
 
 
 @triton.jit
-def norm_rotate_row(
+def _norm_rotate_row(
     qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out, eps, row, head,
     stride_qkv_row, stride_table_row, stride_cache_batch, stride_cache_head, stride_cache_position,
     stride_out_row, stride_out_head,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GATED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Head `head` of row `row`: q normed and rotated into q_out, or k normed and rotated into the key cache, or
-    v copied into the value cache. CACHE: the qkv loads' cache modifier (_norm_rotate_head)."""
+    v copied into the value cache."""
     position = tl.load(positions + row)
     slot = tl.load(slots + row).to(tl.int64)
     row_start = qkv + row.to(tl.int64) * stride_qkv_row
@@ -108,7 +107,7 @@ def norm_rotate_row(
     V_START: tl.constexpr = K_START + NUM_KV_HEADS * HEAD_DIM
     if head < NUM_HEADS:
         y = _norm_rotate_head(row_start + head * Q_STRIDE, q_weight, table_row, eps,
-                              HEAD_DIM, ROTARY_DIM, BLOCK_D, CACHE)
+                              HEAD_DIM, ROTARY_DIM, BLOCK_D)
         destination = q_out + row.to(tl.int64) * stride_out_row + head * stride_out_head
         tl.store(destination + lanes, y.to(q_out.dtype.element_ty), mask=in_head)
     else:
@@ -116,11 +115,10 @@ def norm_rotate_row(
         cache_offset = slot * stride_cache_batch + kv_head * stride_cache_head + position * stride_cache_position
         if head < NUM_HEADS + NUM_KV_HEADS:
             y = _norm_rotate_head(row_start + K_START + kv_head * HEAD_DIM, k_weight, table_row, eps,
-                                  HEAD_DIM, ROTARY_DIM, BLOCK_D, CACHE)
+                                  HEAD_DIM, ROTARY_DIM, BLOCK_D)
             tl.store(key_cache + cache_offset + lanes, y.to(key_cache.dtype.element_ty), mask=in_head)
         else:
-            v = tl.load(row_start + V_START + kv_head * HEAD_DIM + lanes, mask=in_head, other=0.0,
-                        cache_modifier=CACHE)
+            v = tl.load(row_start + V_START + kv_head * HEAD_DIM + lanes, mask=in_head, other=0.0)
             tl.store(value_cache + cache_offset + lanes, v.to(value_cache.dtype.element_ty), mask=in_head)
 
 
@@ -162,10 +160,10 @@ def _qk_norm_rotary_kernel(
     for step in tl.static_range(ROWS):
         row = tl.program_id(0) * ROWS + step
         if row < rows:
-            norm_rotate_row(qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out, eps,
+            _norm_rotate_row(qkv, q_weight, k_weight, table, positions, slots, key_cache, value_cache, q_out, eps,
                              row, tl.program_id(1), stride_qkv_row, stride_table_row, stride_cache_batch,
                              stride_cache_head, stride_cache_position, stride_out_row, stride_out_head,
-                             HEAD_DIM, ROTARY_DIM, NUM_HEADS, NUM_KV_HEADS, GATED, BLOCK_D, "")
+                             HEAD_DIM, ROTARY_DIM, NUM_HEADS, NUM_KV_HEADS, GATED, BLOCK_D)
 
 
 def qk_norm_rotary(
