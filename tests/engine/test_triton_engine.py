@@ -202,12 +202,19 @@ def test_gpu_prefill_graph_replay_is_bit_identical_to_eager_prefill():
 
 
 @pytest.mark.gpu
-def test_gpu_programmatic_dependent_launch_changes_no_bit():
-    # PDL only lets kernels start early; every read of an earlier kernel's output follows its wait
+def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
+    # PDL only lets kernels start early; every read of an earlier kernel's output follows its wait. The decode
+    # step's LM head is launched without it all the same (triton_model.LM_HEAD_PDL: measured faster)
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    lm_head_pdl = []
+    for name in ("lm_head_logits", "lm_head_argmax"):
+        original = getattr(triton_model, name)
+        monkeypatch.setattr(triton_model, name, lambda *args, original=original, **kwargs:
+                            lm_head_pdl.append(kwargs.get("pdl")) or original(*args, **kwargs))
     token_ids = torch.randint(0, 248_000, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     with_pdl = _real_model("triton", torch.bfloat16, pdl=True).score(token_ids, prefill=8)
+    assert False in lm_head_pdl and True not in lm_head_pdl  # the decode step's (the prefill's passes none)
     torch.cuda.empty_cache()
     without = _real_model("triton", torch.bfloat16, pdl=False).score(token_ids, prefill=8)
     assert torch.isfinite(with_pdl).all()
