@@ -3,14 +3,16 @@
 The thirteenth session's profiles had the LM head kernel at 126.3 us after the three-launch tail
 (out_projection_mlp) and 145.1 us after staged_out_projection_mlp, the same tuned config, and the DeltaNet
 in-projection + step and the attention in-projection 2.4 and 1.4 us longer. (Measured here, fourteenth session:
-the LM head launched with PDL 19-21 us longer after the staged tail, the other two not slower; the engine
-launches the LM head without PDL since, docs/perf-notes.md.) Here, at Qwen3.5-0.8B's shapes
-(bf16, random weights), CUDA graphs of each tail alone, each follower alone, and each tail followed by each
-follower, the follower launched with and without PDL (the tails always with), each case ending with a plain
-PyTorch kernel (no PDL), so that no case's next tail launches while its follower runs (without it the shares
-came out within 1.6 us of these). A follower's share after a tail is the pair's time less the tail's alone. Followers: the LM head (final norm + argmax, `lm_head_argmax`), the
-DeltaNet in-projection + step (`gated_delta_rule_decode_projected`), the attention in-projection (`linear`
-with its input norm).
+the LM head launched with PDL 19-21 us longer after the staged tail, the other two not slower; the engine has
+launched the LM head without PDL since then, docs/perf-notes.md.)
+
+At Qwen3.5-0.8B's shapes (bf16, random weights), CUDA graphs of each tail alone, each follower alone, and each
+tail followed by each follower, the follower launched with and without PDL (the tails always with), each case
+ending with a plain PyTorch kernel (no PDL), so that no case's next tail launches while its follower runs
+(without it the shares came out within 1.6 us of these). A follower's share after a tail is the pair's time
+less the tail's alone. Followers: the LM head (final norm + argmax, `lm_head_argmax`), the DeltaNet
+in-projection + step (`gated_delta_rule_decode_projected`), the attention in-projection (`linear` with its
+input norm).
 
     python3 benchmarks/after_staged_tail.py [--calls 10] [--out after-tail.json]
 """
