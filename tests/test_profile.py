@@ -22,8 +22,8 @@ def test_profile_names_every_operator_of_each_layer(report):
     assert counts == {
         "embedding": 1,
         "attention in-projection": attention,
-        # after the in-projection, one launch (attention_decode_step)
-        "q/k norm + rotary + KV write + attention (split-KV decode, merged)": attention,
+        "q/k norm + rotary + KV write": attention,
+        "attention (split-KV decode + merge)": attention,
         "attention gate + out-projection + residual + MLP": attention,
         # one sequence: in-projection and step in one kernel; its gated norm in the out-projection's prologue
         "deltanet in-projection + step (conv, gating, delta rule)": delta,

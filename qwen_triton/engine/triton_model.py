@@ -36,14 +36,7 @@ import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
 from ..operators.common import hopper_or_later, interpreting, pdl_available, sm_count
-from ..operators.attention import (
-    attention_decode,
-    attention_decode_step,
-    attention_prefill,
-    decode_splits,
-    qk_norm_rotary,
-    rotary_table,
-)
+from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
@@ -124,7 +117,6 @@ class TritonModel:
         output_norm_in_projection: bool = True,
         projected_delta_decode: bool = True,
         staged_out_projection_mlp: bool = True,
-        fused_attention_decode: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -145,9 +137,6 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
-        # with it, a decode step's attention layer after its in-projection in one launch: q/k norms, rotary, KV
-        # write, split attention and merge (attention/decode_step.py)
-        self.fused_attention_decode = fused_attention_decode
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -242,29 +231,25 @@ class TritonModel:
             return linear(x, weight, out=out, split_k=self.split_k, pdl=pdl, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
-    def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, attend, scratch=None, pdl=False):
-        """An attention layer: the input projection, attend(i, w, qkv) (the q/k norms, rotary, KV write and the
-        attention of the [q | k | v] part of its rows), the layer tail."""
+    def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, positions, slots, attend, scratch=None,
+                   pdl=False):
         c = self.config
         qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
                            out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
-        attended = attend(i, w, qkv[:, gate_width:])
+        rows, heads = x.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads
+        with self._operator("q/k norm + rotary + KV write", i,
+                            lambda: (2 * rows * heads * c.head_dim * x.element_size(), 10 * rows * heads * c.head_dim)):
+            q = qk_norm_rotary(
+                qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, positions, slots,
+                self.state.key[i], self.state.value[i],
+                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
+            )
+        attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
         return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
                                 x, mlp, scratch, gate=gate, pdl=pdl)
-
-    def _norm_rotary(self, i, w: AttentionWeights, qkv, positions, slots, out=None, pdl=False):
-        """q and k of the rows [q | k | v] normed and rotated, k and v written into the cache: q [rows, Hq, D]."""
-        c = self.config
-        elements = qkv.shape[0] * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        with self._operator("q/k norm + rotary + KV write", i,
-                            lambda: (2 * elements * qkv.element_size(), 10 * elements)):
-            return qk_norm_rotary(
-                qkv, w.q_norm, w.k_norm, self.rotary, positions, slots, self.state.key[i], self.state.value[i],
-                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                gated=False, eps=c.rms_norm_eps, out=out, pdl=pdl,
-            )
 
     def _split_projection(self, projection):
         c = self.config
@@ -388,9 +373,7 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
             x = embedding(token_ids, self.embed)
 
-        def attend(i, w, qkv):
-            q = self._norm_rotary(i, w, qkv, positions, slots)
-
+        def attend(i, q, key_cache, value_cache):
             def cost():
                 keys = start + tokens
                 visible = tokens * start + tokens * (tokens + 1) // 2
@@ -399,11 +382,11 @@ class TritonModel:
                 return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
             with self._operator("attention (flash prefill)", i, cost):
-                return attention_prefill(q, self.state.key[i], self.state.value[i], slot=slot, start=start)
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, mlp, x, attend)
+                x = self._attention(i, w, mlp, x, positions, slots, attend)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                           eps=c.rms_norm_eps)
@@ -477,33 +460,19 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * size * c.hidden_size * element, 0)):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
-        def attention_cost():  # the KV cache at the traced context, q and the output
-            keys = self.trace_context + 1
-            moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
-            return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
+        def attend(i, q, key_cache, value_cache):
+            def cost():  # the KV cache at the traced context, q and the output
+                keys = self.trace_context + 1
+                moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
+                return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
 
-        def attend(i, w, qkv):
-            if self.fused_attention_decode:
-                def cost():  # with q, k and v read and the new key and value written
-                    moved, flops = attention_cost()
-                    heads = c.num_attention_heads + 2 * c.num_key_value_heads
-                    return moved + 2 * size * heads * c.head_dim * element, flops + 10 * size * heads * c.head_dim
-
-                with self._operator("q/k norm + rotary + KV write + attention (split-KV decode, merged)", i, cost):
-                    return attention_decode_step(
-                        qkv, w.q_norm, w.k_norm, self.rotary, buffers.positions, buffers.lengths, self.state.key[i],
-                        self.state.value[i], num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                        head_dim=c.head_dim, gated=False, eps=c.rms_norm_eps, out=buffers.attention_out,
-                        num_splits=self.decode_splits, pdl=pdl)
-            q = self._norm_rotary(i, w, qkv, buffers.positions, buffers.slots, out=buffers.scratch["attention_q"],
-                                  pdl=pdl)
-            with self._operator("attention (split-KV decode + merge)", i, attention_cost):
-                return attention_decode(q, self.state.key[i], self.state.value[i], buffers.lengths,
-                                        out=buffers.attention_out, num_splits=self.decode_splits, pdl=pdl)
+            with self._operator("attention (split-KV decode + merge)", i, cost):
+                return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
+                                        num_splits=self.decode_splits, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, mlp, x, attend, buffers.scratch, pdl=pdl)
+                x = self._attention(i, w, mlp, x, buffers.positions, buffers.slots, attend, buffers.scratch, pdl=pdl)
             elif self._projected_step(size, buffers.scratch):
                 x = self._projected_delta_layer(i, w, mlp, x, buffers.scratch)
             else:

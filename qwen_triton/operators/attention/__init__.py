@@ -3,7 +3,6 @@
     qk_norm_rotary     per-head RMSNorm + RoPE of q and k, k and v written into the KV cache
     attention_prefill  causal GQA of one sequence's prompt (flash attention)
     attention_decode   one token per sequence, split over the keys (flash-decoding) and merged
-    attention_decode_step  a decode step's qk_norm_rotary and attention_decode in one launch
 
 The output gate (sigmoid) and o_proj belong to the GEMM that follows.
 """
@@ -14,7 +13,6 @@ import torch
 
 from ..common import built_on_first_call
 from .decode import attention_decode, attention_decode_cost, decode_splits
-from .decode_step import attention_decode_step
 from .prefill import attention_prefill, attention_prefill_cost
 from .qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_cost, rotary_table
 
@@ -81,6 +79,6 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
 
 
 __all__ = [
-    "qk_norm_rotary", "rotary_table", "attention_prefill", "attention_decode", "attention_decode_step", "decode_splits",
+    "qk_norm_rotary", "rotary_table", "attention_prefill", "attention_decode", "decode_splits",
     "benchmark_cases", "qk_norm_rotary_cost", "attention_prefill_cost", "attention_decode_cost",
 ]

@@ -81,77 +81,6 @@ def _prune_merge(configs, named_args, **kwargs):
     return keep_preferred(configs, MERGE_PICK)
 
 
-@triton.jit
-def split_attention(q_tile, key_base, value_base, begin, end, stride_k_position, stride_v_position, lanes, in_head,
-                    scale_log2, IEEE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax of the query rows q_tile [BLOCK_H, BLOCK_D] over keys [begin, end) of one KV head: the
-    running max (log2 domain) and sum of each row and its unnormalised float32 accumulator."""
-    keys_in_tile = tl.arange(0, BLOCK_N)
-    m_i = tl.full([q_tile.shape[0]], -1.0e30, tl.float32)
-    l_i = tl.zeros([q_tile.shape[0]], tl.float32)
-    acc = tl.zeros(q_tile.shape, tl.float32)
-    for tile_start in range(begin, end, BLOCK_N):
-        n = tile_start + keys_in_tile
-        valid = n < end
-        loaded = valid[:, None] & in_head[None, :]
-        k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=loaded, other=0.0)
-        v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=loaded, other=0.0)
-        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, valid[None, :],
-                                            MASKED=True, IEEE=IEEE)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def store_partials(partial_acc, partial_max, partial_sum, m_i, l_i, acc, batch, head, split, active, head_valid,
-                   lanes, in_head, stride_partial_batch, stride_partial_head, stride_partial_split,
-                   stride_stat_batch, stride_stat_head):
-    """A split's running max, sum and accumulator of the heads `head` (rows of the tile; head_valid marks the
-    real ones) into the workspace; nothing for a split past the length (not active)."""
-    stat = batch.to(tl.int64) * stride_stat_batch + head * stride_stat_head + split
-    tl.store(partial_max + stat, m_i, mask=head_valid & active)
-    tl.store(partial_sum + stat, l_i, mask=head_valid & active)
-    partial = batch.to(tl.int64) * stride_partial_batch + head[:, None] * stride_partial_head \
-        + split * stride_partial_split + lanes[None, :]
-    tl.store(partial_acc + partial, acc, mask=head_valid[:, None] & in_head[None, :] & active)
-
-
-@triton.jit
-def fold_splits(partial_acc, partial_max, partial_sum, stats, partials, first, count, step, lanes, in_head,
-                stride_partial_split, BLOCK_S: tl.constexpr):
-    """The partials of splits first, first + step, ... (count of them) of one head folded over `lanes`, in a fixed
-    order: (M, L, A) with M = max m_s, L = sum_s exp2(m_s - M) l_s, A = sum_s exp2(m_s - M) a_s (the head's
-    output is A / L; count 0 gives L = 0, A = 0). Read from L2 (.cg): another program of the same launch may
-    have written them."""
-    splits_in_tile = tl.arange(0, BLOCK_S)
-    running_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for tile_start in range(0, count, BLOCK_S):
-        j = tile_start + splits_in_tile
-        s = first + j * step
-        m = tl.load(partial_max + stats + s, mask=j < count, other=float("-inf"), cache_modifier=".cg")
-        running_max = tl.maximum(running_max, m)
-    overall_max = tl.max(running_max, axis=0)
-
-    acc = tl.zeros([BLOCK_S, lanes.shape[0]], tl.float32)
-    total = tl.zeros([BLOCK_S], tl.float32)
-    for tile_start in range(0, count, BLOCK_S):
-        j = tile_start + splits_in_tile
-        s = first + j * step
-        used = j < count
-        m = tl.load(partial_max + stats + s, mask=used, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp2(m - overall_max)
-        total += weight * tl.load(partial_sum + stats + s, mask=used, other=0.0, cache_modifier=".cg")
-        tile = tl.load(partial_acc + partials + s[:, None] * stride_partial_split + lanes[None, :],
-                       mask=used[:, None] & in_head[None, :], other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tile
-    return overall_max, tl.sum(total, axis=0), tl.sum(acc, axis=0)
-
-
-@triton.jit
-def normalized(total, acc):
-    """A / L of a fold, zeros where no key was attended (L = 0), not NaN."""
-    return acc / tl.where(total > 0.0, total, 1.0)
-
-
 @triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"],
                  prune_configs_by={"early_config_prune": _prune_split}, cache_results=True)
 @triton.jit
@@ -188,12 +117,27 @@ def _decode_split_kernel(
     )
     key_base = key + batch.to(tl.int64) * stride_k_batch + kv_head.to(tl.int64) * stride_k_head
     value_base = value + batch.to(tl.int64) * stride_v_batch + kv_head.to(tl.int64) * stride_v_head
-    m_i, l_i, acc = split_attention(q_tile, key_base, value_base, begin, end, stride_k_position, stride_v_position,
-                                    lanes, in_head, scale_log2, IEEE, BLOCK_N)
+    keys_in_tile = tl.arange(0, BLOCK_N)
 
-    store_partials(partial_acc, partial_max, partial_sum, m_i, l_i, acc, batch, head, split, begin < length,
-                   head_valid, lanes, in_head, stride_partial_batch, stride_partial_head, stride_partial_split,
-                   stride_stat_batch, stride_stat_head)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for tile_start in range(begin, end, BLOCK_N):
+        n = tile_start + keys_in_tile
+        valid = n < end
+        loaded = valid[:, None] & in_head[None, :]
+        k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=loaded, other=0.0)
+        v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=loaded, other=0.0)
+        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, valid[None, :],
+                                            MASKED=True, IEEE=IEEE)
+
+    active = begin < length
+    stat = batch.to(tl.int64) * stride_stat_batch + head * stride_stat_head + split
+    tl.store(partial_max + stat, m_i, mask=head_valid & active)
+    tl.store(partial_sum + stat, l_i, mask=head_valid & active)
+    partial = batch.to(tl.int64) * stride_partial_batch + head[:, None] * stride_partial_head \
+        + split * stride_partial_split + lanes[None, :]
+    tl.store(partial_acc + partial, acc, mask=head_valid[:, None] & in_head[None, :] & active)
 
 
 def _merge_configs():
@@ -229,9 +173,29 @@ def _decode_merge_kernel(
     active = tl.cdiv(length, split_length)
     stats = batch.to(tl.int64) * stride_stat_batch + head * stride_stat_head
     partials = batch.to(tl.int64) * stride_partial_batch + head * stride_partial_head
-    _, total, acc = fold_splits(partial_acc, partial_max, partial_sum, stats, partials, 0, active, 1, lanes, in_head,
-                                stride_partial_split, BLOCK_S)
-    result = normalized(total, acc)
+    splits_in_tile = tl.arange(0, BLOCK_S)
+
+    running_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for tile_start in range(0, active, BLOCK_S):
+        s = tile_start + splits_in_tile
+        m = tl.load(partial_max + stats + s, mask=s < active, other=float("-inf"))
+        running_max = tl.maximum(running_max, m)
+    overall_max = tl.max(running_max, axis=0)
+
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for tile_start in range(0, active, BLOCK_S):
+        s = tile_start + splits_in_tile
+        used = s < active
+        m = tl.load(partial_max + stats + s, mask=used, other=float("-inf"))
+        weight = tl.exp2(m - overall_max)
+        total += weight * tl.load(partial_sum + stats + s, mask=used, other=0.0)
+        tile = tl.load(partial_acc + partials + s[:, None] * stride_partial_split + lanes[None, :],
+                       mask=used[:, None] & in_head[None, :], other=0.0)
+        acc += weight[:, None] * tile
+    denominator = tl.sum(total, axis=0)
+    denominator = tl.where(denominator > 0.0, denominator, 1.0)  # length 0: zeros, not NaN
+    result = tl.sum(acc, axis=0) / denominator
     tl.store(out + batch.to(tl.int64) * stride_out_batch + head * stride_out_head + lanes,
              result.to(out.dtype.element_ty), mask=in_head)
 

@@ -61,7 +61,7 @@ def rotary_table(max_length: int, rotary_dim: int, theta: float, device=None) ->
 
 
 @triton.jit
-def norm_rotate_head(
+def _norm_rotate_head(
     source, weight, table_row, eps,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -106,7 +106,7 @@ def _norm_rotate_row(
     K_START: tl.constexpr = NUM_HEADS * Q_STRIDE
     V_START: tl.constexpr = K_START + NUM_KV_HEADS * HEAD_DIM
     if head < NUM_HEADS:
-        y = norm_rotate_head(row_start + head * Q_STRIDE, q_weight, table_row, eps,
+        y = _norm_rotate_head(row_start + head * Q_STRIDE, q_weight, table_row, eps,
                               HEAD_DIM, ROTARY_DIM, BLOCK_D)
         destination = q_out + row.to(tl.int64) * stride_out_row + head * stride_out_head
         tl.store(destination + lanes, y.to(q_out.dtype.element_ty), mask=in_head)
@@ -114,7 +114,7 @@ def _norm_rotate_row(
         kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
         cache_offset = slot * stride_cache_batch + kv_head * stride_cache_head + position * stride_cache_position
         if head < NUM_HEADS + NUM_KV_HEADS:
-            y = norm_rotate_head(row_start + K_START + kv_head * HEAD_DIM, k_weight, table_row, eps,
+            y = _norm_rotate_head(row_start + K_START + kv_head * HEAD_DIM, k_weight, table_row, eps,
                                   HEAD_DIM, ROTARY_DIM, BLOCK_D)
             tl.store(key_cache + cache_offset + lanes, y.to(key_cache.dtype.element_ty), mask=in_head)
         else:
@@ -166,32 +166,6 @@ def _qk_norm_rotary_kernel(
                              HEAD_DIM, ROTARY_DIM, NUM_HEADS, NUM_KV_HEADS, GATED, BLOCK_D)
 
 
-def check_norm_rotary_inputs(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache, *, num_heads: int,
-                             num_kv_heads: int, head_dim: int, gated: bool) -> tuple[int, int]:
-    """Raise ValueError for inputs of qk_norm_rotary (or attention_decode_step) of the wrong shape or dtype;
-    return (rows, rotary_dim)."""
-    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
-    check_tensor("qkv", qkv, dtype=ACTIVATION_DTYPES)
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv has shape {list(qkv.shape)}, expected [rows, width]")
-    rows = qkv.shape[0]
-    q_width = num_heads * head_dim * (2 if gated else 1)
-    width = q_width + 2 * num_kv_heads * head_dim
-    check_tensor("qkv", qkv, shape=(rows, width))
-    check_tensor("q_norm_weight", q_norm_weight, shape=(head_dim,), dtype=ACTIVATION_DTYPES)
-    check_tensor("k_norm_weight", k_norm_weight, shape=(head_dim,), dtype=ACTIVATION_DTYPES)
-    check_tensor("cos_sin", cos_sin, shape=(None, None), dtype=torch.float32)
-    rotary_dim = cos_sin.shape[1]
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"cos_sin has {rotary_dim} columns: the rotary dim must be even and at most {head_dim}")
-    check_tensor("key_cache", key_cache, shape=(None, num_kv_heads, None, head_dim), dtype=qkv.dtype)
-    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtype=qkv.dtype)
-    if value_cache.stride() != key_cache.stride():
-        raise ValueError(f"value_cache strides {value_cache.stride()} differ from key_cache's {key_cache.stride()}")
-    return rows, rotary_dim
-
-
 def qk_norm_rotary(
     qkv: torch.Tensor,
     q_norm_weight: torch.Tensor,
@@ -218,12 +192,28 @@ def qk_norm_rotary(
     Positions must lie below both the table's and the cache's max_length (not checked: device data).
     pdl: programmatic dependent launch (Hopper; operators/common.py).
     """
-    rows, rotary_dim = check_norm_rotary_inputs(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
-                                                num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                                gated=gated)
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    check_tensor("qkv", qkv, dtype=ACTIVATION_DTYPES)
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv has shape {list(qkv.shape)}, expected [rows, width]")
+    rows = qkv.shape[0]
+    q_width = num_heads * head_dim * (2 if gated else 1)
+    width = q_width + 2 * num_kv_heads * head_dim
+    check_tensor("qkv", qkv, shape=(rows, width))
+    device = qkv.device
+    check_tensor("q_norm_weight", q_norm_weight, shape=(head_dim,), dtype=ACTIVATION_DTYPES)
+    check_tensor("k_norm_weight", k_norm_weight, shape=(head_dim,), dtype=ACTIVATION_DTYPES)
+    check_tensor("cos_sin", cos_sin, shape=(None, None), dtype=torch.float32)
+    rotary_dim = cos_sin.shape[1]
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"cos_sin has {rotary_dim} columns: the rotary dim must be even and at most {head_dim}")
     check_tensor("positions", positions, shape=(rows,), dtype=torch.int32)
     check_tensor("slots", slots, shape=(rows,), dtype=torch.int32)
-    device = qkv.device
+    check_tensor("key_cache", key_cache, shape=(None, num_kv_heads, None, head_dim), dtype=qkv.dtype)
+    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtype=qkv.dtype)
+    if value_cache.stride() != key_cache.stride():
+        raise ValueError(f"value_cache strides {value_cache.stride()} differ from key_cache's {key_cache.stride()}")
     if out is None:
         out = torch.empty(rows, num_heads, head_dim, device=device, dtype=qkv.dtype)
     check_tensor("out", out, shape=(rows, num_heads, head_dim), dtype=qkv.dtype)
@@ -250,4 +240,4 @@ def qk_norm_rotary_cost(rows: int, num_heads: int, num_kv_heads: int, head_dim: 
     return 2 * elements * element_bytes, 10 * rows * (num_heads + num_kv_heads) * head_dim
 
 
-__all__ = ["qk_norm_rotary", "rotary_table", "qk_norm_rotary_cost", "check_norm_rotary_inputs"]
+__all__ = ["qk_norm_rotary", "rotary_table", "qk_norm_rotary_cost"]
