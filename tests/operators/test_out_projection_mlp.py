@@ -200,12 +200,19 @@ def test_gpu_real_shape(gated):
     assert out_error < 5e-3 and out_error < 1.5 * chain_error + 1e-4
 
 
-@pytest.mark.gpu
-def test_gpu_head_norm_real_shape():
-    # 16 heads of 128, as a Gated DeltaNet layer: the norm in phase 1's prologue against norming first
+def head_norm_block():
+    """A Gated DeltaNet layer's tail at the real shape, its input o [1, 16 x 128] to be normed by (z, weight)
+    first: (block, z, weight)."""
     block = make_block(1, 1024, 2048, 3584, torch.bfloat16, "cuda", gated=False, seed=12)
     z = make((1, 2048), torch.bfloat16, "cuda", 40, scale=2.0)
     weight = make((128,), torch.bfloat16, "cuda", 41, scale=0.3) + 1
+    return block, z, weight
+
+
+@pytest.mark.gpu
+def test_gpu_head_norm_real_shape():
+    # 16 heads of 128, as a Gated DeltaNet layer: the norm in phase 1's prologue against norming first
+    block, z, weight = head_norm_block()
     expected = run(dict(block, x=gated_rms_norm(block["x"].view(1, 16, 128), z, weight, EPS)))
     got = run(block, head_norm=(z, weight))
     error = ((got.double() - expected.double()).norm() / expected.double().norm()).item()

@@ -18,7 +18,7 @@ import torch
 from qwen_triton.operators.gated_delta_rule import gated_rms_norm
 from qwen_triton.operators.linear import staged_out_projection_mlp as staged
 from qwen_triton.operators.linear.staged_out_projection_mlp import staged_out_projection_mlp
-from tests.operators.test_out_projection_mlp import EPS, linear_chain, make, make_block, reference
+from tests.operators.test_out_projection_mlp import EPS, head_norm_block, linear_chain, make_block, reference
 from tests.operators.test_out_projection_mlp import run as run_three_launches
 from tests.support import graph_replays_as_eager, run_without_interpreter
 
@@ -143,9 +143,7 @@ def test_gpu_real_shape(gated):
 
 @pytest.mark.gpu
 def test_gpu_head_norm_real_shape():
-    block = make_block(1, 1024, 2048, 3584, torch.bfloat16, "cuda", gated=False, seed=12)
-    z = make((1, 2048), torch.bfloat16, "cuda", 40, scale=2.0)
-    weight = make((128,), torch.bfloat16, "cuda", 41, scale=0.3) + 1
+    block, z, weight = head_norm_block()
     expected = run_three_launches(dict(block, x=gated_rms_norm(block["x"].view(1, 16, 128), z, weight, EPS)))
     got = run(block, head_norm=(z, weight))
     difference = relative_error(got, expected.double())
