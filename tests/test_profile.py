@@ -7,6 +7,7 @@ from qwen_triton.benchmark.profile import format_profile, run_profile
 from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.config import FULL_ATTENTION, parse_config
 from qwen_triton.engine.trace import KernelTrace
+from qwen_triton.operators.lm_head.screened import screened_lm_head_bytes
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_profile_names_every_operator_of_each_layer(report):
         # one sequence: in-projection and step in one kernel; its gated norm in the out-projection's prologue
         "deltanet in-projection + step (conv, gating, delta rule)": delta,
         "deltanet gated norm + out-projection + residual + MLP": delta,
-        "final norm + lm head + argmax": 1,
+        "final norm + lm head (int8 screen, exact check) + argmax": 1,  # greedy, one sequence
         "feedback: chosen ids -> next inputs": 1,
     }
     prefill_kinds = {row["kind"] for row in report["prefill"]["by_kind"]}
@@ -49,6 +50,8 @@ def test_profile_bytes_add_up_to_the_decode_floor(report):
     config = parse_config(official_config(PRESETS["tiny"]))
     counted = sum(op["bytes"] for op in report["decode"]["operators"])
     floor = decode_bytes(config, 5, weight_bytes=4, activation_bytes=4).total  # float32 on the CPU
+    # the greedy step's LM head reads its int8 copy (screened_lm_head_bytes), not the float32 head
+    floor += screened_lm_head_bytes(config.vocab_size, config.hidden_size) - config.vocab_size * config.hidden_size * 4
     assert abs(counted - floor) / floor < 0.01
 
 

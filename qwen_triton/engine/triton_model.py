@@ -12,6 +12,8 @@ their epilogues, SwiGLU into the gate/up epilogue and the attention output gate 
 in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
 layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode), and on Hopper a
 layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp).
+A one-sequence greedy step's LM head reads an int8 copy of the head (made at load) and computes exactly only the
+rows whose bound leaves them a chance (screened_lm_head; the exact argmax).
 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
@@ -49,6 +51,7 @@ from ..operators.gated_delta_rule import (
 )
 from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
+from ..operators.lm_head.screened import build_screen, lm_head_argmax_screened, screened_lm_head_bytes
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
 from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemv import MAX_ROWS
@@ -117,6 +120,7 @@ class TritonModel:
         output_norm_in_projection: bool = True,
         projected_delta_decode: bool = True,
         staged_out_projection_mlp: bool = True,
+        screened_lm_head: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
     ):
@@ -137,6 +141,9 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
+        # with it, a one-sequence greedy decode step's LM head reads an int8 copy of the head and only the rows it
+        # cannot rule out (lm_head/screened.py: the exact argmax; the copy, 1 byte a weight, is made here)
+        self.screened_lm_head = screened_lm_head
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -144,6 +151,7 @@ class TritonModel:
         self.embed = weights["embed_tokens.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["norm.weight"]
+        self.lm_head_screen = build_screen(self.lm_head) if screened_lm_head else None
         self.layers: list = []
         self.mlps: list[MLPWeights] = []
         for i, layer_type in enumerate(c.layer_types):
@@ -326,8 +334,10 @@ class TritonModel:
                               out=None if scratch is None else scratch["mlp_hidden"], pdl=pdl)
         return self._linear("mlp down-projection + residual", i, hidden, w.down, residual=x, out=x, pdl=pdl)
 
-    def _lm_head_cost(self, rows: int, logits: bool):
+    def _lm_head_cost(self, rows: int, logits: bool, screened: bool = False):
         weight = self.lm_head.numel() * self.lm_head.element_size()
+        if screened:  # the int8 copy and the per-row floats, not the candidates' rows (few, data-dependent)
+            weight = screened_lm_head_bytes(*self.lm_head.shape)
         return lambda: (weight + rows * self.lm_head.shape[0] * 4 * logits, 2 * rows * self.lm_head.numel())
 
     # ---- prefill: one sequence ------------------------------------------------------------------
@@ -511,9 +521,13 @@ class TritonModel:
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl and LM_HEAD_PDL)
-        with self._operator("final norm + lm head" + (" + argmax" if mode in ("greedy", "temperature") else ""),
-                            None, self._lm_head_cost(size, logits=mode not in ("greedy", "temperature"))):
-            if mode == "greedy":
+        screened = mode == "greedy" and size == 1 and self.lm_head_screen is not None
+        kind = "final norm + lm head" + (" (int8 screen, exact check)" if screened else "")
+        with self._operator(kind + (" + argmax" if mode in ("greedy", "temperature") else ""), None,
+                            self._lm_head_cost(size, logits=mode not in ("greedy", "temperature"), screened=screened)):
+            if screened:
+                lm_head_argmax_screened(x, self.lm_head, self.lm_head_screen, out=buffers.next_tokens, **final)
+            elif mode == "greedy":
                 lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
             elif mode == "temperature":  # Gumbel-max inside the LM head: no logits written
                 lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, temperature=buffers.temperature,

@@ -1,0 +1,308 @@
+"""Greedy LM head through an int8 screen: the exact argmax of x @ W^T, reading W's int8 copy and a few rows of W.
+
+The greedy LM head reads all of W (248320 x 1024 bf16, 508.6 MB: a third of a decode step's bytes) to find one
+row. Most rows are far from the maximum, and a cheap approximation with a guaranteed error bound can rule
+them out. So a copy of W rounded to int8 with one scale a row (254.3 MB, made at load by `build_screen`) is read
+instead, and only the rows the bound cannot rule out are read from W and computed exactly.
+
+For the row x_n (x after the final RMSNorm, rounded to x's dtype as the projections' prologue rounds it):
+    x_n = s_x q_x + r_x         q_x = round(x_n / s_x) in [-127, 127], s_x = max|x_n| / 127
+    W_i = s_i q_i + d_i         q_i = round(W_i / s_i), s_i = max|W_i| / 127 (build_screen)
+    c_i = s_i s_x (q_i . q_x)   the screen's logit: an exact integer dot product (|q_i . q_x| < 2^24, so exact
+                                in int32 and in float32), then two float32 multiplications
+and the exact logit the check computes, E_i = fl(W_i . x_n) in float32, obeys
+    |E_i - c_i| <= B_i = (||d_i|| + h_i) ||x_n|| + s_i ||q_i|| ||r_x||  (x 1.001, + 1e-6 |c_i|: the float32
+                                roundings of c_i and of the norms), h_i = 1.2e-4 ||W_i|| bounding the float32
+                                summation of E_i over 1024 terms (K u / (1 - K u) = 6.1e-5 for any order)
+(Cauchy-Schwarz on W_i . x_n - s_i s_x q_i . q_x = d_i . x_n + s_i q_i . r_x.) With tau = max_i (c_i - B_i)
+<= max_i E_i, the row r of the greatest E (lowest index on ties) has c_r + B_r >= E_r >= tau: every row whose
+upper bound c_i + B_i reaches tau is a candidate, r among them, and the argmax of E over the candidates, ties to
+the lowest index, is r. The result is the exact greedy choice, not an approximation; only the number of
+candidates depends on the data (at the 0.8B shape with random weights a handful: the bounds are ~1% of
+||W_i|| ||x_n|| where the logits spread over ~3%; all rows in the worst case, which is then slow, never wrong).
+
+Three kernels (grid (programs, M): one row of x a program, so a row's result does not depend on its batch):
+1. `_screen_kernel`: BLOCK_V rows of q a program against q_x as a tensor-core product (int8, int32 accumulation;
+   q_x in the first column of a [BLOCK_K, 16] tile, N = 16 being the product's least). Every program forms
+   x_n, s_x and q_x of its row itself (the same code on the same data: the same bits), program 0 stores x_n for
+   kernel 2. It stores each row's upper bound c_i + B_i and folds its rows' greatest lower bound into tau
+   (a float atomic max).
+2. `_check_kernel`: BLOCK_R rows a program: those whose upper bound reaches tau are read from W (masked loads:
+   the other rows' bytes are not fetched) and their logits computed against x_n in float32 (a row's logit does
+   not depend on which other rows are candidates); the program stores its (max, lowest index of the max).
+3. argmax.py's `_argmax_reduce_kernel` folds those in a fixed order, keeps tau for `candidate_counts` and resets
+   it to -inf for the next call.
+
+Floor at M = 1 (Qwen3.5-0.8B): 254.3 MB of int8 weights + 3 MB of scales and bounds + 1 MB of upper bounds
+written and read + the candidates' rows (2 KB each): ~62 us at the H200's 4.2 TB/s, against the bf16 head's 120.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import allow_next_kernel, check_same_device, check_tensor, launch_options, wait_for_previous_kernel
+from .argmax import BLOCK_T, FLOAT_DTYPES, INT32_MAX, _argmax_reduce_kernel
+
+# the kernels' tiles (module constants: benchmarks/engine_options.py --settings can change them)
+SCREEN_ROWS = 128  # BLOCK_V of kernel 1: q rows a program
+SCREEN_COLUMNS = 128  # BLOCK_K of kernel 1: the columns of a q tile
+SCREEN_WARPS = 4
+SCREEN_STAGES = 3
+CHECK_ROWS = 128  # BLOCK_R of kernel 2
+CHECK_COLUMNS = 256  # BLOCK_K of kernel 2
+QUANTIZED_MAX = 127.0
+SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24
+MAX_COLUMNS = 4096  # K of kernel 1's one-pass row statistics (a [BLOCK_X] vector of the row)
+
+
+class LmHeadScreen(NamedTuple):
+    """W's int8 copy for `lm_head_argmax_screened`: q [V, K] int8, and per row (float32 [V]) the scale s_i, the
+    bound ||d_i|| + h_i on the rounding's and the check's error, and s_i ||q_i||."""
+
+    quantized: torch.Tensor
+    scales: torch.Tensor
+    residual_bounds: torch.Tensor
+    quantized_norms: torch.Tensor
+
+
+def build_screen(weight: torch.Tensor, rows_per_piece: int = 16384) -> LmHeadScreen:
+    """The screen of weight [V, K] (bf16, fp16 or fp32), on its device, a piece of rows at a time (float64 norms,
+    rounded up to float32)."""
+    check_tensor("weight", weight, shape=(None, None), dtype=FLOAT_DTYPES, contiguous=True)
+    rows, columns = weight.shape
+    if columns > MAX_COLUMNS:
+        raise ValueError(f"weight has {columns} columns, at most {MAX_COLUMNS} supported")
+    quantized = torch.empty(rows, columns, dtype=torch.int8, device=weight.device)
+    scales, residual_bounds, quantized_norms = (torch.empty(rows, dtype=torch.float32, device=weight.device)
+                                                for _ in range(3))
+    for start in range(0, rows, rows_per_piece):
+        piece = weight[start:start + rows_per_piece].double()
+        largest = piece.abs().amax(dim=1)
+        scale = torch.where(largest > 0, largest / QUANTIZED_MAX, torch.ones_like(largest)).float().double()
+        q = torch.round(piece / scale[:, None]).clamp(-QUANTIZED_MAX, QUANTIZED_MAX)
+        residual = (piece - scale[:, None] * q).norm(dim=1) + SUMMATION_BOUND * piece.norm(dim=1)
+        quantized[start:start + rows_per_piece] = q.to(torch.int8)
+        scales[start:start + rows_per_piece] = scale.float()
+        residual_bounds[start:start + rows_per_piece] = _rounded_up(residual)
+        quantized_norms[start:start + rows_per_piece] = _rounded_up(scale * q.norm(dim=1))
+    return LmHeadScreen(quantized, scales, residual_bounds, quantized_norms)
+
+
+def screened_lm_head_bytes(vocabulary: int, hidden: int) -> int:
+    """The bytes a call at M = 1 must move besides the candidates' rows: the int8 copy, three floats a row read,
+    the upper bounds written and read back."""
+    return vocabulary * hidden + 3 * 4 * vocabulary + 2 * 4 * vocabulary
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never below the float64 value."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))),
+                       rounded)
+
+
+@triton.jit
+def _normed_chunk(x_ptr, x_row, norm_ptr, rstd, offs_k, K, HAS_NORM: tl.constexpr):
+    """x_n over columns offs_k, float32 holding values of x's dtype (the prologue's rounding, linear/fusion.py)."""
+    mask = offs_k < K
+    x = tl.load(x_ptr + x_row + offs_k, mask=mask, other=0.0)
+    if HAS_NORM:
+        weight = tl.load(norm_ptr + offs_k, mask=mask, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * rstd * (1.0 + weight)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _screen_kernel(
+    x_ptr, norm_ptr, quantized_ptr, scale_ptr, residual_bound_ptr, quantized_norm_ptr,
+    normed_ptr, upper_ptr, threshold_ptr,
+    V, K, stride_xm, stride_qv, eps,
+    HAS_NORM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    allow_next_kernel(USE_PDL)
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V
+    q_rows = offs_v.to(tl.int64) * stride_qv
+    # the first q tile before the wait: no kernel writes the screen
+    first = tl.arange(0, BLOCK_K)
+    q_tile = tl.load(quantized_ptr + q_rows[:, None] + first[None, :], mask=v_mask[:, None] & (first < K)[None, :],
+                     other=0)
+    wait_for_previous_kernel(USE_PDL)
+
+    # the row's statistics: its RMSNorm, and s_x = max |x_n| / 127
+    x_row = row.to(tl.int64) * stride_xm
+    columns = tl.arange(0, BLOCK_X)
+    if HAS_NORM:
+        x = tl.load(x_ptr + x_row + columns, mask=columns < K, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    else:
+        rstd = 1.0
+    largest = tl.max(tl.abs(_normed_chunk(x_ptr, x_row, norm_ptr, rstd, columns, K, HAS_NORM)), axis=0)
+    scale_x = tl.where(largest > 0.0, largest / 127.0, 1.0)
+
+    # q . q_x chunk by chunk (x_n, q_x and r_x of each chunk formed here: the values the bound is about)
+    lanes = tl.arange(0, 16)
+    dot = tl.zeros([BLOCK_V, 16], dtype=tl.int32)
+    x_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    r_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + first
+        next_k = offs_k + BLOCK_K
+        q_next = tl.load(quantized_ptr + q_rows[:, None] + next_k[None, :],
+                         mask=v_mask[:, None] & (next_k < K)[None, :], other=0)
+        normed = _normed_chunk(x_ptr, x_row, norm_ptr, rstd, offs_k, K, HAS_NORM)
+        if pid == 0:
+            tl.store(normed_ptr + row * K + offs_k, normed, mask=offs_k < K)
+        q_x = tl.minimum(tl.maximum(tl.floor(normed / scale_x + 0.5), -127.0), 127.0)
+        residual = normed - scale_x * q_x
+        x_squares += normed * normed
+        r_squares += residual * residual
+        x_tile = tl.where(lanes[None, :] == 0, q_x[:, None], 0.0).to(tl.int8)  # [BLOCK_K, 16]
+        dot = tl.dot(q_tile, x_tile, acc=dot, out_dtype=tl.int32)
+        q_tile = q_next
+
+    approximate = tl.sum(tl.where(lanes[None, :] == 0, dot, 0), axis=1).to(tl.float32) * scale_x \
+        * tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)
+    x_norm = tl.sqrt(tl.sum(x_squares, axis=0))
+    r_norm = tl.sqrt(tl.sum(r_squares, axis=0))
+    bound = (tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0) * x_norm
+             + tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0) * r_norm) * 1.001 \
+        + tl.abs(approximate) * 1e-6
+    tl.store(upper_ptr + row.to(tl.int64) * V + offs_v, approximate + bound, mask=v_mask)
+    lower = tl.max(tl.where(v_mask, approximate - bound, float("-inf")), axis=0)
+    tl.atomic_max(threshold_ptr + row, lower, sem="relaxed")
+
+
+@triton.jit
+def _check_kernel(
+    w_ptr, normed_ptr, upper_ptr, threshold_ptr, value_ptr, index_ptr, tiles_ptr,
+    V, K, stride_wv, MAX_TILES,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    offs_v = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    threshold = tl.load(threshold_ptr + row)
+    upper = tl.load(upper_ptr + row.to(tl.int64) * V + offs_v, mask=offs_v < V, other=float("-inf"))
+    candidate = (offs_v < V) & (upper >= threshold)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], INT32_MAX, tl.int32)
+    if tl.max(candidate.to(tl.int32), axis=0) > 0:
+        w_rows = offs_v.to(tl.int64) * stride_wv
+        wide = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            normed = tl.load(normed_ptr + row * K + offs_k, mask=offs_k < K, other=0.0)
+            w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=candidate[:, None] & (offs_k < K)[None, :],
+                        other=0.0)
+            wide += w.to(tl.float32) * normed[None, :]
+        logits = tl.where(candidate, tl.sum(wide, axis=1), float("-inf"))
+        best = tl.max(logits, axis=0)
+        best_index = (tl.argmax(logits, axis=0, tie_break_left=True) + pid * BLOCK_R).to(tl.int32)
+    tl.store(value_ptr + row * MAX_TILES + pid, best)
+    tl.store(index_ptr + row * MAX_TILES + pid, best_index)
+    if (pid == 0) & (row == 0):
+        tl.store(tiles_ptr, tl.num_programs(0))
+
+
+_workspaces: dict[tuple, tuple] = {}
+
+
+def _workspace(device, M: int, V: int, K: int):
+    """Per (device, M, V, K): x_n [M, K], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the
+    check's tile count and partials [M, tiles], the number of tiles written, and the last call's tau."""
+    key = (device, M, V, K)
+    if key not in _workspaces:
+        tiles = triton.cdiv(V, CHECK_ROWS)
+        _workspaces[key] = (
+            torch.empty(M, K, dtype=torch.float32, device=device),
+            torch.empty(M, V, dtype=torch.float32, device=device),
+            torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
+            tiles,
+            torch.empty(M * tiles, dtype=torch.float32, device=device),
+            torch.empty(M * tiles, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
+        )
+    return _workspaces[key]
+
+
+def lm_head_argmax_screened(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    screen: LmHeadScreen,
+    out: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """int64 ids [M]: the argmax over the vocabulary of x [M, H] @ weight[V, H].T, lowest id on ties, as
+    lm_head_argmax (greedy), reading screen = build_screen(weight) and only the candidate rows of weight.
+
+    norm_weight [H]: apply the zero-centred RMSNorm to x first (the final norm, fused). Capturable in a CUDA graph
+    after a warm-up call at the same shapes. pdl: programmatic dependent launch of the three kernels (Hopper).
+    """
+    check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
+    M, K = x.shape
+    if K > MAX_COLUMNS:
+        raise ValueError(f"x has {K} columns, at most {MAX_COLUMNS} supported")
+    check_tensor("weight", weight, shape=(None, K), dtype=x.dtype)
+    V = weight.shape[0]
+    if V == 0 or V >= 2**31:
+        raise ValueError(f"weight has {V} rows, expected 1 to 2**31 - 1")
+    check_tensor("screen.quantized", screen.quantized, shape=(V, K), dtype=torch.int8)
+    for name in ("scales", "residual_bounds", "quantized_norms"):
+        check_tensor(f"screen.{name}", getattr(screen, name), shape=(V,), dtype=torch.float32, contiguous=True)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, shape=(K,), dtype=FLOAT_DTYPES)
+    if out is None:
+        out = torch.empty(M, dtype=torch.int64, device=x.device)
+    else:
+        check_tensor("out", out, shape=(M,), dtype=torch.int64)
+    check_same_device(x=x, weight=weight, quantized=screen.quantized, scales=screen.scales, norm_weight=norm_weight,
+                      out=out)
+    if M == 0:
+        return out
+    normed, upper, threshold, tiles, values, indices, tile_count, last_threshold = _workspace(x.device, M, V, K)
+    _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), M)](
+        x, x if norm_weight is None else norm_weight, screen.quantized, screen.scales, screen.residual_bounds,
+        screen.quantized_norms, normed, upper, threshold,
+        V, K, x.stride(0), screen.quantized.stride(0), eps,
+        HAS_NORM=norm_weight is not None, BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS,
+        BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=SCREEN_WARPS, num_stages=SCREEN_STAGES,
+        **launch_options(pdl),
+    )
+    _check_kernel[(tiles, M)](
+        weight, normed, upper, threshold, values, indices, tile_count,
+        V, K, weight.stride(0), tiles,
+        BLOCK_R=CHECK_ROWS, BLOCK_K=CHECK_COLUMNS, USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+    )
+    _argmax_reduce_kernel[(M,)](values, indices, tile_count, out, tiles, threshold, last_threshold, BLOCK_T=BLOCK_T,
+                                RESET=True, USE_PDL=pdl, num_warps=8, **launch_options(pdl))
+    return out
+
+
+def candidate_counts(x: torch.Tensor, vocabulary: int) -> list[int]:
+    """The candidate rows of each row of x in the last call at x's shape (the rows kernel 2 read from weight): a
+    diagnostic for tests and benchmarks, from the call's workspace (its upper bounds and tau)."""
+    M, K = x.shape
+    key = (x.device, M, vocabulary, K)
+    if key not in _workspaces:
+        raise ValueError(f"no call at M = {M}, V = {vocabulary}, K = {K} on {x.device} yet")
+    _, upper, _, _, _, _, _, last_threshold = _workspaces[key]
+    return (upper >= last_threshold[:, None]).sum(dim=1).tolist()
+
+
+__all__ = ["LmHeadScreen", "build_screen", "candidate_counts", "lm_head_argmax_screened", "screened_lm_head_bytes"]
