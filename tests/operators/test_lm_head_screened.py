@@ -37,13 +37,14 @@ def run_and_check(x, weight, norm_weight=None):
     exact = exact_logits(x, weight)
     M, K = x.shape
     workspace = screened._workspaces[(x.device, M, weight.shape[0], K)]
-    upper, threshold, last_threshold = workspace[1], workspace[2], workspace[7]
+    upper, threshold, last_threshold = workspace[3], workspace[4], workspace[-1]
     slack = 1e-12 * exact.abs().max()
     assert (upper.double() >= exact - slack).all(), "an upper bound below its exact logit"
     assert (last_threshold.double() <= exact.max(dim=1).values + slack).all(), "tau above the greatest logit"
     assert torch.isinf(threshold).all() and (threshold < 0).all(), "tau not reset for the next call"
     best = exact.max(dim=1, keepdim=True).values
-    assert ((exact == best).long().argmax(dim=1) == ids.cpu()).all(), "not the exact argmax (lowest id on ties)"
+    assert ((exact == best).long().argmax(dim=1) == ids.to(exact.device)).all(), \
+        "not the exact argmax (lowest id on ties)"
     return ids, candidate_counts(x, weight.shape[0])
 
 

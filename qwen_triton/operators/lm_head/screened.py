@@ -21,15 +21,14 @@ the lowest index, is r. The result is the exact greedy choice, not an approximat
 candidates depends on the data (at the 0.8B shape with random weights a handful: the bounds are ~1% of
 ||W_i|| ||x_n|| where the logits spread over ~3%; all rows in the worst case, which is then slow, never wrong).
 
-Three kernels (grid (programs, M): one row of x a program, so a row's result does not depend on its batch):
-1. `_screen_kernel`: BLOCK_V rows of q a program against q_x as a tensor-core product (int8, int32 accumulation;
-   q_x in the first column of a [BLOCK_K, 16] tile, N = 16 being the product's least). Every program forms
-   x_n, s_x and q_x of its row itself (the same code on the same data: the same bits), program 0 stores x_n for
-   kernel 2. It stores each row's upper bound c_i + B_i and folds its rows' greatest lower bound into tau
-   (a float atomic max).
-2. `_check_kernel`: BLOCK_R rows a program: those whose upper bound reaches tau are read from W (masked loads:
-   the other rows' bytes are not fetched) and their logits computed against x_n in float32 (a row's logit does
-   not depend on which other rows are candidates); the program stores its (max, lowest index of the max).
+Four kernels, one row of x a program (so a row's result does not depend on its batch):
+0. `_quantize_kernel`, grid (M,): x_n, s_x, q_x and the norms of x_n and r_x of a row, into a workspace.
+1. `_screen_kernel`, grid (V / BLOCK_V, M): BLOCK_V rows of q against q_x as a tensor-core product (int8, int32
+   accumulation; q_x the first of 16 rows of B, N = 16 being the product's least), pipelined as a GEMM. It stores
+   each row's upper bound c_i + B_i and folds its rows' greatest lower bound into tau (a float atomic max).
+2. `_check_kernel`, grid (V / BLOCK_R, M): the rows of its BLOCK_R whose upper bound reaches tau are read from W
+   (masked loads: the other rows' bytes are not fetched) and their logits computed against x_n in float32 (a
+   row's logit does not depend on which other rows are candidates); it stores its (max, lowest index of the max).
 3. argmax.py's `_argmax_reduce_kernel` folds those in a fixed order, keeps tau for `candidate_counts` and resets
    it to -inf for the next call.
 
@@ -57,7 +56,7 @@ CHECK_ROWS = 128  # BLOCK_R of kernel 2
 CHECK_COLUMNS = 256  # BLOCK_K of kernel 2
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24
-MAX_COLUMNS = 4096  # K of kernel 1's one-pass row statistics (a [BLOCK_X] vector of the row)
+MAX_COLUMNS = 4096  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row)
 
 
 class LmHeadScreen(NamedTuple):
@@ -107,72 +106,69 @@ def _rounded_up(values: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _normed_chunk(x_ptr, x_row, norm_ptr, rstd, offs_k, K, HAS_NORM: tl.constexpr):
-    """x_n over columns offs_k, float32 holding values of x's dtype (the prologue's rounding, linear/fusion.py)."""
-    mask = offs_k < K
-    x = tl.load(x_ptr + x_row + offs_k, mask=mask, other=0.0)
+def _quantize_kernel(
+    x_ptr, norm_ptr, normed_ptr, quantized_x_ptr, statistics_ptr, K, stride_xm, eps,
+    HAS_NORM: tl.constexpr, BLOCK_X: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program per row of x: x_n (the final norm, rounded to x's dtype as the projections' prologue rounds it,
+    linear/fusion.py) into normed [M, K] float32; q_x into the first of the row's 16 rows of quantized_x
+    [M, 16, K] int8 (the others stay zero); s_x, ||x_n||, ||r_x|| into statistics [M, 3]."""
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    row = tl.program_id(0)
+    columns = tl.arange(0, BLOCK_X)
+    mask = columns < K
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + columns, mask=mask, other=0.0)
     if HAS_NORM:
-        weight = tl.load(norm_ptr + offs_k, mask=mask, other=0.0).to(tl.float32)
-        x = (x.to(tl.float32) * rstd * (1.0 + weight)).to(x.dtype)
-    return x.to(tl.float32)
+        wide = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(wide * wide, axis=0) / K + eps)
+        weight = tl.load(norm_ptr + columns, mask=mask, other=0.0).to(tl.float32)
+        x = (wide * rstd * (1.0 + weight)).to(x.dtype)
+    normed = x.to(tl.float32)
+    largest = tl.max(tl.abs(normed), axis=0)
+    scale_x = tl.where(largest > 0.0, largest / 127.0, 1.0)
+    q_x = tl.minimum(tl.maximum(tl.floor(normed / scale_x + 0.5), -127.0), 127.0)
+    residual = normed - scale_x * q_x
+    tl.store(normed_ptr + row * K + columns, normed, mask=mask)
+    tl.store(quantized_x_ptr + row * 16 * K + columns, q_x.to(tl.int8), mask=mask)
+    tl.store(statistics_ptr + row * 3, scale_x)
+    tl.store(statistics_ptr + row * 3 + 1, tl.sqrt(tl.sum(normed * normed, axis=0)))
+    tl.store(statistics_ptr + row * 3 + 2, tl.sqrt(tl.sum(residual * residual, axis=0)))
 
 
 @triton.jit
 def _screen_kernel(
-    x_ptr, norm_ptr, quantized_ptr, scale_ptr, residual_bound_ptr, quantized_norm_ptr,
-    normed_ptr, upper_ptr, threshold_ptr,
-    V, K, stride_xm, stride_qv, eps,
-    HAS_NORM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    quantized_ptr, scale_ptr, residual_bound_ptr, quantized_norm_ptr, quantized_x_ptr, statistics_ptr,
+    upper_ptr, threshold_ptr,
+    V, K, stride_qv,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """BLOCK_V rows of q against q_x (a tensor-core int8 product, int32 accumulation: q_x is the first of 16 rows
+    of B, as a product's N is 16 at least): the rows' upper bounds c_i + B_i stored, their greatest lower bound
+    c_i - B_i folded into the row's tau."""
     allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     row = tl.program_id(1)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = offs_v < V
     q_rows = offs_v.to(tl.int64) * stride_qv
-    # the first q tile before the wait: no kernel writes the screen
-    first = tl.arange(0, BLOCK_K)
-    q_tile = tl.load(quantized_ptr + q_rows[:, None] + first[None, :], mask=v_mask[:, None] & (first < K)[None, :],
-                     other=0)
-    wait_for_previous_kernel(USE_PDL)
-
-    # the row's statistics: its RMSNorm, and s_x = max |x_n| / 127
-    x_row = row.to(tl.int64) * stride_xm
-    columns = tl.arange(0, BLOCK_X)
-    if HAS_NORM:
-        x = tl.load(x_ptr + x_row + columns, mask=columns < K, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-    else:
-        rstd = 1.0
-    largest = tl.max(tl.abs(_normed_chunk(x_ptr, x_row, norm_ptr, rstd, columns, K, HAS_NORM)), axis=0)
-    scale_x = tl.where(largest > 0.0, largest / 127.0, 1.0)
-
-    # q . q_x chunk by chunk (x_n, q_x and r_x of each chunk formed here: the values the bound is about)
     lanes = tl.arange(0, 16)
+    x_rows = quantized_x_ptr + row * 16 * K + lanes * K
     dot = tl.zeros([BLOCK_V, 16], dtype=tl.int32)
-    x_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    r_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + first
-        next_k = offs_k + BLOCK_K
-        q_next = tl.load(quantized_ptr + q_rows[:, None] + next_k[None, :],
-                         mask=v_mask[:, None] & (next_k < K)[None, :], other=0)
-        normed = _normed_chunk(x_ptr, x_row, norm_ptr, rstd, offs_k, K, HAS_NORM)
-        if pid == 0:
-            tl.store(normed_ptr + row * K + offs_k, normed, mask=offs_k < K)
-        q_x = tl.minimum(tl.maximum(tl.floor(normed / scale_x + 0.5), -127.0), 127.0)
-        residual = normed - scale_x * q_x
-        x_squares += normed * normed
-        r_squares += residual * residual
-        x_tile = tl.where(lanes[None, :] == 0, q_x[:, None], 0.0).to(tl.int8)  # [BLOCK_K, 16]
-        dot = tl.dot(q_tile, x_tile, acc=dot, out_dtype=tl.int32)
-        q_tile = q_next
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        q = tl.load(quantized_ptr + q_rows[:, None] + offs_k[None, :], mask=v_mask[:, None] & k_mask[None, :],
+                    other=0)
+        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0)  # [16, BLOCK_K]
+        dot = tl.dot(q, tl.trans(x), acc=dot, out_dtype=tl.int32)
 
+    scale_x = tl.load(statistics_ptr + row * 3)
+    x_norm = tl.load(statistics_ptr + row * 3 + 1)
+    r_norm = tl.load(statistics_ptr + row * 3 + 2)
     approximate = tl.sum(tl.where(lanes[None, :] == 0, dot, 0), axis=1).to(tl.float32) * scale_x \
         * tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)
-    x_norm = tl.sqrt(tl.sum(x_squares, axis=0))
-    r_norm = tl.sqrt(tl.sum(r_squares, axis=0))
     bound = (tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0) * x_norm
              + tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0) * r_norm) * 1.001 \
         + tl.abs(approximate) * 1e-6
@@ -220,13 +216,16 @@ _workspaces: dict[tuple, tuple] = {}
 
 
 def _workspace(device, M: int, V: int, K: int):
-    """Per (device, M, V, K): x_n [M, K], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the
-    check's tile count and partials [M, tiles], the number of tiles written, and the last call's tau."""
+    """Per (device, M, V, K): x_n [M, K], q_x [M, 16, K] (zero but the first of a row's 16), s_x, ||x_n|| and
+    ||r_x|| [M, 3], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the check's tile count and
+    partials [M, tiles], the number of tiles written, and the last call's tau."""
     key = (device, M, V, K)
     if key not in _workspaces:
         tiles = triton.cdiv(V, CHECK_ROWS)
         _workspaces[key] = (
             torch.empty(M, K, dtype=torch.float32, device=device),
+            torch.zeros(M, 16, K, dtype=torch.int8, device=device),
+            torch.empty(M, 3, dtype=torch.float32, device=device),
             torch.empty(M, V, dtype=torch.float32, device=device),
             torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
             tiles,
@@ -275,13 +274,17 @@ def lm_head_argmax_screened(
                       out=out)
     if M == 0:
         return out
-    normed, upper, threshold, tiles, values, indices, tile_count, last_threshold = _workspace(x.device, M, V, K)
+    (normed, quantized_x, statistics, upper, threshold, tiles, values, indices, tile_count,
+     last_threshold) = _workspace(x.device, M, V, K)
+    _quantize_kernel[(M,)](
+        x, x if norm_weight is None else norm_weight, normed, quantized_x, statistics, K, x.stride(0), eps,
+        HAS_NORM=norm_weight is not None, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
+        **launch_options(pdl),
+    )
     _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), M)](
-        x, x if norm_weight is None else norm_weight, screen.quantized, screen.scales, screen.residual_bounds,
-        screen.quantized_norms, normed, upper, threshold,
-        V, K, x.stride(0), screen.quantized.stride(0), eps,
-        HAS_NORM=norm_weight is not None, BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS,
-        BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=SCREEN_WARPS, num_stages=SCREEN_STAGES,
+        screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, quantized_x, statistics,
+        upper, threshold, V, K, screen.quantized.stride(0),
+        BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS, num_stages=SCREEN_STAGES,
         **launch_options(pdl),
     )
     _check_kernel[(tiles, M)](
@@ -301,7 +304,7 @@ def candidate_counts(x: torch.Tensor, vocabulary: int) -> list[int]:
     key = (x.device, M, vocabulary, K)
     if key not in _workspaces:
         raise ValueError(f"no call at M = {M}, V = {vocabulary}, K = {K} on {x.device} yet")
-    _, upper, _, _, _, _, _, last_threshold = _workspaces[key]
+    upper, last_threshold = _workspaces[key][3], _workspaces[key][-1]
     return (upper >= last_threshold[:, None]).sum(dim=1).tolist()
 
 
