@@ -60,7 +60,7 @@ def kernel_us(fn) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out")
-    parser.add_argument("--tiles", default="128,128,4,3 64,256,4,3 128,256,8,3 256,128,8,3 128,64,4,4")
+    parser.add_argument("--tiles", default="128,128,4,3 64,256,4,3 128,256,4,4 256,256,8,3")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.05).to("cuda", torch.bfloat16)

@@ -94,6 +94,9 @@ PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
 # (benchmarks/engine_options.py; docs/perf-notes.md, fourteenth session). Alone after a tail, with PDL, its
 # kernel ran 19-21 us longer after the staged tail (benchmarks/after_staged_tail.py).
 LM_HEAD_PDL = False
+# The screened LM head's four kernels (lm_head/screened.py) with PDL: the first is one program, not a grid of
+# thousands placed early behind a staged layer tail.
+SCREENED_LM_HEAD_PDL = True
 
 
 def bucket(batch: int) -> int:
@@ -526,7 +529,8 @@ class TritonModel:
         with self._operator(kind + (" + argmax" if mode in ("greedy", "temperature") else ""), None,
                             self._lm_head_cost(size, logits=mode not in ("greedy", "temperature"), screened=screened)):
             if screened:
-                lm_head_argmax_screened(x, self.lm_head, self.lm_head_screen, out=buffers.next_tokens, **final)
+                lm_head_argmax_screened(x, self.lm_head, self.lm_head_screen, out=buffers.next_tokens,
+                                        **dict(final, pdl=pdl and SCREENED_LM_HEAD_PDL))
             elif mode == "greedy":
                 lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
             elif mode == "temperature":  # Gumbel-max inside the LM head: no logits written

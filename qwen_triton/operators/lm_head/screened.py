@@ -26,9 +26,9 @@ Four kernels, one row of x a program (so a row's result does not depend on its b
 1. `_screen_kernel`, grid (V / BLOCK_V, M): BLOCK_V rows of q against q_x as a tensor-core product (int8, int32
    accumulation; q_x the first of 16 rows of B, N = 16 being the product's least), pipelined as a GEMM. It stores
    each row's upper bound c_i + B_i and folds its rows' greatest lower bound into tau (a float atomic max).
-2. `_check_kernel`, grid (V / BLOCK_R, M): the rows of its BLOCK_R whose upper bound reaches tau are read from W
-   (masked loads: the other rows' bytes are not fetched) and their logits computed against x_n in float32 (a
-   row's logit does not depend on which other rows are candidates); it stores its (max, lowest index of the max).
+2. `_check_kernel`, grid (V / BLOCK_R, M): the rows of its BLOCK_R whose upper bound reaches tau are read whole
+   from W, one after the other, and their logits computed against x_n in float32 (a row's logit does not depend
+   on which other rows are candidates); it stores its (max, lowest index of the max).
 3. argmax.py's `_argmax_reduce_kernel` folds those in a fixed order, keeps tau for `candidate_counts` and resets
    it to -inf for the next call.
 
@@ -53,7 +53,6 @@ SCREEN_COLUMNS = 128  # BLOCK_K of kernel 1: the columns of a q tile
 SCREEN_WARPS = 4
 SCREEN_STAGES = 3
 CHECK_ROWS = 128  # BLOCK_R of kernel 2
-CHECK_COLUMNS = 256  # BLOCK_K of kernel 2
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24
 MAX_COLUMNS = 4096  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row)
@@ -181,31 +180,35 @@ def _screen_kernel(
 def _check_kernel(
     w_ptr, normed_ptr, upper_ptr, threshold_ptr, value_ptr, index_ptr, tiles_ptr,
     V, K, stride_wv, MAX_TILES,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """BLOCK_R rows' upper bounds against tau; each candidate row, in increasing order, read whole from W and its
+    logit formed against x_n (float32); the greatest, lowest index on ties, stored as the program's partial. A
+    tile holds one candidate or none in the usual case: a loop over the candidates, not a [BLOCK_R, K] tile whose
+    other rows would be masked off (and whose float32 accumulator would spill)."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     row = tl.program_id(1)
-    offs_v = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs = tl.arange(0, BLOCK_R)
+    offs_v = pid * BLOCK_R + offs
     threshold = tl.load(threshold_ptr + row)
     upper = tl.load(upper_ptr + row.to(tl.int64) * V + offs_v, mask=offs_v < V, other=float("-inf"))
-    candidate = (offs_v < V) & (upper >= threshold)
+    remaining = (offs_v < V) & (upper >= threshold)
     best = tl.full([], float("-inf"), tl.float32)
     best_index = tl.full([], INT32_MAX, tl.int32)
-    if tl.max(candidate.to(tl.int32), axis=0) > 0:
-        w_rows = offs_v.to(tl.int64) * stride_wv
-        wide = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            normed = tl.load(normed_ptr + row * K + offs_k, mask=offs_k < K, other=0.0)
-            w = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=candidate[:, None] & (offs_k < K)[None, :],
+    if tl.max(remaining.to(tl.int32), axis=0) > 0:
+        columns = tl.arange(0, BLOCK_X)
+        normed = tl.load(normed_ptr + row * K + columns, mask=columns < K, other=0.0)
+        while tl.max(remaining.to(tl.int32), axis=0) > 0:
+            first = tl.argmax(remaining.to(tl.int32), axis=0, tie_break_left=True)  # the lowest candidate left
+            w = tl.load(w_ptr + (pid * BLOCK_R + first).to(tl.int64) * stride_wv + columns, mask=columns < K,
                         other=0.0)
-            wide += w.to(tl.float32) * normed[None, :]
-        logits = tl.where(candidate, tl.sum(wide, axis=1), float("-inf"))
-        best = tl.max(logits, axis=0)
-        best_index = (tl.argmax(logits, axis=0, tie_break_left=True) + pid * BLOCK_R).to(tl.int32)
+            logit = tl.sum(w.to(tl.float32) * normed, axis=0)
+            better = logit > best  # strictly: an equal logit at a higher index loses
+            best = tl.where(better, logit, best)
+            best_index = tl.where(better, pid * BLOCK_R + first, best_index)
+            remaining = remaining & (offs != first)
     tl.store(value_ptr + row * MAX_TILES + pid, best)
     tl.store(index_ptr + row * MAX_TILES + pid, best_index)
     if (pid == 0) & (row == 0):
@@ -290,7 +293,8 @@ def lm_head_argmax_screened(
     _check_kernel[(tiles, M)](
         weight, normed, upper, threshold, values, indices, tile_count,
         V, K, weight.stride(0), tiles,
-        BLOCK_R=CHECK_ROWS, BLOCK_K=CHECK_COLUMNS, USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        BLOCK_R=CHECK_ROWS, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
+        **launch_options(pdl),
     )
     _argmax_reduce_kernel[(M,)](values, indices, tile_count, out, tiles, threshold, last_threshold, BLOCK_T=BLOCK_T,
                                 RESET=True, USE_PDL=pdl, num_warps=8, **launch_options(pdl))
