@@ -98,8 +98,8 @@ def main() -> None:
         print(f"tiles {tiles}: {us:.1f} us a call (full head {report['full_us']:.1f}), candidates {candidates}, "
               f"same id {same}; " + ", ".join(f"{name.split('(')[0][-24:]} {t:.1f}" for name, t in kernels.items()))
     report["screened"] = rows
-    print(f"full head: {report['full_us']:.1f} us; floor of the screen {report['screen_bytes'] / 4.2e6:.1f} us, "
-          f"of the full head {report['full_bytes'] / 4.2e6:.1f} us at 4.2 TB/s")
+    print(f"full head: {report['full_us']:.1f} us; floor of the screen "
+          f"{report['screen_bytes'] / 4.2e6:.1f} us, of the full head {report['full_bytes'] / 4.2e6:.1f} us at 4.2 TB/s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -106,7 +106,10 @@ def _lm_head_argmax_kernel(
 
 
 @triton.jit
-def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, reset_ptr, kept_ptr,
+                          BLOCK_T: tl.constexpr, RESET: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program per row: the tiles' (max, index) pairs folded in order, ties to the lowest index. RESET: the
+    row's float at reset_ptr copied to kept_ptr and set to -inf (screened.py's threshold)."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
@@ -123,6 +126,9 @@ def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, B
         best_index = tl.where(better, index, best_index)
     top = tl.max(best, axis=0)
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_index, INT32_MAX), axis=0).to(tl.int64))
+    if RESET:
+        tl.store(kept_ptr + row, tl.load(reset_ptr + row))
+        tl.store(reset_ptr + row, float("-inf"))
 
 
 # one or two passes over the partials of a 248320-token row (3880-15520 tiles)
@@ -203,6 +209,6 @@ def lm_head_argmax(
         HAS_NORM=norm_weight is not None, SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1,
         USE_PDL=pdl, **explicit, **launch_options(pdl),
     )
-    _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, BLOCK_T=BLOCK_T, USE_PDL=pdl, num_warps=8,
-                                **launch_options(pdl))
+    _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, values, values, BLOCK_T=BLOCK_T, RESET=False,
+                                USE_PDL=pdl, num_warps=8, **launch_options(pdl))
     return out

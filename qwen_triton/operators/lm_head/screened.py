@@ -21,16 +21,16 @@ the lowest index, is r. The result is the exact greedy choice, not an approximat
 candidates depends on the data (at the 0.8B shape with random weights a handful: the bounds are ~1% of
 ||W_i|| ||x_n|| where the logits spread over ~3%; all rows in the worst case, which is then slow, never wrong).
 
-Three kernels, one row of x a program (so a row's result does not depend on its batch):
+Four kernels, one row of x a program (so a row's result does not depend on its batch):
 0. `_quantize_kernel`, grid (M,): x_n, s_x, q_x and the norms of x_n and r_x of a row, into a workspace.
 1. `_screen_kernel`, grid (V / BLOCK_V, M): BLOCK_V rows of q against q_x as a tensor-core product (int8, int32
    accumulation; q_x the first of 16 rows of B, N = 16 being the product's least), pipelined as a GEMM. It stores
    each row's upper bound c_i + B_i and folds its rows' greatest lower bound into tau (a float atomic max).
 2. `_check_kernel`, grid (V / BLOCK_R, M): the rows of its BLOCK_R whose upper bound reaches tau are read whole
    from W, one after the other, and their logits computed against x_n in float32 (a row's logit does not depend
-   on which other rows are candidates); it stores its (max, lowest index of the max), and the last program to
-   arrive (a counter) folds those in a fixed order into the id, keeps tau for `candidate_counts` and leaves tau at
-   -inf for the next call.
+   on which other rows are candidates); it stores its (max, lowest index of the max).
+3. argmax.py's `_argmax_reduce_kernel` folds those in a fixed order, keeps tau for `candidate_counts` and resets
+   it to -inf for the next call.
 
 Floor at M = 1 (Qwen3.5-0.8B): 254.3 MB of int8 weights + 3 MB of scales and bounds + 1 MB of upper bounds
 written and read + the candidates' rows (2 KB each): ~62 us at the H200's 4.2 TB/s, against the bf16 head's 120.
@@ -45,14 +45,14 @@ import triton
 import triton.language as tl
 
 from ..common import allow_next_kernel, check_same_device, check_tensor, launch_options, wait_for_previous_kernel
-from .argmax import FLOAT_DTYPES, INT32_MAX
+from .argmax import BLOCK_T, FLOAT_DTYPES, INT32_MAX, _argmax_reduce_kernel
 
 # the kernels' tiles (module constants: benchmarks/engine_options.py --settings can change them)
 SCREEN_ROWS = 128  # BLOCK_V of kernel 1: q rows a program
 SCREEN_COLUMNS = 128  # BLOCK_K of kernel 1: the columns of a q tile
 SCREEN_WARPS = 4
 SCREEN_STAGES = 3
-CHECK_ROWS = 512  # BLOCK_R of kernel 2: rows whose upper bounds a program scans
+CHECK_ROWS = 128  # BLOCK_R of kernel 2
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24
 MAX_COLUMNS = 4096  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row)
@@ -178,20 +178,18 @@ def _screen_kernel(
 
 @triton.jit
 def _check_kernel(
-    w_ptr, normed_ptr, upper_ptr, threshold_ptr, value_ptr, index_ptr, counter_ptr, out_ptr, kept_ptr,
-    V, K, stride_wv,
-    BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr,
+    w_ptr, normed_ptr, upper_ptr, threshold_ptr, value_ptr, index_ptr, tiles_ptr,
+    V, K, stride_wv, MAX_TILES,
+    BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """BLOCK_R rows' upper bounds against tau; each candidate row, in increasing order, read whole from W and its
     logit formed against x_n (float32); the greatest, lowest index on ties, stored as the program's partial. A
     tile holds one candidate or none in the usual case: a loop over the candidates, not a [BLOCK_R, K] tile whose
-    other rows would be masked off (and whose float32 accumulator would spill). The row's last program to arrive
-    folds the partials in order into the id, keeps tau (kept_ptr) and leaves tau at -inf and the counter at 0."""
+    other rows would be masked off (and whose float32 accumulator would spill)."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     row = tl.program_id(1)
-    tiles = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_R)
     offs_v = pid * BLOCK_R + offs
     threshold = tl.load(threshold_ptr + row)
@@ -211,25 +209,10 @@ def _check_kernel(
             best = tl.where(better, logit, best)
             best_index = tl.where(better, pid * BLOCK_R + first, best_index)
             remaining = remaining & (offs != first)
-    tl.store(value_ptr + row * tiles + pid, best)
-    tl.store(index_ptr + row * tiles + pid, best_index)
-
-    tl.debug_barrier()  # every thread's stores before the release
-    if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") == tiles - 1:
-        tl.store(counter_ptr + row, 0)
-        found = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        found_index = tl.full([BLOCK_T], INT32_MAX, tl.int32)
-        for t0 in range(0, tiles, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            value = tl.load(value_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"), cache_modifier=".cg")
-            index = tl.load(index_ptr + row * tiles + t, mask=t < tiles, other=INT32_MAX, cache_modifier=".cg")
-            better = (value > found) | ((value == found) & (index < found_index))
-            found = tl.where(better, value, found)
-            found_index = tl.where(better, index, found_index)
-        top = tl.max(found, axis=0)
-        tl.store(out_ptr + row, tl.min(tl.where(found == top, found_index, INT32_MAX), axis=0).to(tl.int64))
-        tl.store(kept_ptr + row, threshold)
-        tl.store(threshold_ptr + row, float("-inf"))
+    tl.store(value_ptr + row * MAX_TILES + pid, best)
+    tl.store(index_ptr + row * MAX_TILES + pid, best_index)
+    if (pid == 0) & (row == 0):
+        tl.store(tiles_ptr, tl.num_programs(0))
 
 
 _workspaces: dict[tuple, tuple] = {}
@@ -237,8 +220,8 @@ _workspaces: dict[tuple, tuple] = {}
 
 def _workspace(device, M: int, V: int, K: int):
     """Per (device, M, V, K): x_n [M, K], q_x [M, 16, K] (zero but the first of a row's 16), s_x, ||x_n|| and
-    ||r_x|| [M, 3], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the check's partials
-    [M, tiles] and arrival counters [M] (zero: each call leaves them so), and the last call's tau."""
+    ||r_x|| [M, 3], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the check's tile count and
+    partials [M, tiles], the number of tiles written, and the last call's tau."""
     key = (device, M, V, K)
     if key not in _workspaces:
         tiles = triton.cdiv(V, CHECK_ROWS)
@@ -248,9 +231,10 @@ def _workspace(device, M: int, V: int, K: int):
             torch.empty(M, 3, dtype=torch.float32, device=device),
             torch.empty(M, V, dtype=torch.float32, device=device),
             torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
-            torch.empty(M, tiles, dtype=torch.float32, device=device),
-            torch.empty(M, tiles, dtype=torch.int32, device=device),
-            torch.zeros(M, dtype=torch.int32, device=device),
+            tiles,
+            torch.empty(M * tiles, dtype=torch.float32, device=device),
+            torch.empty(M * tiles, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
             torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
         )
     return _workspaces[key]
@@ -293,7 +277,8 @@ def lm_head_argmax_screened(
                       out=out)
     if M == 0:
         return out
-    normed, quantized_x, statistics, upper, threshold, values, indices, counters, kept = _workspace(x.device, M, V, K)
+    (normed, quantized_x, statistics, upper, threshold, tiles, values, indices, tile_count,
+     last_threshold) = _workspace(x.device, M, V, K)
     _quantize_kernel[(M,)](
         x, x if norm_weight is None else norm_weight, normed, quantized_x, statistics, K, x.stride(0), eps,
         HAS_NORM=norm_weight is not None, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
@@ -305,12 +290,14 @@ def lm_head_argmax_screened(
         BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS, num_stages=SCREEN_STAGES,
         **launch_options(pdl),
     )
-    tiles = values.shape[1]
     _check_kernel[(tiles, M)](
-        weight, normed, upper, threshold, values, indices, counters, out, kept, V, K, weight.stride(0),
-        BLOCK_R=CHECK_ROWS, BLOCK_X=max(16, triton.next_power_of_2(K)),
-        BLOCK_T=min(4096, triton.next_power_of_2(tiles)), USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        weight, normed, upper, threshold, values, indices, tile_count,
+        V, K, weight.stride(0), tiles,
+        BLOCK_R=CHECK_ROWS, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
+        **launch_options(pdl),
     )
+    _argmax_reduce_kernel[(M,)](values, indices, tile_count, out, tiles, threshold, last_threshold, BLOCK_T=BLOCK_T,
+                                RESET=True, USE_PDL=pdl, num_warps=8, **launch_options(pdl))
     return out
 
 
