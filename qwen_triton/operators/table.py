@@ -60,7 +60,7 @@ OPERATORS: tuple[Operator, ...] = (
              "the add is the previous projection's epilogue, the norm the next projection's prologue"),
     Operator("16-17", "LM head (tied embedding) and argmax",
              (LINEAR_PREFILL, LINEAR_DECODE),
-             ("lm_head.screened:_screen_kernel", "lm_head.screened:_check_kernel",
+             ("lm_head.screened:_quantize_kernel", "lm_head.screened:_screen_kernel", "lm_head.screened:_check_kernel",
               "lm_head.argmax:_lm_head_argmax_kernel", "lm_head.argmax:_argmax_reduce_kernel"),
              "prefill: logits of the rows needed through the projection kernels; decode: partial argmax (or "
              "Gumbel-max for temperature sampling) per vocabulary block, then a reduction, no logits written; "
