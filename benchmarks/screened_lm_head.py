@@ -7,6 +7,9 @@ the CUDA profiler over the same calls. Prints and writes JSON:
 
     python3 benchmarks/screened_lm_head.py [--out screened.json] \
         [--tiles "128,128,4,3 64,256,4,3"]   (SCREEN_ROWS, SCREEN_COLUMNS, SCREEN_WARPS, SCREEN_STAGES)
+
+(The fifteenth session's numbers, docs/perf-notes.md, came from this script at commits 54db482 - 4e6e798, which
+captured and replayed the graph itself; since then it calls the harness's `time_graph`, the same method.)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import statistics
 
 import torch
 
+from qwen_triton.benchmark.harness import time_graph
 from qwen_triton.operators.lm_head import lm_head_argmax
 from qwen_triton.operators.lm_head import screened
 
@@ -24,22 +28,10 @@ VOCAB, HIDDEN, CALLS, REPLAYS = 248320, 1024, 10, 20
 
 
 def graph_time_us(fn) -> float:
-    """Median time of one call, CALLS calls back to back in a CUDA graph."""
+    """Median time of one call, CALLS calls back to back in a CUDA graph (harness.time_graph), after a warm-up."""
     fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return time_graph(fn, calls=CALLS, replays=REPLAYS) * 1e3
 
 
 def kernel_us(fn) -> dict:

@@ -26,6 +26,7 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16, vocab=248320, hidden=10
                     step=torch.zeros(1, dtype=torch.int64, device=device))
     weight_bytes = vocab * hidden * weight.element_size()
     flops = 2 * vocab * hidden
+
     def screened():
         screen = build_screen(weight)
         return lambda: lm_head_argmax_screened(x, weight, screen, ids, norm_weight=norm_weight)

@@ -257,7 +257,7 @@ def lm_head_argmax_screened(
     lm_head_argmax (greedy), reading screen = build_screen(weight) and only the candidate rows of weight.
 
     norm_weight [H]: apply the zero-centred RMSNorm to x first (the final norm, fused). Capturable in a CUDA graph
-    after a warm-up call at the same shapes. pdl: programmatic dependent launch of the three kernels (Hopper).
+    after a warm-up call at the same shapes. pdl: programmatic dependent launch of the four kernels (Hopper).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
