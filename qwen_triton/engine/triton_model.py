@@ -12,8 +12,8 @@ their epilogues, SwiGLU into the gate/up epilogue and the attention output gate 
 in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
 layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode), and on Hopper a
 layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp).
-A one-sequence greedy step's LM head reads an int8 copy of the head (made at load) and computes exactly only the
-rows whose bound leaves them a chance (screened_lm_head; the exact argmax).
+A greedy step's LM head (up to 16 sequences) reads an int8 copy of the head (made at load) and computes exactly only
+the rows whose bound leaves them a chance (screened_lm_head; the exact argmax).
 
 Decode runs slots 0..B-1 with every activation buffer preallocated per batch bucket (1, 2, 4, 8, ...);
 with `cuda_graph=True` each bucket's step is captured once after a warm-up (compilation, autotuning) and
@@ -97,6 +97,7 @@ LM_HEAD_PDL = False
 # The screened LM head's four kernels (lm_head/screened.py) with PDL: the first is one program, not a grid of
 # thousands placed early behind a staged layer tail.
 SCREENED_LM_HEAD_PDL = True
+SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
 
 
 def bucket(batch: int) -> int:
@@ -144,8 +145,8 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
-        # with it, a one-sequence greedy decode step's LM head reads an int8 copy of the head and only the rows it
-        # cannot rule out (lm_head/screened.py: the exact argmax; the copy, 1 byte a weight, is made here)
+        # with it, a greedy decode step's LM head (up to 16 sequences) reads an int8 copy of the head and only the
+        # rows it cannot rule out (lm_head/screened.py: the exact argmax; the copy, 1 byte a weight, is made here)
         self.screened_lm_head = screened_lm_head
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
@@ -524,7 +525,7 @@ class TritonModel:
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=pdl and LM_HEAD_PDL)
-        screened = mode == "greedy" and size == 1 and self.lm_head_screen is not None
+        screened = mode == "greedy" and size <= SCREENED_ROWS and self.lm_head_screen is not None
         kind = "final norm + lm head" + (" (int8 screen, exact check)" if screened else "")
         with self._operator(kind + (" + argmax" if mode in ("greedy", "temperature") else ""), None,
                             self._lm_head_cost(size, logits=mode not in ("greedy", "temperature"), screened=screened)):

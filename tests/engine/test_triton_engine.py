@@ -104,21 +104,23 @@ def test_greedy_generate_matches_transformers(checkpoints):
 
 
 def test_greedy_steps_through_the_screened_lm_head(checkpoints, monkeypatch):
-    # one sequence, greedy: the LM head's int8 screen and exact check (lm_head/screened.py); the same tokens as
-    # the full head (screened_lm_head=False)
+    # greedy, a batch and one sequence at a time: the LM head's int8 screen and exact check (lm_head/screened.py);
+    # the same tokens as the full head (screened_lm_head=False)
     calls = []
     original = triton_model.lm_head_argmax_screened
     monkeypatch.setattr(triton_model, "lm_head_argmax_screened",
                         lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
-    prompt = [11, 200, 3, 47, 150]
+    prompts = [[11, 200, 3, 47, 150], [5, 6], [9, 9, 9]]
     tokens = {}
     for screened in (True, False):
-        llm = LLM(checkpoints["conditional"], backend="triton", device="cpu", dtype=torch.float32, max_length=32,
-                  screened_lm_head=screened)
-        tokens[screened] = llm.generate(prompt, max_new_tokens=6).token_ids
-        assert bool(calls) == screened
         calls.clear()
-    assert tokens[True] == tokens[False] and len(tokens[True]) == 6
+        llm = LLM(checkpoints["conditional"], backend="triton", device="cpu", dtype=torch.float32, max_length=32,
+                  max_batch=4, screened_lm_head=screened)
+        tokens[screened] = [r.token_ids for r in llm.generate(prompts, max_new_tokens=4)]
+        assert bool(calls) == screened
+        alone = [llm.generate(p, max_new_tokens=4).token_ids for p in prompts]  # batches of one
+        assert alone == tokens[screened]
+    assert tokens[True] == tokens[False] and all(len(ids) == 4 for ids in tokens[True])
 
 
 def test_batched_generation_equals_one_at_a_time(checkpoints):

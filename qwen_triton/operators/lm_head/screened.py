@@ -21,11 +21,12 @@ the lowest index, is r. The result is the exact greedy choice, not an approximat
 candidates depends on the data (at the 0.8B shape with random weights a handful: the bounds are ~1% of
 ||W_i|| ||x_n|| where the logits spread over ~3%; all rows in the worst case, which is then slow, never wrong).
 
-Four kernels, one row of x a program (so a row's result does not depend on its batch):
+Four kernels (a row's result does not depend on its batch: its integers, bounds and checks are its own):
 0. `_quantize_kernel`, grid (M,): x_n, s_x, q_x and the norms of x_n and r_x of a row, into a workspace.
-1. `_screen_kernel`, grid (V / BLOCK_V, M): BLOCK_V rows of q against q_x as a tensor-core product (int8, int32
-   accumulation; q_x the first of 16 rows of B, N = 16 being the product's least), pipelined as a GEMM. It stores
-   each row's upper bound c_i + B_i and folds its rows' greatest lower bound into tau (a float atomic max).
+1. `_screen_kernel`, grid (V / BLOCK_V, M / 16): BLOCK_V rows of q against the q_x of 16 rows of x as one
+   tensor-core product (int8, int32 accumulation; the rows of x are B's 16 columns, N = 16 being the product's
+   least), pipelined as a GEMM: the int8 head is read once for up to 16 rows. It stores each row's upper bounds
+   c_i + B_i and folds their greatest lower bound into the row's tau (a float atomic max).
 2. `_check_kernel`, grid (V / BLOCK_R, M): the rows of its BLOCK_R whose upper bound reaches tau are read whole
    from W, one after the other, and their logits computed against x_n in float32 (a row's logit does not depend
    on which other rows are candidates); it stores its (max, lowest index of the max).
@@ -96,7 +97,7 @@ def build_screen(weight: torch.Tensor, rows_per_piece: int = 16384) -> LmHeadScr
 
 def screened_lm_head_bytes(vocabulary: int, hidden: int) -> int:
     """The bytes a call at M = 1 must move besides the candidates' rows: the int8 copy, three floats a row read,
-    the upper bounds written and read back."""
+    the upper bounds written and read back (M rows up to 16: the same but M upper bounds a row)."""
     return vocabulary * hidden + 3 * 4 * vocabulary + 2 * 4 * vocabulary
 
 
@@ -113,8 +114,8 @@ def _quantize_kernel(
     HAS_NORM: tl.constexpr, BLOCK_X: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per row of x: x_n (the final norm, rounded to x's dtype as the projections' prologue rounds it,
-    linear/fusion.py) into normed [M, K] float32; q_x into the first of the row's 16 rows of quantized_x
-    [M, 16, K] int8 (the others stay zero); s_x, ||x_n||, ||r_x|| into statistics [M, 3]."""
+    linear/fusion.py) into normed [M, K] float32; q_x into row m of quantized_x [16 G, K] int8 (G = cdiv(M, 16);
+    the rows past M stay zero); s_x, ||x_n||, ||r_x|| into statistics [M, 3]."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
@@ -132,7 +133,7 @@ def _quantize_kernel(
     q_x = tl.minimum(tl.maximum(tl.floor(normed / scale_x + 0.5), -127.0), 127.0)
     residual = normed - scale_x * q_x
     tl.store(normed_ptr + row * K + columns, normed, mask=mask)
-    tl.store(quantized_x_ptr + row * 16 * K + columns, q_x.to(tl.int8), mask=mask)
+    tl.store(quantized_x_ptr + row * K + columns, q_x.to(tl.int8), mask=mask)
     tl.store(statistics_ptr + row * 3, scale_x)
     tl.store(statistics_ptr + row * 3 + 1, tl.sqrt(tl.sum(normed * normed, axis=0)))
     tl.store(statistics_ptr + row * 3 + 2, tl.sqrt(tl.sum(residual * residual, axis=0)))
@@ -142,21 +143,23 @@ def _quantize_kernel(
 def _screen_kernel(
     quantized_ptr, scale_ptr, residual_bound_ptr, quantized_norm_ptr, quantized_x_ptr, statistics_ptr,
     upper_ptr, threshold_ptr,
-    V, K, stride_qv,
+    M, V, K, stride_qv,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """BLOCK_V rows of q against q_x (a tensor-core int8 product, int32 accumulation: q_x is the first of 16 rows
-    of B, as a product's N is 16 at least): the rows' upper bounds c_i + B_i stored, their greatest lower bound
-    c_i - B_i folded into the row's tau."""
+    """BLOCK_V rows of q against the q_x of 16 rows of x (one tensor-core int8 product, int32 accumulation: the
+    16 rows of a group are B's 16 columns, zero past M): for each row of x the rows' upper bounds c_i + B_i
+    stored, their greatest lower bound c_i - B_i folded into its tau. A column's integers do not depend on the
+    other columns: a row's result does not depend on its batch."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
-    row = tl.program_id(1)
+    group = tl.program_id(1)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = offs_v < V
     q_rows = offs_v.to(tl.int64) * stride_qv
-    lanes = tl.arange(0, 16)
-    x_rows = quantized_x_ptr + row * 16 * K + lanes * K
+    rows = group * 16 + tl.arange(0, 16)
+    row_mask = rows < M
+    x_rows = quantized_x_ptr + rows * K
     dot = tl.zeros([BLOCK_V, 16], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -166,17 +169,17 @@ def _screen_kernel(
         x = tl.load(x_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0)  # [16, BLOCK_K]
         dot = tl.dot(q, tl.trans(x), acc=dot, out_dtype=tl.int32)
 
-    scale_x = tl.load(statistics_ptr + row * 3)
-    x_norm = tl.load(statistics_ptr + row * 3 + 1)
-    r_norm = tl.load(statistics_ptr + row * 3 + 2)
-    approximate = tl.sum(tl.where(lanes[None, :] == 0, dot, 0), axis=1).to(tl.float32) * scale_x \
-        * tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)
-    bound = (tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0) * x_norm
-             + tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0) * r_norm) * 1.001 \
+    scale_x = tl.load(statistics_ptr + rows * 3, mask=row_mask, other=1.0)
+    x_norm = tl.load(statistics_ptr + rows * 3 + 1, mask=row_mask, other=0.0)
+    r_norm = tl.load(statistics_ptr + rows * 3 + 2, mask=row_mask, other=0.0)
+    approximate = dot.to(tl.float32) * scale_x[None, :] * tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)[:, None]
+    bound = (tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0)[:, None] * x_norm[None, :]
+             + tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0)[:, None] * r_norm[None, :]) * 1.001 \
         + tl.abs(approximate) * 1e-6
-    tl.store(upper_ptr + row.to(tl.int64) * V + offs_v, approximate + bound, mask=v_mask)
-    lower = tl.max(tl.where(v_mask, approximate - bound, float("-inf")), axis=0)
-    tl.atomic_max(threshold_ptr + row, lower, sem="relaxed")
+    tl.store(upper_ptr + rows.to(tl.int64)[None, :] * V + offs_v[:, None], approximate + bound,
+             mask=v_mask[:, None] & row_mask[None, :])
+    lower = tl.max(tl.where(v_mask[:, None], approximate - bound, float("-inf")), axis=0)
+    tl.atomic_max(threshold_ptr + rows, lower, mask=row_mask, sem="relaxed")
 
 
 @triton.jit
@@ -222,7 +225,7 @@ _workspaces: dict[tuple, tuple] = {}
 
 
 def _workspace(device, M: int, V: int, K: int):
-    """Per (device, M, V, K): x_n [M, K], q_x [M, 16, K] (zero but the first of a row's 16), s_x, ||x_n|| and
+    """Per (device, M, V, K): x_n [M, K], q_x [16 cdiv(M, 16), K] (zero past M), s_x, ||x_n|| and
     ||r_x|| [M, 3], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the check's tile count and
     partials [M, tiles], the number of tiles written, and the last call's tau."""
     key = (device, M, V, K)
@@ -230,7 +233,7 @@ def _workspace(device, M: int, V: int, K: int):
         tiles = triton.cdiv(V, CHECK_ROWS)
         _workspaces[key] = (
             torch.empty(M, K, dtype=torch.float32, device=device),
-            torch.zeros(M, 16, K, dtype=torch.int8, device=device),
+            torch.zeros(triton.cdiv(M, 16) * 16, K, dtype=torch.int8, device=device),
             torch.empty(M, 3, dtype=torch.float32, device=device),
             torch.empty(M, V, dtype=torch.float32, device=device),
             torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
@@ -287,9 +290,9 @@ def lm_head_argmax_screened(
         HAS_NORM=norm_weight is not None, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
         **launch_options(pdl),
     )
-    _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), M)](
+    _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), triton.cdiv(M, 16))](
         screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, quantized_x, statistics,
-        upper, threshold, V, K, screen.quantized.stride(0),
+        upper, threshold, M, V, K, screen.quantized.stride(0),
         BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS, num_stages=SCREEN_STAGES,
         **launch_options(pdl),
     )
