@@ -6,7 +6,8 @@ lowest id on ties; every row's upper bound is at least its exact logit and tau a
 rigorous, checked row by row); the candidates are few on random data, all rows where the screen cannot tell
 them apart; the threshold is left at -inf for the next call. CPU (interpreter): float32 / float16 / bfloat16
 inputs (the screen's product is int8, its other arithmetic float32), a vocabulary of 3000 (not a multiple of the
-tiles), hidden sizes 64 and 200, up to 17 rows (two groups of the screen's 16). GPU: the real shape (248320 x 1024, bf16) against lm_head_argmax and float64.
+tiles), hidden sizes 64 and 200, up to 17 rows (two groups of the screen's 16). GPU: the real shape (248320 x 1024,
+bf16) against lm_head_argmax and float64.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def test_screened_argmax_is_exact(device, dtype, M, K, norm):
 
 
 def test_a_row_does_not_depend_on_its_batch(device):
-    """17 rows (two groups of 16 in the screen's product): each row's ids, upper bounds and tau as when it runs
-    alone, bit for bit."""
+    """17 rows (two groups of 16 in the screen's product): each row's id as when it runs alone (through the
+    one-row epilogue), its upper bounds and tau within a float32 rounding (the two epilogues' arithmetic is the
+    same, the compiler's contractions of it may differ)."""
     K = 64
     x = make((17, K), torch.float16, device, seed=15)
     weight = make((2000, K), torch.float16, device, seed=16, scale=0.5)
@@ -80,7 +82,8 @@ def test_a_row_does_not_depend_on_its_batch(device):
         alone = lm_head_argmax_screened(x[row:row + 1], weight, screen, norm_weight=norm_weight, eps=EPS)
         workspace = screened._workspaces[(x.device, 1, 2000, K)]
         assert alone.item() == ids[row].item()
-        assert torch.equal(workspace[3][0], upper[row]) and torch.equal(workspace[-1][0], kept[row])
+        torch.testing.assert_close(workspace[3][0], upper[row], rtol=1e-6, atol=1e-6 * upper[row].abs().max().item())
+        torch.testing.assert_close(workspace[-1][0], kept[row], rtol=1e-6, atol=1e-6 * upper[row].abs().max().item())
 
 
 def test_rows_the_screen_cannot_tell_apart(device):

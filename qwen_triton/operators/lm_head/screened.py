@@ -144,12 +144,14 @@ def _screen_kernel(
     quantized_ptr, scale_ptr, residual_bound_ptr, quantized_norm_ptr, quantized_x_ptr, statistics_ptr,
     upper_ptr, threshold_ptr,
     M, V, K, stride_qv,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """BLOCK_V rows of q against the q_x of 16 rows of x (one tensor-core int8 product, int32 accumulation: the
     16 rows of a group are B's 16 columns, zero past M): for each row of x the rows' upper bounds c_i + B_i
     stored, their greatest lower bound c_i - B_i folded into its tau. A column's integers do not depend on the
-    other columns: a row's result does not depend on its batch."""
+    other columns, nor the row's check: a row's id does not depend on its batch (its bounds can differ in the last
+    bit between the one-row epilogue, SINGLE, and the batch's, where the compiler contracts differently; the
+    check's exact logits, which decide, cannot)."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
@@ -169,17 +171,29 @@ def _screen_kernel(
         x = tl.load(x_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0)  # [16, BLOCK_K]
         dot = tl.dot(q, tl.trans(x), acc=dot, out_dtype=tl.int32)
 
-    scale_x = tl.load(statistics_ptr + rows * 3, mask=row_mask, other=1.0)
-    x_norm = tl.load(statistics_ptr + rows * 3 + 1, mask=row_mask, other=0.0)
-    r_norm = tl.load(statistics_ptr + rows * 3 + 2, mask=row_mask, other=0.0)
-    approximate = dot.to(tl.float32) * scale_x[None, :] * tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)[:, None]
-    bound = (tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0)[:, None] * x_norm[None, :]
-             + tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0)[:, None] * r_norm[None, :]) * 1.001 \
-        + tl.abs(approximate) * 1e-6
-    tl.store(upper_ptr + rows.to(tl.int64)[None, :] * V + offs_v[:, None], approximate + bound,
-             mask=v_mask[:, None] & row_mask[None, :])
-    lower = tl.max(tl.where(v_mask[:, None], approximate - bound, float("-inf")), axis=0)
-    tl.atomic_max(threshold_ptr + rows, lower, mask=row_mask, sem="relaxed")
+    scale_v = tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)
+    residual_bound = tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0)
+    quantized_norm = tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0)
+    if SINGLE:  # one row of x: its column alone, as vectors (measured faster than the [BLOCK_V, 16] epilogue)
+        scale_x = tl.load(statistics_ptr)
+        x_norm = tl.load(statistics_ptr + 1)
+        r_norm = tl.load(statistics_ptr + 2)
+        approximate = tl.sum(tl.where(rows[None, :] == 0, dot, 0), axis=1).to(tl.float32) * scale_x * scale_v
+        bound = (residual_bound * x_norm + quantized_norm * r_norm) * 1.001 + tl.abs(approximate) * 1e-6
+        tl.store(upper_ptr + offs_v, approximate + bound, mask=v_mask)
+        lower = tl.max(tl.where(v_mask, approximate - bound, float("-inf")), axis=0)
+        tl.atomic_max(threshold_ptr, lower, sem="relaxed")
+    else:
+        scale_x = tl.load(statistics_ptr + rows * 3, mask=row_mask, other=1.0)
+        x_norm = tl.load(statistics_ptr + rows * 3 + 1, mask=row_mask, other=0.0)
+        r_norm = tl.load(statistics_ptr + rows * 3 + 2, mask=row_mask, other=0.0)
+        approximate = dot.to(tl.float32) * scale_x[None, :] * scale_v[:, None]
+        bound = (residual_bound[:, None] * x_norm[None, :] + quantized_norm[:, None] * r_norm[None, :]) * 1.001 \
+            + tl.abs(approximate) * 1e-6
+        tl.store(upper_ptr + rows.to(tl.int64)[None, :] * V + offs_v[:, None], approximate + bound,
+                 mask=v_mask[:, None] & row_mask[None, :])
+        lower = tl.max(tl.where(v_mask[:, None], approximate - bound, float("-inf")), axis=0)
+        tl.atomic_max(threshold_ptr + rows, lower, mask=row_mask, sem="relaxed")
 
 
 @triton.jit
@@ -293,7 +307,8 @@ def lm_head_argmax_screened(
     _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), triton.cdiv(M, 16))](
         screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, quantized_x, statistics,
         upper, threshold, M, V, K, screen.quantized.stride(0),
-        BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS, num_stages=SCREEN_STAGES,
+        SINGLE=M == 1, BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS,
+        num_stages=SCREEN_STAGES,
         **launch_options(pdl),
     )
     _check_kernel[(tiles, M)](
