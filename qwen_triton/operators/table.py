@@ -64,8 +64,8 @@ OPERATORS: tuple[Operator, ...] = (
               "lm_head.argmax:_lm_head_argmax_kernel", "lm_head.argmax:_argmax_reduce_kernel"),
              "prefill: logits of the rows needed through the projection kernels; decode: partial argmax (or "
              "Gumbel-max for temperature sampling) per vocabulary block, then a reduction, no logits written; "
-             "one greedy sequence: an int8 copy of the head screens the rows, the candidates' logits computed "
-             "exactly (screened_lm_head)"),
+             "greedy, up to 16 sequences: an int8 copy of the head screens the rows, the candidates' logits "
+             "computed exactly (screened_lm_head)"),
     Operator("18-19", "KV cache write and read",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.prefill:_prefill_kernel"),
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.decode:_decode_split_kernel"),

@@ -37,7 +37,8 @@ Floor at M = 1 (Qwen3.5-0.8B): 254.3 MB of int8 weights + 3 MB of scales and bou
 written and read + the candidates' rows (2 KB each): ~62 us at the H200's 4.2 TB/s, against the bf16 head's 120.
 Measured on the H200 (`benchmarks/screened_lm_head.py`, random weights, commit 1b1f8e1): 72.4 us a call against
 124.8 for lm_head_argmax, the screen kernel 61.7 us (4.12 TB/s), 130 candidates; in the engine's decode step
-559.3 against 624.9 us at context 128 (docs/perf-notes.md, fifteenth session).
+559.3 against 624.9 us at context 128 (docs/perf-notes.md, fifteenth session). For 4 rows (commit 0b19ff3): 85.8 us
+against 465.9 for lm_head_argmax, which reads the bf16 head once a row.
 """
 
 from __future__ import annotations
