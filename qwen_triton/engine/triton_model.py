@@ -145,9 +145,6 @@ class TritonModel:
         # with it, a one-sequence decode step's out-projection and MLP as one launch whose programs hold every
         # weight of the layer tail in shared memory (staged_out_projection_mlp.py: Gluon, Hopper, bfloat16)
         self.staged_out_projection_mlp = staged_out_projection_mlp
-        # with it, a greedy decode step's LM head (up to 16 sequences) reads an int8 copy of the head and only the
-        # rows it cannot rule out (lm_head/screened.py: the exact argmax; the copy, 1 byte a weight, is made here)
-        self.screened_lm_head = screened_lm_head
         # programmatic dependent launch between the decode kernels (Hopper and newer; default there)
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
@@ -155,6 +152,8 @@ class TritonModel:
         self.embed = weights["embed_tokens.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["norm.weight"]
+        # with screened_lm_head, a greedy decode step's LM head (up to 16 sequences) reads an int8 copy of the head
+        # and only the rows it cannot rule out (lm_head/screened.py: the exact argmax; the copy, 1 byte a weight)
         self.lm_head_screen = build_screen(self.lm_head) if screened_lm_head else None
         self.layers: list = []
         self.mlps: list[MLPWeights] = []

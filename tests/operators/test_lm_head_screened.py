@@ -27,7 +27,7 @@ def exact_logits(x, weight):
     """float64 logits of the x_n the last call formed (its workspace) against weight: what the check computes
     in float32."""
     M, K = x.shape
-    normed = screened._workspaces[(x.device, M, weight.shape[0], K)][0]
+    normed = screened._workspaces[(x.device, M, weight.shape[0], K)].normed
     return normed.double() @ weight.double().T
 
 
@@ -37,8 +37,8 @@ def run_and_check(x, weight, norm_weight=None):
     ids = lm_head_argmax_screened(x, weight, screen, norm_weight=norm_weight, eps=EPS)
     exact = exact_logits(x, weight)
     M, K = x.shape
-    workspace = screened._workspaces[(x.device, M, weight.shape[0], K)]
-    upper, threshold, last_threshold = workspace[3], workspace[4], workspace[-1]
+    work = screened._workspaces[(x.device, M, weight.shape[0], K)]
+    upper, threshold, last_threshold = work.upper, work.threshold, work.kept
     slack = 1e-12 * exact.abs().max()
     assert (upper.double() >= exact - slack).all(), "an upper bound below its exact logit"
     assert (last_threshold.double() <= exact.max(dim=1).values + slack).all(), "tau above the greatest logit"
@@ -76,14 +76,15 @@ def test_a_row_does_not_depend_on_its_batch(device):
     norm_weight = make((K,), torch.float16, device, seed=17, scale=0.3)
     ids, _ = run_and_check(x, weight, norm_weight)
     batch = screened._workspaces[(x.device, 17, 2000, K)]
-    upper, kept = batch[3].clone(), batch[-1].clone()
+    upper, kept = batch.upper.clone(), batch.kept.clone()
     screen = build_screen(weight)
     for row in (0, 5, 15, 16):
         alone = lm_head_argmax_screened(x[row:row + 1], weight, screen, norm_weight=norm_weight, eps=EPS)
-        workspace = screened._workspaces[(x.device, 1, 2000, K)]
+        work = screened._workspaces[(x.device, 1, 2000, K)]
         assert alone.item() == ids[row].item()
-        torch.testing.assert_close(workspace[3][0], upper[row], rtol=1e-6, atol=1e-6 * upper[row].abs().max().item())
-        torch.testing.assert_close(workspace[-1][0], kept[row], rtol=1e-6, atol=1e-6 * upper[row].abs().max().item())
+        scale = upper[row].abs().max().item()
+        torch.testing.assert_close(work.upper[0], upper[row], rtol=1e-6, atol=1e-6 * scale)
+        torch.testing.assert_close(work.kept[0], kept[row], rtol=1e-6, atol=1e-6 * scale)
 
 
 def test_rows_the_screen_cannot_tell_apart(device):

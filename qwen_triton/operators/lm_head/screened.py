@@ -86,6 +86,7 @@ def build_screen(weight: torch.Tensor, rows_per_piece: int = 16384) -> LmHeadScr
     for start in range(0, rows, rows_per_piece):
         piece = weight[start:start + rows_per_piece].double()
         largest = piece.abs().amax(dim=1)
+        # the scale rounded to the float32 the kernels multiply by, so q and the bounds are about that scale
         scale = torch.where(largest > 0, largest / QUANTIZED_MAX, torch.ones_like(largest)).float().double()
         q = torch.round(piece / scale[:, None]).clamp(-QUANTIZED_MAX, QUANTIZED_MAX)
         residual = (piece - scale[:, None] * q).norm(dim=1) + SUMMATION_BOUND * piece.norm(dim=1)
@@ -199,7 +200,7 @@ def _screen_kernel(
 
 @triton.jit
 def _check_kernel(
-    w_ptr, normed_ptr, upper_ptr, threshold_ptr, value_ptr, index_ptr, tiles_ptr,
+    w_ptr, normed_ptr, upper_ptr, threshold_ptr, value_ptr, index_ptr,
     V, K, stride_wv, MAX_TILES,
     BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -232,31 +233,41 @@ def _check_kernel(
             remaining = remaining & (offs != first)
     tl.store(value_ptr + row * MAX_TILES + pid, best)
     tl.store(index_ptr + row * MAX_TILES + pid, best_index)
-    if (pid == 0) & (row == 0):
-        tl.store(tiles_ptr, tl.num_programs(0))
 
 
-_workspaces: dict[tuple, tuple] = {}
+class _Workspace(NamedTuple):
+    """A call's buffers, per (device, M, V, K)."""
+
+    normed: torch.Tensor  # x_n [M, K] float32
+    quantized_x: torch.Tensor  # q_x [16 cdiv(M, 16), K] int8, zero past M
+    statistics: torch.Tensor  # s_x, ||x_n||, ||r_x|| [M, 3]
+    upper: torch.Tensor  # the upper bounds [M, V]
+    threshold: torch.Tensor  # tau [M]: -inf, and each call leaves it so
+    tiles: int  # the check's programs a row
+    values: torch.Tensor  # the check's partials [M * tiles]
+    indices: torch.Tensor
+    tile_count: torch.Tensor  # [1] int32 = tiles, for the reduction (which reads its count from the device)
+    kept: torch.Tensor  # the last call's tau [M]
 
 
-def _workspace(device, M: int, V: int, K: int):
-    """Per (device, M, V, K): x_n [M, K], q_x [16 cdiv(M, 16), K] (zero past M), s_x, ||x_n|| and
-    ||r_x|| [M, 3], the upper bounds [M, V], tau [M] (-inf: each call leaves it so), the check's tile count and
-    partials [M, tiles], the number of tiles written, and the last call's tau."""
+_workspaces: dict[tuple, _Workspace] = {}
+
+
+def _workspace(device, M: int, V: int, K: int) -> _Workspace:
     key = (device, M, V, K)
     if key not in _workspaces:
         tiles = triton.cdiv(V, CHECK_ROWS)
-        _workspaces[key] = (
-            torch.empty(M, K, dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(M, 16) * 16, K, dtype=torch.int8, device=device),
-            torch.empty(M, 3, dtype=torch.float32, device=device),
-            torch.empty(M, V, dtype=torch.float32, device=device),
-            torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
-            tiles,
-            torch.empty(M * tiles, dtype=torch.float32, device=device),
-            torch.empty(M * tiles, dtype=torch.int32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device),
-            torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
+        _workspaces[key] = _Workspace(
+            normed=torch.empty(M, K, dtype=torch.float32, device=device),
+            quantized_x=torch.zeros(triton.cdiv(M, 16) * 16, K, dtype=torch.int8, device=device),
+            statistics=torch.empty(M, 3, dtype=torch.float32, device=device),
+            upper=torch.empty(M, V, dtype=torch.float32, device=device),
+            threshold=torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
+            tiles=tiles,
+            values=torch.empty(M * tiles, dtype=torch.float32, device=device),
+            indices=torch.empty(M * tiles, dtype=torch.int32, device=device),
+            tile_count=torch.full((1,), tiles, dtype=torch.int32, device=device),
+            kept=torch.full((M,), float("-inf"), dtype=torch.float32, device=device),
         )
     return _workspaces[key]
 
@@ -298,28 +309,27 @@ def lm_head_argmax_screened(
                       out=out)
     if M == 0:
         return out
-    (normed, quantized_x, statistics, upper, threshold, tiles, values, indices, tile_count,
-     last_threshold) = _workspace(x.device, M, V, K)
+    work = _workspace(x.device, M, V, K)
     _quantize_kernel[(M,)](
-        x, x if norm_weight is None else norm_weight, normed, quantized_x, statistics, K, x.stride(0), eps,
+        x, x if norm_weight is None else norm_weight, work.normed, work.quantized_x, work.statistics, K, x.stride(0),
+        eps,
         HAS_NORM=norm_weight is not None, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
         **launch_options(pdl),
     )
     _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), triton.cdiv(M, 16))](
-        screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, quantized_x, statistics,
-        upper, threshold, M, V, K, screen.quantized.stride(0),
+        screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, work.quantized_x,
+        work.statistics, work.upper, work.threshold, M, V, K, screen.quantized.stride(0),
         SINGLE=M == 1, BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS,
-        num_stages=SCREEN_STAGES,
-        **launch_options(pdl),
+        num_stages=SCREEN_STAGES, **launch_options(pdl),
     )
-    _check_kernel[(tiles, M)](
-        weight, normed, upper, threshold, values, indices, tile_count,
-        V, K, weight.stride(0), tiles,
+    _check_kernel[(work.tiles, M)](
+        weight, work.normed, work.upper, work.threshold, work.values, work.indices, V, K, weight.stride(0), work.tiles,
         BLOCK_R=CHECK_ROWS, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
         **launch_options(pdl),
     )
-    _argmax_reduce_kernel[(M,)](values, indices, tile_count, out, tiles, threshold, last_threshold, BLOCK_T=BLOCK_T,
-                                RESET=True, USE_PDL=pdl, num_warps=8, **launch_options(pdl))
+    _argmax_reduce_kernel[(M,)](work.values, work.indices, work.tile_count, out, work.tiles, work.threshold,
+                                work.kept, BLOCK_T=BLOCK_T, RESET=True, USE_PDL=pdl, num_warps=8,
+                                **launch_options(pdl))
     return out
 
 
@@ -330,8 +340,8 @@ def candidate_counts(x: torch.Tensor, vocabulary: int) -> list[int]:
     key = (x.device, M, vocabulary, K)
     if key not in _workspaces:
         raise ValueError(f"no call at M = {M}, V = {vocabulary}, K = {K} on {x.device} yet")
-    upper, last_threshold = _workspaces[key][3], _workspaces[key][-1]
-    return (upper >= last_threshold[:, None]).sum(dim=1).tolist()
+    work = _workspaces[key]
+    return (work.upper >= work.kept[:, None]).sum(dim=1).tolist()
 
 
 __all__ = ["LmHeadScreen", "build_screen", "candidate_counts", "lm_head_argmax_screened", "screened_lm_head_bytes"]
