@@ -36,14 +36,19 @@ class ModelState:
                     device=device, dtype=torch.float32,
                 )
 
+    def slot_states(self, slot: int) -> list[torch.Tensor]:
+        """The conv and recurrent states of `slot`, every DeltaNet layer's (views, made once: Python work on
+        every prompt otherwise)."""
+        if slot not in self._slot_states:
+            self._slot_states[slot] = [t[slot] for tensors in (self.conv, self.recurrent) for t in tensors.values()]
+        return self._slot_states[slot]
+
     def reset(self, slot: int) -> None:
         """Start the sequence in `slot` afresh: its conv and recurrent states zeroed, in one multi-tensor
-        launch on a GPU (`torch._foreach_zero_`, rather than one launch from Python per tensor: 36 at the
-        0.8B shape). The KV cache is left as it is: a sequence's attention never sees a position at or past
-        its length (the Triton kernels do not load them, the reference masks their scores to -inf), and
-        zeroing it would write the whole cache, 405 MB at max_length 32768 and the 0.8B shape, before every
-        prompt. (Measured together, on the H200: the prefill of 128 tokens as the bench times it, reset
-        included, 2.188 -> 2.010 ms; docs/perf-notes.md, 2026-11-30.)"""
-        if slot not in self._slot_states:  # the views, made once (Python work on every prompt otherwise)
-            self._slot_states[slot] = [t[slot] for tensors in (self.conv, self.recurrent) for t in tensors.values()]
-        torch._foreach_zero_(self._slot_states[slot])
+        launch (`torch._foreach_zero_`; the Triton engine zeroes them with its own kernel instead,
+        operators/memory/zero.py, one launch that costs the host far less). The KV cache is left as it is: a
+        sequence's attention never sees a position at or past its length (the Triton kernels do not load them,
+        the reference masks their scores to -inf), and zeroing it would write the whole cache, 405 MB at
+        max_length 32768 and the 0.8B shape, before every prompt. (Measured together, on the H200: the prefill
+        of 128 tokens as the bench times it, reset included, 2.188 -> 2.010 ms; docs/perf-notes.md, 2026-11-30.)"""
+        torch._foreach_zero_(self.slot_states(slot))

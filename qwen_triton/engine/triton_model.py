@@ -55,6 +55,7 @@ from ..operators.lm_head.screened import build_screen, lm_head_argmax_screened, 
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
 from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemv import MAX_ROWS
+from ..operators.memory import ZeroPlan
 from ..operators.sampling import feed_back, sample
 from ..state import ModelState
 from ..progress import progress_printer
@@ -204,6 +205,7 @@ class TritonModel:
         # order whatever batch it decodes in (batched generation equals one at a time)
         self.decode_splits = decode_splits(1, c.num_key_value_heads, max_length, self.device)
         self.state = ModelState(config, max_batch, max_length, self.device, dtype)
+        self._reset_plans: dict[int, ZeroPlan] = {}  # slot -> the one launch that zeroes its states
         self._buffers: dict[int, DecodeBuffers] = {}
         self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         # progress of the warm-ups on stderr (the first prefill, each decode graph's first step): they compile
@@ -218,9 +220,12 @@ class TritonModel:
         self.trace_context = 0  # the decode context the trace's attention bytes are counted at
 
     def reset(self, slot: int | None = None) -> None:
-        """Forget the sequence in `slot` (all slots when None)."""
+        """Forget the sequence in `slot` (all slots when None): its conv and recurrent states zeroed, one launch a
+        slot (`ZeroPlan`, built on the slot's first reset; the KV cache needs no zeroing, see ModelState.reset)."""
         for s in range(self.max_batch) if slot is None else [slot]:
-            self.state.reset(s)
+            if s not in self._reset_plans:
+                self._reset_plans[s] = ZeroPlan(self.state.slot_states(s))
+            self._reset_plans[s]()
 
     # ---- tracing: which operator launched which kernel (qwen-triton profile) -------------------------
     def _operator(self, kind: str, layer: int | None, cost=None):

@@ -80,11 +80,12 @@ OPERATORS: tuple[Operator, ...] = (
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
              "fused into the delta rule kernels (standalone: gated_delta_rule.gating:_gating_kernel)"),
     Operator("24", "gated delta rule",
-             ("gated_delta_rule.chunk:_chunk_prepare_kernel", "gated_delta_rule.chunk:_chunk_state_kernel",
-              "gated_delta_rule.chunk:_chunk_output_kernel"),
+             ("memory.zero:_zero_kernel", "gated_delta_rule.chunk:_chunk_prepare_kernel",
+              "gated_delta_rule.chunk:_chunk_state_kernel", "gated_delta_rule.chunk:_chunk_output_kernel"),
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
              "prefill: chunk 64, UT form, fp32 state; decode: one recurrent step on the fp32 state in place, "
-             "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step"),
+             "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step; "
+             "a new prompt's conv and recurrent states zeroed first, every layer's in one launch (reset)"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",
              ("gated_delta_rule.chunk:_chunk_output_kernel",),
              (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
