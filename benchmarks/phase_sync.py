@@ -125,14 +125,9 @@ def _phase_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     _product(tile, x_ptr, K, rows, row_mask, out_ptr, BLOCK_K)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    layers = args.layers
+def chain_weights(layers: int):
+    """The chain's weights and input, seeded: (up [layers, I, H], down [layers, H, I], start [H], the float
+    result of the chain with bf16 roundings between phases, as the kernels round)."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     up = (torch.randn(layers, INTERMEDIATE, HIDDEN, device="cuda", generator=generator) * HIDDEN**-0.5).bfloat16()
     down = (torch.randn(layers, HIDDEN, INTERMEDIATE, device="cuda", generator=generator)
@@ -141,6 +136,28 @@ def main() -> None:
     expected = start.float()
     for layer in range(layers):
         expected = (down[layer].float() @ (up[layer].float() @ expected).bfloat16().float()).bfloat16().float()
+    return up, down, start, expected
+
+
+def report(out, layers, weight_bytes, bandwidth, programs, program_text, warps, results) -> None:
+    """The closing line, and the JSON at `out` (when given)."""
+    print(f"{torch.cuda.get_device_name()}: {layers} layers, {2 * layers} phases, {weight_bytes / 1e6:.1f} MB of "
+          f"weights, copy bandwidth {bandwidth:.2f} TB/s, {programs} programs of {program_text}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), layers=layers, weight_bytes=weight_bytes,
+                           copy_TBps=bandwidth, programs=programs, warps=warps, results=results), f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    layers = args.layers
+    up, down, start, expected = chain_weights(layers)
     x = torch.empty(HIDDEN, device="cuda", dtype=torch.bfloat16)
     h = torch.empty(INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
     shapes = dict(UP_ROWS=triton.next_power_of_2(triton.cdiv(INTERMEDIATE, programs)), UP_K=HIDDEN,
@@ -201,12 +218,7 @@ def main() -> None:
             else:
                 times.append(begin.elapsed_time(end))
         record(mode, times, correct)
-    print(f"{torch.cuda.get_device_name()}: {layers} layers, {2 * layers} phases, {weight_bytes / 1e6:.1f} MB of "
-          f"weights, copy bandwidth {bandwidth:.2f} TB/s, {programs} programs of {WARPS} warps")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), layers=layers, weight_bytes=weight_bytes,
-                           copy_TBps=bandwidth, programs=programs, warps=WARPS, results=results), f, indent=1)
+    report(args.out, layers, weight_bytes, bandwidth, programs, f"{WARPS} warps", WARPS, results)
 
 
 if __name__ == "__main__":

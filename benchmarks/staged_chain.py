@@ -27,7 +27,6 @@ GPU only (Hopper: TMA, mbarriers, griddepcontrol).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import triton
@@ -35,6 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from phase_sync import HIDDEN, INTERMEDIATE, chain_weights, report
 from qwen_triton.benchmark.harness import measure_hbm_bandwidth, time_graph
 from qwen_triton.operators.common import launch_options
 from qwen_triton.operators.linear.staged_out_projection_mlp import (
@@ -52,7 +52,6 @@ from qwen_triton.operators.linear.staged_out_projection_mlp import (
     weight_descriptors,
 )
 
-HIDDEN, INTERMEDIATE = 1024, 3584
 WARPS = 8  # computing warps, and one loading warp
 PROGRAMS = 128
 
@@ -120,14 +119,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     layers = args.layers
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    up = (torch.randn(layers, INTERMEDIATE, HIDDEN, device="cuda", generator=generator) * HIDDEN**-0.5).bfloat16()
-    down = (torch.randn(layers, HIDDEN, INTERMEDIATE, device="cuda", generator=generator)
-            * INTERMEDIATE**-0.5).bfloat16()
-    start = torch.randn(HIDDEN, device="cuda", generator=generator).bfloat16()
-    expected = start.float()
-    for layer in range(layers):
-        expected = (down[layer].float() @ (up[layer].float() @ expected).bfloat16().float()).bfloat16().float()
+    up, down, start, expected = chain_weights(layers)
     # a descriptor per layer's weight (the staged tail's tiles: [1, 4, 256] of [1, N, K])
     up_descriptors = [weight_descriptors(up[layer], up[layer], up[layer])[0] for layer in range(layers)]
     down_descriptors = [weight_descriptors(down[layer], down[layer], down[layer])[0] for layer in range(layers)]
@@ -164,12 +156,7 @@ def main() -> None:
         print(f"  {mode:24s} {us:8.1f} us a chain, {us / (2 * layers):5.2f} us a phase, "
               f"{results[-1]['pct_of_copy']:5.1f}% of the copy bandwidth; result {'right' if error < 0.05 else 'WRONG'}"
               f" ({error:.2e})")
-    print(f"{torch.cuda.get_device_name()}: {layers} layers, {2 * layers} phases, {weight_bytes / 1e6:.1f} MB of "
-          f"weights, copy bandwidth {bandwidth:.2f} TB/s, {PROGRAMS} programs of {WARPS} + 1 warps")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), layers=layers, weight_bytes=weight_bytes,
-                           copy_TBps=bandwidth, programs=PROGRAMS, warps=WARPS, results=results), f, indent=1)
+    report(args.out, layers, weight_bytes, bandwidth, PROGRAMS, f"{WARPS} + 1 warps", WARPS, results)
 
 
 if __name__ == "__main__":
