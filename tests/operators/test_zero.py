@@ -13,7 +13,7 @@ import torch
 
 from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.config import parse_config
-from qwen_triton.operators.memory import ZeroPlan, zero_cost
+from qwen_triton.operators.memory import ZeroPlan
 from qwen_triton.state import ModelState
 
 
@@ -36,7 +36,6 @@ def test_zeroes_the_listed_tensors_and_nothing_else(device, channels, aligned):
     states[1].fill_(1.0)
     plan()  # the table stays valid: a second call zeroes again
     assert not states[1].any()
-    assert zero_cost([states[1], conv[2]]) == (16 * 8 * 8 * 4 + channels * 3 * 2, 0)
 
 
 def test_plan_errors(device):

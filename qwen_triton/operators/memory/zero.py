@@ -70,7 +70,3 @@ class ZeroPlan:
     def __call__(self) -> None:
         _zero_kernel[self.grid](self.table, self.anchor, BLOCK=BLOCK, ALIGNED=self.aligned, num_warps=WARPS)
 
-
-def zero_cost(tensors: list[torch.Tensor]) -> tuple[int, int]:
-    """(bytes, FLOPs) of the floor: every byte written once."""
-    return sum(t.numel() * t.element_size() for t in tensors), 0
