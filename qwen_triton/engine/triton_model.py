@@ -98,6 +98,8 @@ LM_HEAD_PDL = False
 # The screened LM head's four kernels (lm_head/screened.py) with PDL: the first is one program, not a grid of
 # thousands placed early behind a staged layer tail.
 SCREENED_LM_HEAD_PDL = True
+# A prefill's kernels after the embedding with PDL where the model uses it (the LM head without: one launch)
+PREFILL_PDL = True
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
 
 
@@ -390,6 +392,7 @@ class TritonModel:
         self._prefilled = True
         with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
             x = embedding(token_ids, self.embed)
+        pdl = self.pdl and PREFILL_PDL
 
         def attend(i, q, key_cache, value_cache):
             def cost():
@@ -400,19 +403,19 @@ class TritonModel:
                 return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
             with self._operator("attention (flash prefill)", i, cost):
-                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start)
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, mlp, x, positions, slots, attend)
+                x = self._attention(i, w, mlp, x, positions, slots, attend, pdl=pdl)
             else:
                 projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
-                                          eps=c.rms_norm_eps)
+                                          eps=c.rms_norm_eps, pdl=pdl)
                 mixed, z, b, a = self._split_projection(projection)
                 with self._operator("deltanet conv + silu", i,
                                     lambda: (2 * tokens * c.linear_conv_dim * element,
                                              2 * tokens * c.linear_conv_dim * c.linear_conv_kernel_dim)):
-                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot])
+                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl)
                 q, k, v = self._heads(mixed)
 
                 def delta_cost():  # q, k, v and z in, the normed output out
@@ -424,8 +427,8 @@ class TritonModel:
                 # the gated RMSNorm in the chunked rule's output kernel (each of its programs holds whole head rows)
                 with self._operator("gated delta rule (chunked) + gated norm", i, delta_cost):
                     out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot],
-                                                   output_norm=(z, w.norm, c.rms_norm_eps))
-                x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp)
+                                                   output_norm=(z, w.norm, c.rms_norm_eps), pdl=pdl)
+                x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, pdl=pdl)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         self._layer_done = None

@@ -162,6 +162,17 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def prefetch_to_l2(pointers, sizes):
+    """Ask the L2 to fetch `sizes` bytes from each of `pointers` (`cp.async.bulk.prefetch.L2`: both multiples
+    of 16; a size of 0 issues nothing). Nothing waits for it and nothing is returned: a kernel launched with
+    PDL calls it on its weights before its wait, so that they stream while the previous kernel drains.
+    Inline PTX: not under the interpreter (callers gate it on pdl_available)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [pointers, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def autotune_choices() -> list[dict]:
     """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
     here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages}], so a

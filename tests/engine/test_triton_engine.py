@@ -242,6 +242,33 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [128, 320])
+def test_gpu_prefill_with_programmatic_dependent_launch_changes_no_bit(tokens):
+    # the prefill's kernels with PDL (triton_model.PREFILL_PDL; 128 tokens: split-K GEMMs prefetching their
+    # weights, two delta-rule chunks; 320: the GEMMs' TMA loads, five chunks), eager, captured and replayed:
+    # logits and states as without
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    assert triton_model.PREFILL_PDL
+    token_ids = torch.randint(0, 248_000, (tokens,), generator=torch.Generator().manual_seed(4)).cuda()
+    results = {}
+    for pdl in (True, False):
+        model = _real_model("triton", torch.bfloat16, pdl=pdl).model
+        runs = []
+        for _ in range(3):  # eager, captured, replayed
+            model.reset(0)
+            runs.append((model.prefill(token_ids, slot=0, all_logits=True), model.state.recurrent[0][0].clone(),
+                         model.state.conv[0][0].clone(), model.state.key[3][0].clone()))
+        results[pdl] = runs
+        del model
+        torch.cuda.empty_cache()
+    assert torch.isfinite(results[False][0][0]).all()
+    for run in results[True] + results[False]:
+        for got, want in zip(run, results[False][0]):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_batched_generation_equals_one_at_a_time():
     llm = _real_model("triton", torch.bfloat16)
     prompts = [[5, 6, 7, 8], list(range(100, 140)), [9] * 17]

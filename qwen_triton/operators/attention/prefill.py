@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import autotune_configs, check_same_device, check_tensor
+from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, launch_options,
+                      wait_for_previous_kernel)
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2_E = 1.4426950408889634
@@ -82,8 +83,10 @@ def _prefill_kernel(
     stride_out_token, stride_out_head,
     length_bucket, context_bucket,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     block = tl.cdiv(length, TOKENS) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,12 +141,14 @@ def attention_prefill(
     slot: int,
     start: int,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal GQA of q [T, Hq, D] (positions start .. start+T-1) against keys 0 .. start+T-1 of `slot`.
 
     key_cache, value_cache [max_batch, Hkv, max_length, D] in q's dtype (keys of this chunk already
     written, e.g. by qk_norm_rotary). q and out may have strided tokens/heads (unit last stride).
-    Returns out [T, Hq, D] in q's dtype.
+    Returns out [T, Hq, D] in q's dtype. pdl: launch with programmatic dependent launch (Hopper;
+    operators/common.py).
     """
     check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
     length, num_heads, head_dim = q.shape
@@ -176,7 +181,7 @@ def attention_prefill(
         out.stride(0), out.stride(1),
         triton.next_power_of_2(length), triton.next_power_of_2(start + length),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

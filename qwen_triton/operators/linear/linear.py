@@ -69,8 +69,7 @@ def linear(
     residual [M, N] in the output dtype; gate [M, K] in x's dtype; norm_weight [K] (any float dtype);
     out [M, N] (rows may be strided); out_dtype: x's dtype (default) or torch.float32.
     split_k: let the GEMV split K across programs (autotuned); False keeps one program per output tile.
-    pdl: launch the GEMV with programmatic dependent launch (Hopper; see operators/common.py); the GEMM
-    ignores it.
+    pdl: launch the kernels with programmatic dependent launch (Hopper; see operators/common.py).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -112,4 +111,4 @@ def linear(
     options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
     if M <= MAX_ROWS:
         return gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
-    return gemm(x, weight, out, split_k=split_k, **options)
+    return gemm(x, weight, out, split_k=split_k, pdl=pdl, **options)
