@@ -1,7 +1,7 @@
 """The engine's prefill under several settings of module constants, in one process: which is faster where it runs.
 
-Each setting (comma-separated `package.module.NAME=VALUE`, '' for the defaults) is applied while its own model
-(0.8B, random weights, bf16) is built and its prefill graphs are captured (eager call, capture, replay, as
+Each setting (`package.module.NAME=VALUE` items separated by ';', '' for the defaults) is applied while its own
+model (0.8B, random weights, bf16) is built and its prefill graphs are captured (eager call, capture, replay, as
 `qwen-triton bench` meets them), then the defaults are restored: a constant read when a kernel is launched
 (e.g. triton_model.PREFILL_PDL, gemm.PREFETCH_WEIGHTS) is baked into that model's graphs. The settings are then
 timed in alternation for `rounds` rounds, so that a drift of the machine falls on all alike:
@@ -29,9 +29,9 @@ from qwen_triton.benchmark.harness import EngineRunner, time_calls
 
 
 def parse_setting(text: str) -> list[tuple[object, str, object]]:
-    """'a.b.NAME=1,c.d.OTHER=False' -> [(module a.b, 'NAME', 1), (module c.d, 'OTHER', False)]."""
+    """'a.b.NAME=1;c.d.OTHER=(1, 2)' -> [(module a.b, 'NAME', 1), (module c.d, 'OTHER', (1, 2))]."""
     items = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in text.split(";"))):
         target, value = item.split("=", 1)
         module_name, name = target.strip().rsplit(".", 1)
         module = importlib.import_module(module_name)
@@ -43,7 +43,7 @@ def parse_setting(text: str) -> list[tuple[object, str, object]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("settings", nargs="+", help="comma-separated module.NAME=VALUE per setting ('' = defaults)")
+    parser.add_argument("settings", nargs="+", help="module.NAME=VALUE items separated by ';' ('' = defaults)")
     parser.add_argument("--tokens", default="128,4096")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)

@@ -98,8 +98,10 @@ LM_HEAD_PDL = False
 # The screened LM head's four kernels (lm_head/screened.py) with PDL: the first is one program, not a grid of
 # thousands placed early behind a staged layer tail.
 SCREENED_LM_HEAD_PDL = True
-# A prefill's kernels after the embedding with PDL where the model uses it (the LM head without: one launch)
+# A prefill's kernels after the embedding with PDL where the model uses it (the LM head without: one launch),
+# by part: "projections" (the GEMMs, their prologues, the q/k norm), "conv", "delta rule", "attention"
 PREFILL_PDL = True
+PREFILL_PDL_PARTS = ("projections", "conv", "delta rule", "attention")
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
 
 
@@ -392,7 +394,9 @@ class TritonModel:
         self._prefilled = True
         with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
             x = embedding(token_ids, self.embed)
-        pdl = self.pdl and PREFILL_PDL
+        pdl = self.pdl and PREFILL_PDL and "projections" in PREFILL_PDL_PARTS
+        pdl_conv, pdl_delta, pdl_attention = (self.pdl and PREFILL_PDL and part in PREFILL_PDL_PARTS
+                                              for part in ("conv", "delta rule", "attention"))
 
         def attend(i, q, key_cache, value_cache):
             def cost():
@@ -403,7 +407,7 @@ class TritonModel:
                 return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
             with self._operator("attention (flash prefill)", i, cost):
-                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl)
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl_attention)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
@@ -415,7 +419,7 @@ class TritonModel:
                 with self._operator("deltanet conv + silu", i,
                                     lambda: (2 * tokens * c.linear_conv_dim * element,
                                              2 * tokens * c.linear_conv_dim * c.linear_conv_kernel_dim)):
-                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl)
+                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl_conv)
                 q, k, v = self._heads(mixed)
 
                 def delta_cost():  # q, k, v and z in, the normed output out
@@ -427,7 +431,7 @@ class TritonModel:
                 # the gated RMSNorm in the chunked rule's output kernel (each of its programs holds whole head rows)
                 with self._operator("gated delta rule (chunked) + gated norm", i, delta_cost):
                     out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot],
-                                                   output_norm=(z, w.norm, c.rms_norm_eps), pdl=pdl)
+                                                   output_norm=(z, w.norm, c.rms_norm_eps), pdl=pdl_delta)
                 x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, pdl=pdl)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))

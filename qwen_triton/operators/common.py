@@ -143,6 +143,17 @@ def pdl_available(device) -> bool:
     return not interpreting() and hopper_or_later(device)
 
 
+# A prefill kernel launched with PDL lets the next kernel launch at its own start (USE_PDL 2), or only as its
+# programs exit (1: the next kernel's programs are not placed beside this one's, but its launch still overlaps
+# this kernel's drain and the memory flush)
+PREFILL_EARLY_LAUNCH = True
+
+
+def prefill_pdl(pdl: bool) -> int:
+    """USE_PDL of a prefill kernel: 0 without PDL, else 2 or 1 by PREFILL_EARLY_LAUNCH."""
+    return (2 if PREFILL_EARLY_LAUNCH else 1) if pdl else 0
+
+
 def launch_options(pdl: bool) -> dict:
     """The extra launch keywords of a kernel that supports PDL (its USE_PDL constexpr set alike)."""
     return {"launch_pdl": True} if pdl else {}

@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
-                      launch_options, prefetch_to_l2, preferred_entry, wait_for_previous_kernel)
+                      launch_options, prefill_pdl, prefetch_to_l2, preferred_entry, wait_for_previous_kernel)
 from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
@@ -196,11 +196,11 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _prologue_kernel(x_ptr, gate_ptr, norm_ptr, out_ptr, M, K, stride_xm, stride_gm, stride_om, eps,
                      HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = 0):
     """out[row] = prologue(x[row]): the normalised (rstd * (1 + w)) or gated (sigmoid(gate)) row the GEMM
     multiplies, rounded to x's dtype. One program per row; bytes 2*K*2 (+ K*2 of gate) per row."""
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
+    allow_next_kernel(USE_PDL == 2)
+    wait_for_previous_kernel(USE_PDL != 0)
     row = tl.program_id(0)
     offs_m = row + tl.arange(0, 1)
     if HAS_NORM:
@@ -252,14 +252,14 @@ def _gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_rm,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
     # USE_PDL: launched with PDL, everything after the wait; PREFETCH (with it): the programs of the first row
     # block first ask the L2 for their weight rows, which stream while the previous kernel drains.
-    allow_next_kernel(USE_PDL)
+    allow_next_kernel(USE_PDL == 2)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -275,7 +275,7 @@ def _gemm_kernel(
             prefetch_to_l2(rows, sizes)
             if ACTIVATION == SWIGLU:
                 prefetch_to_l2(rows + N * stride_wn, sizes)
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL != 0)
     if TMA:
         acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -326,7 +326,7 @@ def _apply_prologue(x, gate, norm_weight, eps, pdl=False):
         x, x if gate is None else gate, x if norm_weight is None else norm_weight, out,
         M, K, x.stride(0), 0 if gate is None else gate.stride(0), out.stride(0), eps,
         HAS_GATE=gate is not None, HAS_NORM=norm_weight is not None, BLOCK_K=min(triton.next_power_of_2(K), 1024),
-        num_warps=4, USE_PDL=pdl, **launch_options(pdl),
+        num_warps=4, USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
     )
     return out
 
@@ -394,6 +394,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         M, N, K, bucket,
         x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
-        USE_PDL=pdl, PREFETCH=prefetch, **launch_options(pdl),
+        USE_PDL=prefill_pdl(pdl), PREFETCH=prefetch, **launch_options(pdl),
     )
     return out
