@@ -22,7 +22,8 @@ With `feedback=True` the step ends with a kernel that writes its chosen ids back
 so generation can launch the next step before reading this one's ids (engine/decode_pipeline.py).
 With `pdl=True` (the default on Hopper and newer) the decode kernels use programmatic dependent launch:
 each starts while the previous one drains, streams its weights, and waits before reading its input
-(operators/common.py). A prefill from position 0 whose length repeats is replayed from a CUDA graph too.
+(operators/common.py); so do a short prefill's projections, convs and attention (PREFILL_PDL). A prefill
+from position 0 whose length repeats is replayed from a CUDA graph too.
 
 Each operator call is named with `_operator` / `_linear` (kind, layer, the bytes and FLOPs of its floor):
 a no-op unless `qwen-triton profile` sets `trace`, which then records which kernels each operator
@@ -98,10 +99,13 @@ LM_HEAD_PDL = False
 # The screened LM head's four kernels (lm_head/screened.py) with PDL: the first is one program, not a grid of
 # thousands placed early behind a staged layer tail.
 SCREENED_LM_HEAD_PDL = True
-# A prefill's kernels after the embedding with PDL where the model uses it (the LM head without: one launch),
-# by part: "projections" (the GEMMs, their prologues, the q/k norm), "conv", "delta rule", "attention"
+# A prefill of up to PREFILL_PDL_TOKENS tokens launches its projections (GEMMs, their prologues, the q/k norm),
+# convs and attention with PDL where the model uses it; the chunked delta rule's kernels and the LM head
+# without. Measured on the H200 (benchmarks/prefill_options.py, the graph's replay, docs/perf-notes.md
+# seventeenth session): 128 tokens 1,797 us without PDL, 1,772 so, 1,893 with the delta rule's kernels too
+# (its next kernel's programs placed beside its latency-bound ones); 4096 tokens no gain (13.56-13.73 ms).
 PREFILL_PDL = True
-PREFILL_PDL_PARTS = ("projections", "conv", "delta rule", "attention")
+PREFILL_PDL_TOKENS = 256
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
 
 
@@ -394,9 +398,7 @@ class TritonModel:
         self._prefilled = True
         with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
             x = embedding(token_ids, self.embed)
-        pdl = self.pdl and PREFILL_PDL and "projections" in PREFILL_PDL_PARTS
-        pdl_conv, pdl_delta, pdl_attention = (self.pdl and PREFILL_PDL and part in PREFILL_PDL_PARTS
-                                              for part in ("conv", "delta rule", "attention"))
+        pdl = self.pdl and PREFILL_PDL and tokens <= PREFILL_PDL_TOKENS  # not for the delta rule (above)
 
         def attend(i, q, key_cache, value_cache):
             def cost():
@@ -407,7 +409,7 @@ class TritonModel:
                 return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
             with self._operator("attention (flash prefill)", i, cost):
-                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl_attention)
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
@@ -419,7 +421,7 @@ class TritonModel:
                 with self._operator("deltanet conv + silu", i,
                                     lambda: (2 * tokens * c.linear_conv_dim * element,
                                              2 * tokens * c.linear_conv_dim * c.linear_conv_kernel_dim)):
-                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl_conv)
+                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl)
                 q, k, v = self._heads(mixed)
 
                 def delta_cost():  # q, k, v and z in, the normed output out
@@ -431,7 +433,7 @@ class TritonModel:
                 # the gated RMSNorm in the chunked rule's output kernel (each of its programs holds whole head rows)
                 with self._operator("gated delta rule (chunked) + gated norm", i, delta_cost):
                     out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot],
-                                                   output_norm=(z, w.norm, c.rms_norm_eps), pdl=pdl_delta)
+                                                   output_norm=(z, w.norm, c.rms_norm_eps))
                 x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, pdl=pdl)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))

@@ -143,17 +143,6 @@ def pdl_available(device) -> bool:
     return not interpreting() and hopper_or_later(device)
 
 
-# A prefill kernel launched with PDL lets the next kernel launch at its own start (USE_PDL 2), or only as its
-# programs exit (1: the next kernel's programs are not placed beside this one's, but its launch still overlaps
-# this kernel's drain and the memory flush)
-PREFILL_EARLY_LAUNCH = True
-
-
-def prefill_pdl(pdl: bool) -> int:
-    """USE_PDL of a prefill kernel: 0 without PDL, else 2 or 1 by PREFILL_EARLY_LAUNCH."""
-    return (2 if PREFILL_EARLY_LAUNCH else 1) if pdl else 0
-
-
 def launch_options(pdl: bool) -> dict:
     """The extra launch keywords of a kernel that supports PDL (its USE_PDL constexpr set alike)."""
     return {"launch_pdl": True} if pdl else {}
@@ -171,17 +160,6 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     """Block until the previous kernel in the stream has completed and its writes are visible."""
     if USE_PDL:
         gdc_wait()
-
-
-@triton.jit
-def prefetch_to_l2(pointers, sizes):
-    """Ask the L2 to fetch `sizes` bytes from each of `pointers` (`cp.async.bulk.prefetch.L2`: both multiples
-    of 16; a size of 0 issues nothing). Nothing waits for it and nothing is returned: a kernel launched with
-    PDL calls it on its weights before its wait, so that they stream while the previous kernel drains.
-    Inline PTX: not under the interpreter (callers gate it on pdl_available)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [pointers, sizes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def autotune_choices() -> list[dict]:

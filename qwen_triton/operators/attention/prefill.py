@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, launch_options, prefill_pdl,
+from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, launch_options,
                       wait_for_previous_kernel)
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -83,10 +83,10 @@ def _prefill_kernel(
     stride_out_token, stride_out_head,
     length_bucket, context_bucket,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    allow_next_kernel(USE_PDL == 2)
-    wait_for_previous_kernel(USE_PDL != 0)
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     block = tl.cdiv(length, TOKENS) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -181,7 +181,7 @@ def attention_prefill(
         out.stride(0), out.stride(1),
         triton.next_power_of_2(length), triton.next_power_of_2(start + length),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IEEE=q.dtype == torch.float32, USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, keep_preferred,
-                      launch_options, prefill_pdl, wait_for_previous_kernel)
+                      launch_options, wait_for_previous_kernel)
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WIDTH = 16  # the state reads of a prefill program stay inside the first time block (BLOCK_T >= 16)
@@ -240,12 +240,12 @@ def _causal_conv1d_kernel(
     x_ptr, weight_ptr, state_ptr, out_ptr,
     length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    WALK_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    WALK_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # the grid: (channel blocks, time blocks) for the tile kernel (WALK_BLOCKS = 0), (channel blocks, segments
     # of WALK_BLOCKS time blocks) for the walking kernel
-    allow_next_kernel(USE_PDL == 2)
-    wait_for_previous_kernel(USE_PDL != 0)
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     if WALK_BLOCKS == 0:
         _shifted_tiles(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
                        stride_ot, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C)
@@ -381,7 +381,7 @@ def causal_conv1d(
         x, weight, conv_state, out,
         length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0),
         min(triton.next_power_of_2(length), 4096),
-        WIDTH=width, BLOCK_W=triton.next_power_of_2(width), USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width), USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -111,8 +111,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, keep_preferred,
-                      launch_options, prefill_pdl, wait_for_previous_kernel)
+from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
@@ -291,13 +290,10 @@ def _chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
     through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
-    allow_next_kernel(USE_PDL == 2)
-    wait_for_previous_kernel(USE_PDL != 0)
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // GROUP
@@ -384,13 +380,11 @@ def _chunk_state_kernel(
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
     the final state (float32) in place."""
-    allow_next_kernel(USE_PDL == 2)
-    wait_for_previous_kernel(USE_PDL != 0)
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -446,14 +440,11 @@ def _chunk_output_kernel(
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
     O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
     instead, O rounded to the output dtype first, as the norm kernel reads it."""
-    allow_next_kernel(USE_PDL == 2)
-    wait_for_previous_kernel(USE_PDL != 0)
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
@@ -495,14 +486,12 @@ def gated_delta_rule_chunked(
     out: torch.Tensor | None = None,
     dot_precision: str | None = None,
     output_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Prefill of one sequence: o [T, Hv, Dv]; state [Hv, Dk, Dv] float32 carried in place.
 
     dot_precision: None (the default mix, see the module docstring), "tf32" or "ieee" (float32 operands).
     output_norm: (z [T, Hv * Dv], weight [Dv], eps): return gated_rms_norm(o, z, weight, eps) instead of o
     (gated_rms_norm.py's roundings, o rounded to v's dtype first), formed by the output kernel.
-    pdl: launch the three kernels with programmatic dependent launch (Hopper; operators/common.py).
     """
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
@@ -532,9 +521,9 @@ def gated_delta_rule_chunked(
         return out
 
     scratch = _scratch(q, v, dot_precision)
-    _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch, pdl)
-    _launch_state_pass(state, scratch, pdl)
-    _launch_output(q, out, scratch, output_norm, pdl)
+    _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+    _launch_state_pass(state, scratch)
+    _launch_output(q, out, scratch, output_norm)
     return out
 
 
@@ -575,7 +564,7 @@ def _scratch(q, v, dot_precision) -> _Scratch:
     )
 
 
-def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, pdl: bool = False) -> None:
+def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
@@ -586,11 +575,11 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, pdl: bool 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
-        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision, USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
+        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision,
     )
 
 
-def _launch_state_pass(state, scratch: _Scratch, pdl: bool = False) -> None:
+def _launch_state_pass(state, scratch: _Scratch) -> None:
     """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, CHUNK)
@@ -601,11 +590,10 @@ def _launch_state_pass(state, scratch: _Scratch, pdl: bool = False) -> None:
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
     )
 
 
-def _launch_output(q, out, scratch: _Scratch, output_norm=None, pdl: bool = False) -> None:
+def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
     """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, CHUNK)
@@ -625,7 +613,6 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None, pdl: bool = Fals
         NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
-        USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
     )
 
 

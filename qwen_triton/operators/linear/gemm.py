@@ -65,15 +65,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
-                      launch_options, prefill_pdl, prefetch_to_l2, preferred_entry, wait_for_previous_kernel)
+                      launch_options, preferred_entry, wait_for_previous_kernel)
 from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
 TMA_ROWS = MAX_SPLIT_ROWS + 1  # gemm(tma=None) loads through descriptors from this many rows on, where it can
 MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
-# Launched with PDL, a short prompt's GEMM asks the L2 for its weight rows before its wait (gemm's pdl)
-PREFETCH_WEIGHTS = True
 
 
 def _configs(split: bool) -> list[triton.Config]:
@@ -196,11 +194,11 @@ def _prune(configs, named_args, **kwargs):
 @triton.jit
 def _prologue_kernel(x_ptr, gate_ptr, norm_ptr, out_ptr, M, K, stride_xm, stride_gm, stride_om, eps,
                      HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr = 0):
+                     USE_PDL: tl.constexpr = False):
     """out[row] = prologue(x[row]): the normalised (rstd * (1 + w)) or gated (sigmoid(gate)) row the GEMM
     multiplies, rounded to x's dtype. One program per row; bytes 2*K*2 (+ K*2 of gate) per row."""
-    allow_next_kernel(USE_PDL == 2)
-    wait_for_previous_kernel(USE_PDL != 0)
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)
     offs_m = row + tl.arange(0, 1)
     if HAS_NORM:
@@ -252,14 +250,13 @@ def _gemm_kernel(
     stride_xm, stride_wn, stride_om, stride_rm,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
+    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
-    # USE_PDL: launched with PDL, everything after the wait; PREFETCH (with it): the programs of the first row
-    # block first ask the L2 for their weight rows, which stream while the previous kernel drains.
-    allow_next_kernel(USE_PDL == 2)
+    # USE_PDL: launched with PDL (everything after the wait)
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -268,14 +265,6 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH:
-        if pid_m == 0:
-            rows = w_ptr + offs_n.to(tl.int64) * stride_wn + k_start
-            sizes = tl.where(offs_n < N, tl.maximum(k_end - k_start, 0) * 2, 0)  # 16-bit rows (gemm() checks)
-            prefetch_to_l2(rows, sizes)
-            if ACTIVATION == SWIGLU:
-                prefetch_to_l2(rows + N * stride_wn, sizes)
-    wait_for_previous_kernel(USE_PDL != 0)
     if TMA:
         acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -326,7 +315,7 @@ def _apply_prologue(x, gate, norm_weight, eps, pdl=False):
         x, x if gate is None else gate, x if norm_weight is None else norm_weight, out,
         M, K, x.stride(0), 0 if gate is None else gate.stride(0), out.stride(0), eps,
         HAS_GATE=gate is not None, HAS_NORM=norm_weight is not None, BLOCK_K=min(triton.next_power_of_2(K), 1024),
-        num_warps=4, USE_PDL=prefill_pdl(pdl), **launch_options(pdl),
+        num_warps=4, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 
@@ -347,23 +336,13 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
 
 
-def prefetches_weights(weight: torch.Tensor, M: int, tma: bool, pdl: bool) -> bool:
-    """Whether gemm's programs ask the L2 for their weight rows before their PDL wait: launched with PDL, with
-    PREFETCH_WEIGHTS, for a short prompt (M <= MAX_SPLIT_ROWS, whose GEMMs are bound by the weight bytes) on the
-    pointer loads, and rows the bulk prefetch can name (16-bit, 16-byte aligned, K a multiple of 8)."""
-    return (pdl and PREFETCH_WEIGHTS and not tma and M <= MAX_SPLIT_ROWS and weight.element_size() == 2
-            and weight.data_ptr() % 16 == 0 and (weight.stride(0) * 2) % 16 == 0 and weight.shape[1] % 8 == 0)
-
-
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
          tma=None, pdl=False):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
-    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py); a short
-    prompt's GEMM (pointer loads, 16-bit, 16-byte aligned rows) then first asks the L2 for its weight rows
-    (PREFETCH_WEIGHTS)."""
+    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py)."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
@@ -384,8 +363,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         kernel = _gemm_split if split_k else _gemm_no_split
         x_operand, w_operand = x, weight
 
-    prefetch = prefetches_weights(weight, M, tma, pdl)
-
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
@@ -394,6 +371,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         M, N, K, bucket,
         x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
-        USE_PDL=prefill_pdl(pdl), PREFETCH=prefetch, **launch_options(pdl),
+        USE_PDL=pdl, **launch_options(pdl),
     )
     return out
