@@ -106,6 +106,8 @@ SCREENED_LM_HEAD_PDL = True
 # (its next kernel's programs placed beside its latency-bound ones); 4096 tokens no gain (13.56-13.73 ms).
 PREFILL_PDL = True
 PREFILL_PDL_TOKENS = 256
+# The decode attention's autotuning on a call over the whole cache (TritonModel._tune_decode_attention)
+TUNE_DECODE_ATTENTION_AT_FULL_LENGTH = True
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
 
 
@@ -216,6 +218,7 @@ class TritonModel:
         self._reset_plans: dict[int, ZeroPlan] = {}  # slot -> the one launch that zeroes its states
         self._buffers: dict[int, DecodeBuffers] = {}
         self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self._decode_attention_tuned = False  # _tune_decode_attention has run
         # progress of the warm-ups on stderr (the first prefill, each decode graph's first step): they compile
         # and autotune the kernels, once per machine (the choices are cached on disk)
         self.progress = progress
@@ -561,7 +564,26 @@ class TritonModel:
                 feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
                           self.max_length - 1, pdl=pdl, host_ids=buffers.host_ids)
 
+    def _tune_decode_attention(self, buffers: DecodeBuffers) -> None:
+        """Let the split-KV attention's autotuner make its one pick (cached on disk, then used at every context)
+        on a call over the longest context this model serves, where its config matters, rather than on the
+        first step's few keys, where every config takes the same time: the step at long contexts then does not
+        depend on the context of the process's first step. Measured (docs/perf-notes.md, seventeenth
+        session): the same code ran the bench's step at 32768 in 720.3-728.7 us and fresh processes' in
+        683.8-690.2 us. The call reads the cache's whole length (its values do not matter) into the step's
+        own output buffer, which the step then overwrites."""
+        if self._decode_attention_tuned or self.device.type != "cuda" or not TUNE_DECODE_ATTENTION_AT_FULL_LENGTH:
+            return
+        self._decode_attention_tuned = True
+        attention = next((i for i, w in enumerate(self.layers) if isinstance(w, AttentionWeights)), None)
+        if attention is None:
+            return
+        lengths = torch.full((buffers.size,), self.max_length, device=self.device, dtype=torch.int32)
+        attention_decode(buffers.scratch["attention_q"], self.state.key[attention], self.state.value[attention],
+                         lengths, out=buffers.attention_out, num_splits=self.decode_splits, pdl=self.pdl)
+
     def _run(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
+        self._tune_decode_attention(buffers)
         if not self.cuda_graph:
             self._decode_body(buffers, mode, feedback)
             return
