@@ -567,10 +567,11 @@ class TritonModel:
     def _tune_decode_attention(self, buffers: DecodeBuffers) -> None:
         """Let the split-KV attention's autotuner make its one pick (cached on disk, then used at every context)
         on a call over the longest context this model serves, where its config matters, rather than on the
-        first step's few keys, where every config takes the same time: the step at long contexts then does not
-        depend on the context of the process's first step. Measured (docs/perf-notes.md, seventeenth
-        session): the same code ran the bench's step at 32768 in 720.3-728.7 us and fresh processes' in
-        683.8-690.2 us. The call reads the cache's whole length (its values do not matter) into the step's
+        first step's few keys, where the configs differ by noise: the pick no longer depends on the context of
+        the process's first step. Measured (benchmarks/engine_options.py, four processes each tuning afresh,
+        docs/perf-notes.md, seventeenth session): this pick (16-key tiles, 2 warps, 4 stages, both times) 687.2
+        and 687.3 us a step at context 32768, the first step's picks 690.2 and 693.0; at 128, 566.3-566.6
+        against 566.9-571.6. The call reads the cache's whole length (its values do not matter) into the step's
         own output buffer, which the step then overwrites."""
         if self._decode_attention_tuned or self.device.type != "cuda" or not TUNE_DECODE_ATTENTION_AT_FULL_LENGTH:
             return
