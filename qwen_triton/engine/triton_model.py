@@ -573,7 +573,7 @@ class TritonModel:
         and 687.3 us a step at context 32768, the first step's picks 690.2 and 693.0; at 128, 566.3-566.6
         against 566.9-571.6. The call reads the cache's whole length (its values do not matter) into the step's
         own output buffer, which the step then overwrites."""
-        if self._decode_attention_tuned or self.device.type != "cuda" or not TUNE_DECODE_ATTENTION_AT_FULL_LENGTH:
+        if self._decode_attention_tuned or not TUNE_DECODE_ATTENTION_AT_FULL_LENGTH:
             return
         self._decode_attention_tuned = True
         attention = next((i for i, w in enumerate(self.layers) if isinstance(w, AttentionWeights)), None)

@@ -91,6 +91,26 @@ def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence
     assert all(torch.isnan(tensor[0, :, 12:]).all() for tensor in state.key.values())  # not zeroed by reset
 
 
+def test_decode_attention_is_first_called_over_the_whole_cache(checkpoints, monkeypatch):
+    # TritonModel._tune_decode_attention: the autotuner's one pick is made over the longest context the model
+    # serves, once per model, before the first step; the logits are those of the model without it
+    calls = []
+    original = triton_model.attention_decode
+    monkeypatch.setattr(triton_model, "attention_decode", lambda q, key, value, lengths, **options:
+                        calls.append(lengths.tolist()) or original(q, key, value, lengths, **options))
+    token_ids = torch.randint(0, 300, (7,), generator=torch.Generator().manual_seed(9)).tolist()
+    tuned = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32,
+                max_length=16).score(token_ids, prefill=2)
+    assert calls[0] == [16]
+    assert len(calls) > 1 and all(max(lengths) <= len(token_ids) for lengths in calls[1:])
+    calls.clear()
+    monkeypatch.setattr(triton_model, "TUNE_DECODE_ATTENTION_AT_FULL_LENGTH", False)
+    plain = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32,
+                max_length=16).score(token_ids, prefill=2)
+    assert calls and all(max(lengths) <= len(token_ids) for lengths in calls)
+    assert torch.equal(tuned, plain)
+
+
 def test_greedy_generate_matches_transformers(checkpoints):
     directory = checkpoints["conditional"]
     llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=32)
