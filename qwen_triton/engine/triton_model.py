@@ -572,7 +572,8 @@ class TritonModel:
         docs/perf-notes.md, seventeenth session): this pick (16-key tiles, 2 warps, 4 stages, both times) 687.2
         and 687.3 us a step at context 32768, the first step's picks 690.2 and 693.0; at 128, 566.3-566.6
         against 566.9-571.6. The call reads the cache's whole length (its values do not matter) into the step's
-        own output buffer, which the step then overwrites."""
+        own output buffer, which the step then overwrites; under the interpreter (one config, nothing to tune)
+        it only costs its time, and the CPU tests check it that way."""
         if self._decode_attention_tuned or not TUNE_DECODE_ATTENTION_AT_FULL_LENGTH:
             return
         self._decode_attention_tuned = True

@@ -72,6 +72,10 @@ slower in the prefill of 4096 tokens (docs/perf-notes.md, eleventh session): the
 on a second stream (15.26-15.36 against 13.94-14.28 ms; it started only in kernel 1's last wave, and kernel 1
 had to run at 8 warps to leave it room), and kernel 3 beside the state pass through PDL (14.30-14.36 against
 13.85-13.95 ms: the state pass's steps slowed by the output programs on its SMs, 104 -> 134 us per layer).
+Nor do they take PDL as the prefill's other kernels do: with each letting the next launch at its entry, the
+engine's 128-token prefill took 1,893 against 1,772 us (benchmarks/prefill_options.py, seventeenth session; the
+next kernel's programs placed beside the few latency-bound ones); with every prefill kernel letting the next
+launch only at its exit, 1,800 against 1,797 without PDL.
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
