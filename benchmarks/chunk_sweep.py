@@ -21,7 +21,11 @@ each kernel at its first config (no tuning: they are accuracy options).
 versions before the state pass had a prepare kernel and a recurrence), so that the two calls compare the
 versions as a prefill runs them; its compilation and tuning come on top of this run's.
 
-    python3 benchmarks/chunk_sweep.py [--tokens 128,4096] [--out chunk.json] [--baseline REV_OR_FILE]
+--chunk-sizes 32,64 runs all of it at each chunk size (chunk_size=None: the size the engine's prefill takes at
+each length, chunk.chunk_size_for).
+
+    python3 benchmarks/chunk_sweep.py [--tokens 128,4096] [--chunk-sizes 32,64] [--out chunk.json]
+        [--baseline REV_OR_FILE]
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def graph_us(launch, count: int) -> float:
     return time_graph(lambda: launch(next(calls) % count), calls=count, replays=20) * 1e3
 
 
-def check(length: int) -> list[dict]:
+def check(length: int, chunk_size=None) -> list[dict]:
     """test_gpu_chunked at this length: the default mix (autotuned), then the tf32 and ieee options."""
     inputs = make_inputs(length, seed=20)
     initial = initial_state()
@@ -100,17 +104,18 @@ def check(length: int) -> list[dict]:
                 with_configs(kernel, configs[:1])
         started = time.perf_counter()
         state = initial.clone()
-        out = chunk.gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
+        out = chunk.gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision,
+                                             chunk_size=chunk_size)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started  # compilation and tuning included
         errors = (test_helpers.frobenius_error(out, ref_out), test_helpers.max_error(out, ref_out),
                   test_helpers.frobenius_error(state, ref_state))
-        row = dict(T=length, precision=precision or "default", out_frobenius=errors[0], out_max=errors[1],
+        row = dict(T=length, chunk=chunk_size or chunk.chunk_size_for(length), precision=precision or "default", out_frobenius=errors[0], out_max=errors[1],
                    state_frobenius=errors[2], bounds=bounds, first_call_s=seconds)
         passed = all(bound is None or error < bound for error, bound in zip(errors, bounds))
         if precision is None:
             again = initial.clone()
-            repeat = chunk.gated_delta_rule_chunked(*kernel_arguments(inputs), again)
+            repeat = chunk.gated_delta_rule_chunked(*kernel_arguments(inputs), again, chunk_size=chunk_size)
             row["bit_identical_repeat"] = bool(torch.equal(repeat, out) and torch.equal(again, state))
             passed = passed and row["bit_identical_repeat"]
         row["passed"] = passed
@@ -140,7 +145,8 @@ def load_baseline(where: str):
     return module
 
 
-def sweep(length: int, baseline=None) -> list[dict]:
+def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
+    size = chunk_size or chunk.chunk_size_for(length)
     copies = 18 if length <= 256 else 2
     sets = [make_inputs(length, seed=100 + i) for i in range(copies)]
     states = [initial_state(seed=200 + i) for i in range(copies)]
@@ -150,12 +156,12 @@ def sweep(length: int, baseline=None) -> list[dict]:
     rows = []
 
     def call(i):
-        chunk.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
+        chunk.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i], chunk_size=size)
 
     call(0)  # the autotuner's picks (tuned by check() already)
     picks = {name: short(kernel.best_config) if hasattr(kernel, "best_config") else None  # None: never ran
              for name, kernel in kernels.items()}
-    rows.append(dict(T=length, kernel="call", config=tuned_picks(chunk), us=graph_us(call, copies),
+    rows.append(dict(T=length, chunk=size, kernel="call", config=tuned_picks(chunk), us=graph_us(call, copies),
                      autotuner_pick=True))
 
     if baseline is not None:
@@ -163,11 +169,11 @@ def sweep(length: int, baseline=None) -> list[dict]:
             baseline.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
         baseline_call(0)  # tunes its kernels
-        rows.append(dict(T=length, kernel="baseline call", config=tuned_picks(baseline),
+        rows.append(dict(T=length, chunk=None, kernel="baseline call", config=tuned_picks(baseline),
                          us=graph_us(baseline_call, copies), autotuner_pick=True))
 
     # each copy its own scratch: the state pass replays a consistent (bounded) update of its state
-    scratches = [chunk._scratch(inputs["q"], inputs["v"], None) for inputs in sets]
+    scratches = [chunk._scratch(inputs["q"], inputs["v"], None, size) for inputs in sets]
 
     def prepare_only(i):
         chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
@@ -186,7 +192,7 @@ def sweep(length: int, baseline=None) -> list[dict]:
             for i in range(copies):  # compiles; the inputs of the later kernels
                 prepare_only(i)
                 state_only(i)
-            rows.append(dict(T=length, kernel=name, config=short(config), us=graph_us(launch, copies),
+            rows.append(dict(T=length, chunk=size, kernel=name, config=short(config), us=graph_us(launch, copies),
                              autotuner_pick=short(config) == picks[name]))
         with_configs(kernel, all_configs)
     return rows
@@ -195,30 +201,33 @@ def sweep(length: int, baseline=None) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="128,4096")
+    parser.add_argument("--chunk-sizes", help="e.g. 32,64 (default: the engine's choice at each length)")
     parser.add_argument("--out")
     parser.add_argument("--baseline", help="a git revision or a file: another chunk.py to time the call of")
     args = parser.parse_args()
     started = time.perf_counter()
     baseline = load_baseline(args.baseline) if args.baseline else None
     checks, rows = [], []
+    sizes = [int(c) for c in args.chunk_sizes.split(",")] if args.chunk_sizes else [None]
     for length in (int(t) for t in args.tokens.split(",")):
-        checks += check(length)
-        rows += sweep(length, baseline)
+        for size in sizes:
+            checks += check(length, size)
+            rows += sweep(length, baseline, size)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), checks=checks, rows=rows), f, indent=1)
     print(f"{torch.cuda.get_device_name()}: us per call, back to back in a CUDA graph ({time.perf_counter() - started:.0f} s "
           "in all, compilation included); * the autotuner's pick")
-    for length in dict.fromkeys(r["T"] for r in rows):
-        mine = [r for r in rows if r["T"] == length]
-        print(f"T={length}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
+    for length, size in dict.fromkeys((r["T"], r["chunk"]) for r in rows if r["kernel"] != "baseline call"):
+        mine = [r for r in rows if r["T"] == length and r["chunk"] in (size, None)]
+        print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
         for name in ("prepare", "state", "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
             print(f"  {name:10s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
                                               for r in timed))
-        for c in (c for c in checks if c["T"] == length):
+        for c in (c for c in checks if c["T"] == length and c["chunk"] == size):
             bounds = ", ".join("-" if b is None else f"{b:.0e}" for b in c["bounds"])
             repeat = f", bit-identical repeat {c['bit_identical_repeat']}" if "bit_identical_repeat" in c else ""
             print(f"  check {c['precision']:7s} o frob {c['out_frobenius']:.2e} max {c['out_max']:.2e}, state frob "

@@ -7,7 +7,7 @@ specialised as the engine's are (pointers and strides divisible by 16, the real 
 not a timing: fewer instructions on a latency-bound kernel's critical path is a prediction to measure on the
 GPU.
 
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3] [--chunk 64]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
 """
@@ -70,14 +70,15 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
+    parser.add_argument("--chunk", type=int, default=chunk.CHUNK, choices=chunk.CHUNK_SIZES, help="the chunk's rows")
     args = parser.parse_args()
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
-    constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=64, PRECISION="tf32",
+    constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
                      BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
     for warps in args.warps:
         counts = compile_counts(kernel, constants, warps, args.stages)
-        print(f"{args.kernel}, {warps} warps, {args.stages} stages:", counts)
+        print(f"{args.kernel}, chunks of {args.chunk}, {warps} warps, {args.stages} stages:", counts)
 
 
 if __name__ == "__main__":

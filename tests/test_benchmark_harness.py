@@ -47,14 +47,14 @@ def test_set_module_constant_keeps_constexpr_and_names_a_missing_constant():
     from qwen_triton.operators.linear import fusion
 
     module = sys.modules["qwen_triton.operators.linear.out_projection_mlp"]
-    saved = (module.TILE_ELEMENTS, chunk.SHORT_PROMPT_CHUNKS, fusion.SWIGLU)
+    saved = (module.TILE_ELEMENTS, chunk.SHORT_PROMPT_TOKENS, fusion.SWIGLU)
     try:
         set_module_constant("qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192")
-        set_module_constant("SHORT_PROMPT_CHUNKS=0", chunk)
+        set_module_constant("SHORT_PROMPT_TOKENS=0", chunk)
         set_module_constant("qwen_triton.operators.linear.fusion.SWIGLU=3")
-        assert module.TILE_ELEMENTS == 8192 and chunk.SHORT_PROMPT_CHUNKS == 0
+        assert module.TILE_ELEMENTS == 8192 and chunk.SHORT_PROMPT_TOKENS == 0
         assert isinstance(fusion.SWIGLU, tl.constexpr) and fusion.SWIGLU.value == 3
         with pytest.raises(SystemExit, match="has no constant NOPE"):
             set_module_constant("NOPE=1", chunk)
     finally:
-        module.TILE_ELEMENTS, chunk.SHORT_PROMPT_CHUNKS, fusion.SWIGLU = saved
+        module.TILE_ELEMENTS, chunk.SHORT_PROMPT_TOKENS, fusion.SWIGLU = saved

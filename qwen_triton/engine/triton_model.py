@@ -50,6 +50,7 @@ from ..operators.gated_delta_rule import (
     gated_delta_rule_decode_projected_cost,
     gated_rms_norm,
 )
+from ..operators.gated_delta_rule.chunk import chunk_size_for
 from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.lm_head.screened import build_screen, lm_head_argmax_screened, screened_lm_head_bytes
@@ -427,8 +428,9 @@ class TritonModel:
                     mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl)
                 q, k, v = self._heads(mixed)
 
-                def delta_cost():  # q, k, v and z in, the normed output out
-                    per_token_head = 2 * 64 * (c.linear_key_head_dim + c.linear_value_head_dim) + \
+                def delta_cost():  # q, k, v and z in, the normed output out (the chunk size: chunk.py's choice)
+                    chunk = chunk_size_for(tokens)
+                    per_token_head = 2 * chunk * (c.linear_key_head_dim + c.linear_value_head_dim) + \
                         6 * c.linear_key_head_dim * c.linear_value_head_dim
                     return (self._state_bytes(1) + tokens * (c.linear_conv_dim + 2 * c.linear_value_dim) * element,
                             tokens * c.linear_num_value_heads * per_token_head)

@@ -118,13 +118,14 @@ def test_gating(device, dtype):
 
 @pytest.mark.parametrize("length", [1, 17, 64, 65, 130])
 @pytest.mark.parametrize("initial_state", [False, True])
-def test_chunked_matches_reference(device, length, initial_state):
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_chunked_matches_reference(device, length, initial_state, chunk_size):
     key_heads, value_heads, key_dim, value_dim = 1, 2, 24, 40
     inputs = make_inputs(length, key_heads, value_heads, key_dim, value_dim, torch.float32, device, seed=length)
     shape = (value_heads, key_dim, value_dim)
     state = random_state(shape, device) if initial_state else torch.zeros(shape, device=device)
     ref_out, ref_state = reference_chunked(inputs, state.clone())
-    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
     torch.testing.assert_close(out, ref_out, **TOLERANCE[torch.float32])
     torch.testing.assert_close(state, ref_state, **TOLERANCE[torch.float32])
 
@@ -141,13 +142,14 @@ def test_chunked_small_heads(device, shape):
     torch.testing.assert_close(state, ref_state, **TOLERANCE[torch.float32])
 
 
-def test_chunked_float16(device):
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_chunked_float16(device, chunk_size):
     """16-bit activations: the state pass's and the output kernel's products take float16 operands, and the
     chunk start states and V' pass between them in float16 (the default precision mix)."""
     inputs = make_inputs(100, 2, 4, 24, 40, torch.float16, device, seed=4)
     state = random_state((4, 24, 40), device)
     ref_out, ref_state = reference_chunked(inputs, state.clone())
-    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
     assert out.dtype == torch.float16
     assert frobenius_error(out, ref_out) < 5e-3
     assert frobenius_error(state, ref_state) < 5e-3
@@ -170,10 +172,11 @@ def test_chunked_state_equals_recurrent_steps(device):
 
 
 def test_chunked_in_two_calls_equals_one(device):
-    """A prefill split at a chunk-crossing point carries the state exactly as one call does."""
+    """A prefill split at a chunk-crossing point carries the state exactly as one call does (the whole in
+    chunks of 64, its parts in chunks of 32: the chunk size changes only roundings)."""
     inputs = make_inputs(90, 1, 2, 24, 40, torch.float32, device, seed=6)
     whole_state = torch.zeros(2, 24, 40, device=device)
-    whole = gated_delta_rule_chunked(*kernel_arguments(inputs), whole_state)
+    whole = gated_delta_rule_chunked(*kernel_arguments(inputs), whole_state, chunk_size=64)
     split_state = torch.zeros_like(whole_state)
     first = gated_delta_rule_chunked(*[x[:33] for x in kernel_arguments(inputs)[:5]], inputs["A_log"],
                                      inputs["dt_bias"], split_state)
@@ -183,20 +186,22 @@ def test_chunked_in_two_calls_equals_one(device):
     torch.testing.assert_close(split_state, whole_state, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_start_states_are_the_prefix_states(device):
-    """The state pass's chunk start states: chunk c's is the final state of a call on the first 64 c tokens."""
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_chunked_start_states_are_the_prefix_states(device, chunk_size):
+    """The state pass's chunk start states: chunk c's is the final state of a call on the first C c tokens."""
     length, heads, key_dim, value_dim = 130, 2, 24, 40
     inputs = make_inputs(length, 1, heads, key_dim, value_dim, torch.float32, device, seed=8)
     initial = random_state((heads, key_dim, value_dim), device)
-    scratch = chunk_module._scratch(inputs["q"], inputs["v"], None)
+    scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size)
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
     chunk_module._launch_state_pass(initial.clone(), scratch)
-    assert scratch.chunk_states.shape == (3, heads, key_dim, value_dim)
+    chunks = -(-length // chunk_size)
+    assert scratch.chunk_states.shape == (chunks, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
-    for chunk in (1, 2):
-        prefix = [x[:chunk * chunk_module.CHUNK] for x in kernel_arguments(inputs)[:5]]
+    for chunk in range(1, chunks):
+        prefix = [x[:chunk * chunk_size] for x in kernel_arguments(inputs)[:5]]
         state = initial.clone()
-        gated_delta_rule_chunked(*prefix, inputs["A_log"], inputs["dt_bias"], state)
+        gated_delta_rule_chunked(*prefix, inputs["A_log"], inputs["dt_bias"], state, chunk_size=chunk_size)
         torch.testing.assert_close(scratch.chunk_states[chunk], state, rtol=1e-5, atol=1e-6)
 
 
@@ -299,11 +304,11 @@ def test_invert_unit_lower(device, blocks, size, correlation):
 
 
 @pytest.mark.parametrize("correlation", [0.0, 0.9, 1.0])
-def test_invert_chunk(device, correlation):
+@pytest.mark.parametrize("size", chunk_module.CHUNK_SIZES)
+def test_invert_chunk(device, correlation, size):
     """The chunk's whole inverse as _chunk_prepare_kernel forms it: doubling inside the 16 x 16 blocks, then
-    the merges into 32 x 32 and 64 x 64, through a scratch block (garbage before: every entry is written
+    the merges into 32 x 32 (and 64 x 64), through a scratch block (garbage before: every entry is written
     before it is read)."""
-    size = chunk_module.CHUNK
     system = chunk_systems(3, size, correlation, seed=1)
     for a in system:
         x = torch.empty(size, size, device=device)
@@ -509,7 +514,7 @@ def test_argument_errors(device):
     with pytest.raises(ValueError, match="state"):
         gated_delta_rule_chunked(*args, state[:, :, :8])
     with pytest.raises(ValueError, match="chunk_size"):
-        gated_delta_rule_chunked(*args, state, chunk_size=32)
+        gated_delta_rule_chunked(*args, state, chunk_size=16)
     with pytest.raises(ValueError, match="^k "):
         gated_delta_rule_chunked(args[0], args[1][:5], *args[2:], state)
     with pytest.raises(ValueError, match="^v "):
@@ -568,27 +573,29 @@ def real_shape_chunked_case(length, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length", [128, 4096])
-def test_gpu_chunked(length):
+@pytest.mark.parametrize("length, chunk_size", [(128, 32), (128, 64), (4096, None)])
+def test_gpu_chunked(length, chunk_size):
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=20)
     state = initial.clone()
-    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
     assert frobenius_error(out, ref_out) < 1.5e-2
     assert max_error(out, ref_out) < 2e-2
     assert frobenius_error(state, ref_state) < 1e-2
     again = initial.clone()
-    assert torch.equal(gated_delta_rule_chunked(*kernel_arguments(inputs), again), out)
+    assert torch.equal(gated_delta_rule_chunked(*kernel_arguments(inputs), again, chunk_size=chunk_size), out)
     assert torch.equal(again, state)
     for precision in ("tf32", "ieee"):  # the float32-operand options are at least as accurate
         state = initial.clone()
-        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
+        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision,
+                                       chunk_size=chunk_size)
         assert frobenius_error(out, ref_out) < 1e-2
         assert frobenius_error(state, ref_state) < 5e-3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length", [1, 5, 63, 65])
-def test_gpu_chunked_short_prompts(length):
+@pytest.mark.parametrize("length", [1, 5, 31, 33, 63, 65])
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_gpu_chunked_short_prompts(length, chunk_size):
     """Prompts of one partial chunk or two, at the real shape: with `chunks` specialised to 1, Triton unrolled
     the state pass's loop for one-chunk prompts, without pipelining, where the eighth session's version of
     the state pass reading stored decayed keys faulted with an illegal address on the H200 (2026-11-30);
@@ -596,23 +603,24 @@ def test_gpu_chunked_short_prompts(length):
     after."""
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=23)
     state = initial.clone()
-    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
     torch.cuda.synchronize()
     assert frobenius_error(out, ref_out) < 1.5e-2
     assert frobenius_error(state, ref_state) < 1e-2
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
     normed = gated_delta_rule_chunked(*kernel_arguments(inputs), initial.clone(),
-                                      output_norm=(inputs["z"], weight, 1e-6))
+                                      output_norm=(inputs["z"], weight, 1e-6), chunk_size=chunk_size)
     expected = gated_rms_norm(out, inputs["z"], weight, 1e-6)
     assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3
 
 
 @pytest.mark.gpu
-def test_gpu_chunked_every_config():
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_gpu_chunked_every_config(chunk_size):
     """Each config of each of the three kernels pinned in turn (the others at their autotuner's pick), at the real
-    shape over four chunks (the last partial), with and without the output norm: a config the compiler gets wrong
-    fails here whatever the tuning picks (one did, 2026-11-30, in a version of the output kernel: docs/perf-notes.md,
-    tenth session)."""
+    shape over four or seven chunks (the last partial), with and without the output norm, for each chunk size: a
+    config the compiler gets wrong fails here whatever the tuning picks (one did, 2026-11-30, in a version of the
+    output kernel: docs/perf-notes.md, tenth session)."""
     length = 200
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=24)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
@@ -625,13 +633,13 @@ def test_gpu_chunked_every_config():
             for config in every:
                 kernel.configs, kernel.cache = [config], {}
                 state = initial.clone()
-                out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+                out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
                 torch.cuda.synchronize()
                 assert frobenius_error(out, ref_out) < 1.5e-2, (name, config)
                 assert max_error(out, ref_out) < 2e-2, (name, config)
                 assert frobenius_error(state, ref_state) < 1e-2, (name, config)
                 normed = gated_delta_rule_chunked(*kernel_arguments(inputs), initial.clone(),
-                                                  output_norm=(inputs["z"], weight, 1e-6))
+                                                  output_norm=(inputs["z"], weight, 1e-6), chunk_size=chunk_size)
                 expected = gated_rms_norm(out, inputs["z"], weight, 1e-6)
                 assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3, (name, config)
         finally:
@@ -779,7 +787,8 @@ picks = {}
 for name in ("prepare", "state", "output"):
     kernel = getattr(chunk, f"_chunk_{name}_kernel")
     prune = kernel.early_config_prune
-    kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32")) for bucket in (2, 4, 8, 64)]
+    kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32", CHUNK_ROWS=rows))
+            for rows in (64, 32) for bucket in (2, 4, 8, 64)]
     picks[name] = [kept, len(kernel.configs)]
 kernel = conv._causal_conv1d_kernel
 kept = [kernel.early_config_prune(kernel.configs, dict(length_bucket=n)) for n in (128, 256, 512, 4096)]
@@ -791,10 +800,11 @@ print(json.dumps(picks))
 
 def test_short_prompts_run_the_swept_configs():
     # outside the interpreter (which keeps one config), with every config: prompts of up to 256 tokens get
-    # exactly the pinned config of each chunk kernel, longer ones the whole tuning space; the prefill conv
+    # exactly the pinned config of each chunk kernel (chunks of 64: up to 4 chunks; of 32: up to 8), longer ones
+    # the whole tuning space; the prefill conv
     # one pinned config at every length: the tile up to 512 tokens, the walk beyond
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
     conv_kept, conv_every = picks.pop("conv")
     assert conv_every > 1 and conv_kept == [[[16, 128, 0, 4]]] * 3 + [[[8, 512, 4, 4]]], conv_kept
     for name, (kept, every) in picks.items():
-        assert every > 1 and kept == [1, 1, every, every], (name, kept, every)
+        assert every > 1 and kept == [1, 1, every, every] + [1, 1, 1, every], (name, kept, every)

@@ -121,6 +121,12 @@ from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_
 from .recurrent import state_slab
 
 CHUNK = 64
+# Prompts of up to SHORT_CHUNK_TOKENS tokens run in chunks of SHORT_CHUNK tokens (gated_delta_rule_chunked's
+# chunk_size=None): twice the programs of the fully parallel kernels and a shorter inverse, for a state pass of
+# twice the (cheaper) steps. See the module docstring for what was measured.
+SHORT_CHUNK = 32
+SHORT_CHUNK_TOKENS = 256
+CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -217,29 +223,31 @@ def _merge_blocks(block_base, upper_offsets, SIZE: tl.constexpr, BLOCK: tl.const
 @triton.jit
 def _invert_chunk(system, block_base):
     """(I + A)^-1 [C, C] of a strictly lower triangular A [C, C] (entries on and above the diagonal are
-    ignored; C a power of two >= 64), through block_base, a [C, C] float32 scratch of this program's own:
+    ignored; C a power of two >= 32), through block_base, a [C, C] float32 scratch of this program's own:
     A is stored there, and its blocks are replaced by those of the inverse as they are formed, so that
-    each step loads its operands in the shapes its products take. The four C/4 diagonal blocks are
-    inverted by recursive doubling, batched, then merged in pairs (two C/4 corners, batched), then the
-    two halves (one C/2 corner)."""
+    each step loads its operands in the shapes its products take. The diagonal blocks (four of C/4 for
+    C >= 64, two of 16 for C = 32: tl.dot's smallest) are inverted by recursive doubling, batched, then
+    merged in pairs (for C >= 64: two C/4 corners, batched), then the two halves (one C/2 corner)."""
     size: tl.constexpr = system.shape[0]
-    block: tl.constexpr = size // 4
+    block: tl.constexpr = size // 4 if size >= 64 else size // 2
+    count: tl.constexpr = size // block
     rows = tl.arange(0, size)
     square = rows[:, None] * size + rows[None, :]
     tl.store(block_base + square, tl.where(rows[:, None] > rows[None, :], system, 0.0))  # zero on and above
     tl.debug_barrier()
     r = tl.arange(0, block)[None, :, None]
     c = tl.arange(0, block)[None, None, :]
-    diagonal = tl.arange(0, 4)[:, None, None] * (block * (size + 1)) + r * size + c  # [4, C/4, C/4]
+    diagonal = tl.arange(0, count)[:, None, None] * (block * (size + 1)) + r * size + c  # [count, block, block]
     inverses = _invert_unit_lower(tl.load(block_base + diagonal, cache_modifier=".cg"))
     tl.debug_barrier()
     tl.store(block_base + diagonal, inverses)
     tl.debug_barrier()
-    _merge_blocks(block_base, tl.arange(0, 2)[:, None, None] * (2 * block * (size + 1)) + r * size + c,
-                  size, block)
-    half = tl.arange(0, 2 * block)
+    if count == 4:
+        _merge_blocks(block_base, tl.arange(0, 2)[:, None, None] * (2 * block * (size + 1)) + r * size + c,
+                      size, block)
+    half = tl.arange(0, size // 2)
     # (the halves' upper-right blocks hold A's zeros, as the inverse's do)
-    _merge_blocks(block_base, half[:, None] * size + half[None, :], size, 2 * block)
+    _merge_blocks(block_base, half[:, None] * size + half[None, :], size, size // 2)
     return tl.load(block_base + square, cache_modifier=".cg")
 
 
@@ -255,22 +263,31 @@ PREPARE_CONFIGS = [
 ]
 
 
-# Prompts of up to SHORT_PROMPT_CHUNKS chunks (256 tokens) run the configs that were fastest at T = 128 back
-# to back in a CUDA graph on the H200, the same in two runs (benchmarks/chunk_sweep.py, commits 447c82a and
-# 4db1353): there the kernels take 6-20 us, the autotuner's one-launch timings picked differently from run
-# to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with its picks.
-SHORT_PROMPT_CHUNKS = 4
+# Prompts of up to SHORT_PROMPT_TOKENS tokens run the configs that were fastest at T = 128 back to back in a
+# CUDA graph on the H200, for each chunk size (benchmarks/chunk_sweep.py; chunks of 64: the same in two runs,
+# commits 447c82a and 4db1353): there the kernels take 6-20 us, the autotuner's one-launch timings picked
+# differently from run to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with
+# its picks.
+SHORT_PROMPT_TOKENS = 256
 SHORT_PROMPT_PICKS = {
-    "prepare": dict(num_warps=8, num_stages=3),
-    "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
-    "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
+    CHUNK: {
+        "prepare": dict(num_warps=8, num_stages=3),
+        "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
+        "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
+    },
+    SHORT_CHUNK: {
+        "prepare": dict(num_warps=4, num_stages=3),
+        "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
+        "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
+    },
 }
 
 
 def _short_prompt_pick(kernel: str):
     def prune(configs, named_args, **kwargs):
-        if named_args.get("chunk_bucket", SHORT_PROMPT_CHUNKS + 1) <= SHORT_PROMPT_CHUNKS:
-            return keep_preferred(configs, SHORT_PROMPT_PICKS[kernel])
+        chunk = kwargs.get("CHUNK_ROWS", CHUNK)
+        if named_args.get("chunk_bucket", SHORT_PROMPT_TOKENS) * chunk <= SHORT_PROMPT_TOKENS:
+            return keep_preferred(configs, SHORT_PROMPT_PICKS.get(chunk, {}).get(kernel))
         return configs
     return prune
 
@@ -284,7 +301,7 @@ def _prune_prepare(configs, named_args, **kwargs):
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
-@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS), key=["chunk_bucket", "K_DIM", "V_DIM", "PRECISION"],
+@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS), key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
@@ -373,7 +390,7 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
 
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
     restore_value=["state_ptr"], cache_results=True,
 )
@@ -434,7 +451,7 @@ def _prune_output(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
-                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "PRECISION", "NORM"],
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM"],
                  prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
@@ -486,7 +503,7 @@ def gated_delta_rule_chunked(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int = CHUNK,
+    chunk_size: int | None = None,
     out: torch.Tensor | None = None,
     dot_precision: str | None = None,
     output_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
@@ -497,8 +514,8 @@ def gated_delta_rule_chunked(
     output_norm: (z [T, Hv * Dv], weight [Dv], eps): return gated_rms_norm(o, z, weight, eps) instead of o
     (gated_rms_norm.py's roundings, o rounded to v's dtype first), formed by the output kernel.
     """
-    if chunk_size != CHUNK:
-        raise ValueError(f"chunk_size must be {CHUNK}, got {chunk_size}")
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES}, got {chunk_size}")
     check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
     length, key_heads, key_dim = q.shape
     check_tensor("k", k, shape=(length, key_heads, key_dim), dtype=q.dtype)
@@ -524,7 +541,7 @@ def gated_delta_rule_chunked(
     if length == 0:
         return out
 
-    scratch = _scratch(q, v, dot_precision)
+    scratch = _scratch(q, v, dot_precision, chunk_size)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
     _launch_state_pass(state, scratch)
     _launch_output(q, out, scratch, output_norm)
@@ -533,6 +550,7 @@ def gated_delta_rule_chunked(
 
 class _Scratch(NamedTuple):
     """What kernel 1 writes for kernels 2 and 3, what kernel 2 writes for kernel 3, and the precisions."""
+    chunk: int  # the chunk's rows, C
     prepare_precision: str
     dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
@@ -546,7 +564,12 @@ class _Scratch(NamedTuple):
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
 
 
-def _scratch(q, v, dot_precision) -> _Scratch:
+def chunk_size_for(length: int) -> int:
+    """The chunk size gated_delta_rule_chunked(chunk_size=None) takes for a prompt of `length` tokens."""
+    return SHORT_CHUNK if length <= SHORT_CHUNK_TOKENS else CHUNK
+
+
+def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     if v.dtype == torch.float32 or dot_precision == "ieee":
         prepare_precision, dot_dtype, product_precision = "ieee", torch.float32, "ieee"
     elif dot_precision == "tf32":
@@ -554,15 +577,16 @@ def _scratch(q, v, dot_precision) -> _Scratch:
     else:
         prepare_precision, dot_dtype, product_precision = "tf32", v.dtype, "tf32"
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
-    chunks = triton.cdiv(length, CHUNK)
+    chunk = chunk_size or chunk_size_for(length)
+    chunks = triton.cdiv(length, chunk)
     return _Scratch(
-        prepare_precision, dot_dtype, product_precision,
+        chunk, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
-        qk=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=dot_dtype),
+        qk=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
-        system=torch.empty(chunks, value_heads, CHUNK, CHUNK, device=device, dtype=torch.float32),
+        system=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=torch.float32),
         new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
     )
@@ -571,7 +595,7 @@ def _scratch(q, v, dot_precision) -> _Scratch:
 def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
     """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
-    chunks = triton.cdiv(length, CHUNK)
+    chunks = triton.cdiv(length, scratch.chunk)
     _chunk_prepare_kernel[(chunks, value_heads, 2)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
         scratch.system,
@@ -579,20 +603,20 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
-        CHUNK_ROWS=CHUNK, PRECISION=scratch.prepare_precision,
+        CHUNK_ROWS=scratch.chunk, PRECISION=scratch.prepare_precision,
     )
 
 
 def _launch_state_pass(state, scratch: _Scratch) -> None:
     """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
-    chunks = triton.cdiv(length, CHUNK)
+    chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
         scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
         length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
-        CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
+        CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
     )
 
@@ -600,7 +624,7 @@ def _launch_state_pass(state, scratch: _Scratch) -> None:
 def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
     """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
-    chunks = triton.cdiv(length, CHUNK)
+    chunks = triton.cdiv(length, scratch.chunk)
     z, weight, eps = output_norm if output_norm is not None else (out, out, 0.0)  # unused stand-ins without it
 
     def grid(meta):
@@ -611,7 +635,7 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
         length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
-        CHUNK_ROWS=CHUNK, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
+        CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
         NORM=output_norm is not None,
@@ -620,11 +644,13 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
     )
 
 
-def gated_delta_rule_chunked_cost(length, key_heads, value_heads, key_dim, value_dim, element_size=2):
+def gated_delta_rule_chunked_cost(length, key_heads, value_heads, key_dim, value_dim, element_size=2,
+                                  chunk_size=None):
     """(bytes, FLOPs) of the floor: q, k, v, a, b in, o out, the float32 state in and out once; the
-    chunk's matmuls (A and Q K^T lower halves, the inverse, W, U, W S, Q S, (Q K^T) V', K^T V')."""
+    chunk's matmuls (A and Q K^T lower halves, the inverse, W, U, W S, Q S, (Q K^T) V', K^T V') at the chunk
+    size the call takes (chunk_size=None: chunk_size_for(length))."""
     data = element_size * length * (2 * key_heads * key_dim + 2 * value_heads * value_dim + 2 * value_heads)
     data += 2 * 4 * value_heads * key_dim * value_dim
-    n = CHUNK
+    n = chunk_size or chunk_size_for(length)
     per_chunk = n * n * (3 * key_dim + 2 * value_dim) + n**3 // 3 + 6 * n * key_dim * value_dim
     return data, triton.cdiv(length, n) * value_heads * per_chunk
