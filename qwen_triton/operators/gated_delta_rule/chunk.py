@@ -277,7 +277,7 @@ SHORT_PROMPT_PICKS = {
     },
     SHORT_CHUNK: {
         "prepare": dict(num_warps=4, num_stages=3),
-        "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
+        "state": dict(BLOCK_V=32, num_warps=8, num_stages=3),
         "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
     },
 }
