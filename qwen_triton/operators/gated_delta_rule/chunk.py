@@ -125,7 +125,7 @@ CHUNK = 64
 # chunk_size=None): twice the programs of the fully parallel kernels and a shorter inverse, for a state pass of
 # twice the (cheaper) steps. See the module docstring for what was measured.
 SHORT_CHUNK = 32
-SHORT_CHUNK_TOKENS = 1024
+SHORT_CHUNK_TOKENS = 2048
 CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
