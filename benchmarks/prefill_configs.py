@@ -9,8 +9,9 @@ captured in the warm-up), and the kernel's own duration inside the replayed grap
 launches of 3 prefills, from the CUDA profiler).
 
 --settings NAME=VALUE ... runs the whole sweep once per setting of a module constant of chunk.py (e.g.
-SHORT_PROMPT_TOKENS=0 and =256: the short-prompt pins off and on (SHORT_PROMPT_CHUNKS=0 and =4 before 2026-12-01); at commit 4ca1bd6 it compared the state
-pass with and without the output), or of another module named in full
+SHORT_PROMPT_TOKENS=0 and =256: the short-prompt pins off and on, SHORT_PROMPT_CHUNKS=0 and =4 before
+2026-12-01; at commit 4ca1bd6 it compared the state pass with and without the output), or of another module
+named in full
 (qwen_triton.operators.linear.gemm.TMA_ROWS=257: the GEMM's TMA loads from 257 rows on; at commits 4109275
 and 8e66760 it compared the GEMM's pointer and TMA loads, and a persistent TMA kernel since removed, as
 USE_TMA / USE_PERSISTENT); --configs pinned keeps the kernel's own config choice instead of each config in

@@ -1,7 +1,7 @@
 """The gated delta rule of the Gated DeltaNet layers (18 of the 24): between the causal conv and out_proj.
 
     gating                       g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (fused into the two below)
-    gated_delta_rule_chunked     prefill of one sequence, 64 tokens at a time (the UT / WY form)
+    gated_delta_rule_chunked     prefill of one sequence, 32 or 64 tokens at a time (the UT / WY form)
     gated_delta_rule_recurrent   one decode step of B sequences, the float32 state updated in place
     gated_rms_norm               per-head RMSNorm of the output, gated by silu(z)
     gated_delta_rule_decode_fused  conv step + gates + norms + recurrent step + gated norm of a layer's

@@ -1,9 +1,9 @@
-"""The gated delta rule over a whole sequence (prefill), 64 tokens at a time in the UT / WY form.
+"""The gated delta rule over a whole sequence (prefill), 32 or 64 tokens at a time in the UT / WY form.
 
 Per value head h (reading key head h // (Hv / Hk)), with the gates and L2 norms fused in:
     g, beta = gating(a, b);  q = l2norm(q) / sqrt(Dk);  k = l2norm(k)        (gating.py; float32)
-and, for a chunk of C = 64 tokens with G_i = g_1 + ... + g_i (the log-decay from the chunk's start) and
-the state S [Dk, Dv] at its start, the C rank-one updates of the recurrent form fold into matrices:
+and, for a chunk of C tokens (32 or 64: below) with G_i = g_1 + ... + g_i (the log-decay from the chunk's start)
+and the state S [Dk, Dv] at its start, the C rank-one updates of the recurrent form fold into matrices:
     A   = strictly-lower(diag(beta) K K^T * exp(G_i - G_j))                  [C, C]
     W   = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V       [C, Dk], [C, Dv]
     V'  = U - W S                                                            the corrected values
@@ -14,6 +14,17 @@ the state S [Dk, Dv] at its start, the C rank-one updates of the recurrent form 
 float32 [Hv]; state [Hv, Dk, Dv] float32: the initial state in, the final state out, in place.
 o [T, Hv, Dv] in v's dtype.
 
+The chunk size. The fully parallel kernels' work per token grows with C (the [C, C] products, the inverse), the
+sequential state pass's steps with T / C. Prompts of up to SHORT_CHUNK_TOKENS (2048) tokens run chunks of 32,
+longer ones of 64 (`chunk_size_for`; gated_delta_rule_chunked(chunk_size=32 or 64) forces one). Measured on the
+H200 (docs/perf-notes.md, eighteenth session): at T = 128, back to back in a CUDA graph (benchmarks/chunk_sweep.py
+--chunk-sizes 32,64, commit e5c4a2d), the call 28.6 us in chunks of 64 (prepare 18.8, state pass 6.9, output 5.9)
+against 18.1 in chunks of 32 (9.3, 9.4, 4.8): twice the programs and a 32 x 32 inverse for twice the state
+steps. In the engine's prefill (benchmarks/prefill_options.py, chunks of 32 against SHORT_CHUNK_TOKENS=0, us):
+64 tokens 1,497.4 against 1,671.2, 128 tokens 1,594.4 against 1,759.8, 256 tokens 2,029.3 against 2,131.3
+(e5c4a2d), 512 tokens 2,809.7 against 2,912.5, 1024 tokens 4,201.2 against 4,213.9 (7e98561), 2048 tokens
+7,281.2 against 7,350.0, and 4096 tokens 13,605.7 against 13,533.8 (e03104f): chunks of 64 from there.
+
 Three kernels:
 1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one stores
    the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, the decayed
@@ -21,7 +32,8 @@ Three kernels:
    on the chunk. The inverse by recursive doubling: a unit lower triangular [[I + A0, 0], [B, I + A1]] has the
    inverse [[X0, 0], [-X1 B X0, X1]], so the inverses of the 2 x 2 diagonal blocks (no product) give
    those of the 4 x 4, 8 x 8 and 16 x 16 blocks (the four 16 x 16 blocks at once, [4, 16, 16] products),
-   then of the two 32 x 32 blocks and of the whole: 10 small products in a chain of 10, where forward
+   then of the two 32 x 32 blocks and of the whole: 10 small products in a chain of 10 (for C = 32: the two
+   16 x 16 diagonal blocks, then the merge of the halves), where forward
    substitution takes a dependent step of cross-thread reductions per row. It is as accurate (max
    error / max |X| ~3e-7 in float32 for 16 x 16 and 64 x 64 blocks of strongly correlated keys); the
    product form (I - N)(I + N^2)(I + N^4)(I + N^8), N = strictly-lower A, is not (7e-4 there: the powers
@@ -100,7 +112,7 @@ program.
 ~10 MFLOP per 64-token chunk and head (K K^T and Q K^T 1.3M, W and U 1.3M, W S, Q S, K^T V' 6.3M and
 (Q K^T) V' 1M): ~10.7 GFLOP for T = 4096, of which kernel 2 does W S and K^T V' (4.2M per chunk and
 head) in sequence. (Kernel 1 forms K K^T and Q K^T whole, upper halves included, as one tensor-core
-product each: 0.8M more.)
+product each: 0.8M more.) In chunks of 32 the [C, C] products take half the FLOPs per token.
 Measured on the H200 (`benchmarks/chunk_sweep.py`, back to back in a CUDA graph, commit 447c82a): T = 4096,
 the call 377.3 us (prepare 166.8, state pass 181.7, output 35.3) against 436.3 us for the two-kernel
 version before it; T = 128, 31.2 against 30.4 us. Far from the floor: the state pass's 64 dependent steps
@@ -265,7 +277,8 @@ PREPARE_CONFIGS = [
 
 # Prompts of up to SHORT_PROMPT_TOKENS tokens run the configs that were fastest at T = 128 back to back in a
 # CUDA graph on the H200, for each chunk size (benchmarks/chunk_sweep.py; chunks of 64: the same in two runs,
-# commits 447c82a and 4db1353): there the kernels take 6-20 us, the autotuner's one-launch timings picked
+# commits 447c82a and 4db1353; chunks of 32: one run, e5c4a2d, where the state pass took 8.3 us at its pick
+# and 9.4 at that of chunks of 64): there the kernels take 5-20 us, the autotuner's one-launch timings picked
 # differently from run to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with
 # its picks.
 SHORT_PROMPT_TOKENS = 256
@@ -301,7 +314,8 @@ def _prune_prepare(configs, named_args, **kwargs):
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
-@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS), key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
+@triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
