@@ -66,6 +66,8 @@ def prologue(x, offs_m, offs_k, mask, K, gate_ptr, stride_gm, norm_ptr, rstd,
 def accumulate(
     x_ptr, stride_xm, w_ptr, stride_wn, up_offset, offs_m, offs_n, M, N, k_start, k_end,
     PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K=0, gate_ptr=None, stride_gm=0, norm_ptr=None, rstd=None,
+    HAS_GATE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
 ):
     """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32 on the tensor cores (BLOCK_M >= 16):
     [BLOCK_M, BLOCK_N]. One token uses `accumulate_row` instead.
@@ -76,6 +78,8 @@ def accumulate(
     runs as its own pass (gemm.py).
     PAIR: also accumulate the rows offs_n + up_offset / stride_wn (the up half of a gate_up weight)
     from the same x tiles; returns (acc, acc_up), acc_up = acc when not PAIR.
+    HAS_GATE / HAS_NORM: each x tile through `prologue` (rstd: its rows', over all K columns) before the
+    product, for short prompts where that measured faster than the separate pass (gemm.FUSED_PROLOGUE_ROWS).
     """
     x_rows = offs_m.to(tl.int64) * stride_xm
     w_rows = offs_n.to(tl.int64) * stride_wn
@@ -86,7 +90,10 @@ def accumulate(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
+        if HAS_GATE or HAS_NORM:
+            x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
         # the weight tile is loaded K-major ([BLOCK_K, BLOCK_N] view of row-major [N, K])
         w_mask = k_mask[:, None] & n_mask[None, :]
         w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)
