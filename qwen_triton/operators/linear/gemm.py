@@ -80,6 +80,8 @@ MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
 # Prompts of up to FUSED_PROLOGUE_ROWS tokens on the pointer loads apply the norm / gate prologue to each x tile in
 # the GEMM's main loop instead of in a pass of its own (gemm(fused_prologue=None)); 0: never
 FUSED_PROLOGUE_ROWS = 256
+FUSED_PROLOGUE_KINDS = ("gate", "norm")  # which prologues may be fused
+RSTD_BLOCK_K = 64  # the fused norm's rstd pass over the program's rows: columns per load
 
 
 def _configs(split: bool) -> list[triton.Config]:
@@ -259,7 +261,7 @@ def _gemm_kernel(
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    HAS_GATE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 64,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
@@ -281,7 +283,7 @@ def _gemm_kernel(
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         if HAS_NORM:
-            rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, BLOCK_K, "")
+            rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, RSTD_BLOCK, "")
         else:
             rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
@@ -369,6 +371,8 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         fused_prologue = M <= FUSED_PROLOGUE_ROWS
     fused_prologue = fused_prologue and not tma
     has_prologue = gate is not None or norm_weight is not None
+    fused_prologue = fused_prologue and ("gate" in FUSED_PROLOGUE_KINDS or gate is None) and \
+        ("norm" in FUSED_PROLOGUE_KINDS or norm_weight is None)
     if has_prologue and not fused_prologue:
         x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     N = out.shape[1]
@@ -397,6 +401,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         gate.stride(0) if fuse and gate is not None else 0, eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
         USE_PDL=pdl, HAS_GATE=fuse and gate is not None, HAS_NORM=fuse and norm_weight is not None,
-        **launch_options(pdl),
+        RSTD_BLOCK=min(RSTD_BLOCK_K, triton.next_power_of_2(K)), **launch_options(pdl),
     )
     return out
