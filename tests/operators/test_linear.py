@@ -195,7 +195,7 @@ TMA_CASES = [
 ]
 
 
-def run_gemm(x, weight, kwargs, split_k, tma, fused_prologue=None):
+def run_gemm(x, weight, kwargs, split_k, tma):
     """gemm() as linear calls it (out allocated, or the residual for "inplace"), with the tma choice."""
     from qwen_triton.operators.linear import gemm
 
@@ -204,51 +204,7 @@ def run_gemm(x, weight, kwargs, split_k, tma, fused_prologue=None):
     out = residual if kwargs.get("inplace") else torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
     return gemm.gemm(x, weight, out, residual=residual, gate=kwargs.get("gate"),
                      norm_weight=kwargs.get("norm_weight"), activation=1 if "activation" in kwargs else 0,
-                     split_k=split_k, tma=tma, fused_prologue=fused_prologue)
-
-
-def prologue_passes(monkeypatch) -> list:
-    """The row counts of the prologue passes gemm() launches, from now on."""
-    from qwen_triton.operators.linear import gemm
-
-    rows, apply = [], gemm._apply_prologue
-    monkeypatch.setattr(gemm, "_apply_prologue", lambda x, *args: rows.append(x.shape[0]) or apply(x, *args))
-    return rows
-
-
-@pytest.mark.parametrize("options", [("norm",), ("gate",), ("norm", "swiglu", "residual"), ("gate", "inplace")])
-@pytest.mark.parametrize("M, split_k", [(17, True), (40, False)])
-def test_gemm_prologue_in_the_main_loop_or_its_own_pass(device, monkeypatch, options, M, split_k):
-    """The norm / gate prologue applied to each x tile in the GEMM's main loop (fused_prologue=True) or by its
-    own pass first: both as the reference (x strided; splits of K for the gate, whose rows need no rstd)."""
-    x, weight, kwargs = inputs(M, 100, 70, torch.float16, device, options, seed=M)
-    kwargs["inplace"] = "inplace" in options
-    ref = reference(x, weight, **{k: v for k, v in kwargs.items() if k != "inplace"})
-    passes = prologue_passes(monkeypatch)
-    residual, results = kwargs.get("residual"), []
-    for fused in (True, False):
-        if kwargs["inplace"]:  # each run adds into a fresh copy
-            kwargs["residual"] = residual.clone()
-        results.append(run_gemm(x, weight, kwargs, split_k, tma=False, fused_prologue=fused).clone())
-        assert_close(results[-1], ref, torch.float16)
-    assert passes == [M]  # the pass ran for fused_prologue=False only
-    torch.testing.assert_close(results[0], results[1], rtol=2e-3, atol=2e-3)
-
-
-def test_gemm_fuses_the_prologue_for_short_prompts_only(device, monkeypatch):
-    """gemm(fused_prologue=None), as linear calls it: in the main loop up to FUSED_PROLOGUE_ROWS rows, its own pass
-    beyond and on the TMA loads."""
-    from qwen_triton.operators.linear import gemm
-
-    passes = prologue_passes(monkeypatch)
-    monkeypatch.setattr(gemm, "FUSED_PROLOGUE_ROWS", 24)
-    for M in (24, 25):
-        x, weight, kwargs = inputs(M, 64, 40, torch.float16, device, ("norm",), seed=M)
-        assert_close(linear(x.contiguous(), weight, **kwargs), reference(x, weight, **kwargs), torch.float16)
-    x, weight, kwargs = inputs(24, 64, 40, torch.float16, device, ("norm",), seed=1)
-    assert_close(run_gemm(x.contiguous(), weight, kwargs, True, tma=True), reference(x, weight, **kwargs),
-                 torch.float16)
-    assert passes == [25, 24]
+                     split_k=split_k, tma=tma)
 
 
 def described_operands(monkeypatch) -> list:
@@ -392,22 +348,6 @@ def test_gpu_prefill_projections_tensor_descriptors(monkeypatch, name, rows, K, 
     assert len(described) == 2
     assert relative_norm_error(out, ref) < GPU_BOUND
     assert torch.equal(run_gemm(x, weight, kwargs, True, tma=True), out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, rows, K, options", [p for p in PROJECTIONS if {"norm", "gate"} & set(p[3])],
-                         ids=[p[0] for p in PROJECTIONS if {"norm", "gate"} & set(p[3])])
-@pytest.mark.parametrize("M", [17, 100, 128, 256])
-def test_gpu_prefill_projections_prologue_in_the_main_loop(name, rows, K, options, M):
-    """Every projection with a prologue, short prompts, bf16: the prologue in the GEMM's main loop as close to the
-    float64 reference as its own pass, close to it, and the same on a repeat."""
-    x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
-    ref = reference(x, weight, **kwargs)
-    fused = run_gemm(x, weight, kwargs, True, tma=False, fused_prologue=True)
-    separate = run_gemm(x, weight, kwargs, True, tma=False, fused_prologue=False)
-    assert relative_norm_error(fused, ref) < GPU_BOUND
-    assert relative_norm_error(fused, separate.double()) < GPU_BOUND
-    assert torch.equal(run_gemm(x, weight, kwargs, True, tma=False, fused_prologue=True), fused)
 
 
 @pytest.mark.gpu

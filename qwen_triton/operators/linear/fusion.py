@@ -66,8 +66,6 @@ def prologue(x, offs_m, offs_k, mask, K, gate_ptr, stride_gm, norm_ptr, rstd,
 def accumulate(
     x_ptr, stride_xm, w_ptr, stride_wn, up_offset, offs_m, offs_n, M, N, k_start, k_end,
     PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K=0, gate_ptr=None, stride_gm=0, norm_ptr=None, rstd=None,
-    HAS_GATE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
 ):
     """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32 on the tensor cores (BLOCK_M >= 16):
     [BLOCK_M, BLOCK_N]. One token uses `accumulate_row` instead.
@@ -75,11 +73,12 @@ def accumulate(
     Both tiles go from memory straight to the dot, so the compiler pipelines their loads (num_stages
     buffers in shared memory); a prologue that transformed x here would take x through registers every step
     and, on the H200, made the projections 1.6-2.6x slower (benchmarks/gemm_sweep.py): the GEMM's prologue
-    runs as its own pass (gemm.py).
+    runs as its own pass (gemm.py). Short prompts too (docs/perf-notes.md, eighteenth session: the engine's
+    prefill of 128 tokens, benchmarks/prefill_options.py, commits 9f52f19 and 71d2f3b): 1,599 us with the pass,
+    1,661 with only the attention gate in the main loop, 1,952-2,313 with the norms too (their rstd over the
+    program's rows first).
     PAIR: also accumulate the rows offs_n + up_offset / stride_wn (the up half of a gate_up weight)
     from the same x tiles; returns (acc, acc_up), acc_up = acc when not PAIR.
-    HAS_GATE / HAS_NORM: each x tile through `prologue` (rstd: its rows', over all K columns) before the
-    product, for short prompts where that measured faster than the separate pass (gemm.FUSED_PROLOGUE_ROWS).
     """
     x_rows = offs_m.to(tl.int64) * stride_xm
     w_rows = offs_n.to(tl.int64) * stride_wn
@@ -90,10 +89,7 @@ def accumulate(
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=x_mask, other=0.0)
-        if HAS_GATE or HAS_NORM:
-            x = prologue(x, offs_m, offs_k, x_mask, K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         # the weight tile is loaded K-major ([BLOCK_K, BLOCK_N] view of row-major [N, K])
         w_mask = k_mask[:, None] & n_mask[None, :]
         w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=w_mask, other=0.0)

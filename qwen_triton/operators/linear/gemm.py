@@ -77,11 +77,6 @@ from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
 TMA_ROWS = MAX_SPLIT_ROWS + 1  # gemm(tma=None) loads through descriptors from this many rows on, where it can
 MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
-# Prompts of up to FUSED_PROLOGUE_ROWS tokens on the pointer loads apply the norm / gate prologue to each x tile in
-# the GEMM's main loop instead of in a pass of its own (gemm(fused_prologue=None)); 0: never
-FUSED_PROLOGUE_ROWS = 256
-FUSED_PROLOGUE_KINDS = ("gate", "norm")  # which prologues may be fused
-RSTD_BLOCK_K = 64  # the fused norm's rstd pass over the program's rows: columns per load
 
 
 def _configs(split: bool) -> list[triton.Config]:
@@ -255,19 +250,16 @@ def _tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr, gate_ptr, norm_ptr,
+    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
     M, N, K, M_BUCKET,
-    stride_xm, stride_wn, stride_om, stride_rm, stride_gm, eps,
+    stride_xm, stride_wn, stride_om, stride_rm,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    HAS_GATE: tl.constexpr = False, HAS_NORM: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 64,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
     # USE_PDL: launched with PDL (everything after the wait)
-    # HAS_GATE / HAS_NORM (pointer loads only): the prologue applied to each x tile in the main loop, the
-    # norm's rstd over the program's rows first (gemm(fused_prologue=True))
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
@@ -282,13 +274,8 @@ def _gemm_kernel(
         acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        if HAS_NORM:
-            rstd = row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M, RSTD_BLOCK, "")
-        else:
-            rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
-                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K,
-                                 K, gate_ptr, stride_gm, norm_ptr, rstd, HAS_GATE, HAS_NORM)
+                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
@@ -297,7 +284,7 @@ def _gemm_kernel(
                            stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL)
 
 
-_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED", "HAS_GATE", "HAS_NORM"]
+_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED"]
 # (a single config, as under the interpreter, is not pruned: the split list's first config then splits K
 # at any M, and the launcher gives it a workspace)
 _gemm_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
@@ -355,26 +342,18 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False, fused_prologue=None):
+         tma=None, pdl=False):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
-    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
-    fused_prologue: apply the prologue to each x tile in the GEMM's main loop (pointer loads only; None: for
-    up to FUSED_PROLOGUE_ROWS rows) instead of in its own pass."""
+    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py)."""
+    if gate is not None or norm_weight is not None:
+        x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
     if tma is None:
         tma = M >= TMA_ROWS and x.element_size() == 2 and tma_available(x.device)  # measured in bf16 only
     tma = tma and _describable(x) and _describable(weight)
-    if fused_prologue is None:
-        fused_prologue = M <= FUSED_PROLOGUE_ROWS
-    fused_prologue = fused_prologue and not tma
-    has_prologue = gate is not None or norm_weight is not None
-    fused_prologue = fused_prologue and ("gate" in FUSED_PROLOGUE_KINDS or gate is None) and \
-        ("norm" in FUSED_PROLOGUE_KINDS or norm_weight is None)
-    if has_prologue and not fused_prologue:
-        x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
     split_allowed = bool(split_k) and bucket <= MAX_SPLIT_ROWS
@@ -392,15 +371,11 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    fuse = has_prologue and fused_prologue
     kernel[grid](
         x_operand, w_operand, out, out if residual is None else residual, partial, counters,
-        gate if fuse and gate is not None else x, norm_weight if fuse and norm_weight is not None else x,
         M, N, K, bucket,
         x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        gate.stride(0) if fuse and gate is not None else 0, eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
-        USE_PDL=pdl, HAS_GATE=fuse and gate is not None, HAS_NORM=fuse and norm_weight is not None,
-        RSTD_BLOCK=min(RSTD_BLOCK_K, triton.next_power_of_2(K)), **launch_options(pdl),
+        USE_PDL=pdl, **launch_options(pdl),
     )
     return out
