@@ -107,10 +107,6 @@ SCREENED_LM_HEAD_PDL = True
 # (its next kernel's programs placed beside its latency-bound ones); 4096 tokens no gain (13.56-13.73 ms).
 PREFILL_PDL = True
 PREFILL_PDL_TOKENS = 256
-# A prefill's flash attention applies the attention output gate as it stores its output (attention_prefill(gate=)),
-# in place of the out-projection's gate pass (one launch fewer per attention layer; docs/perf-notes.md, eighteenth
-# session, has what it measured)
-PREFILL_GATE_IN_ATTENTION = True
 # The decode attention's autotuning on a call over the whole cache (TritonModel._tune_decode_attention)
 TUNE_DECODE_ATTENTION_AT_FULL_LENGTH = True
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
@@ -278,12 +274,10 @@ class TritonModel:
                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                 gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
             )
+        attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
-        # attend applies the gate or hands it on to the out-projection
-        attended, gate = attend(i, q, self.state.key[i], self.state.value[i], gate)
-        kind = "attention gate + out-projection" if gate is not None else "attention out-projection"
-        return self._layer_tail(i, kind, attended.view(attended.shape[0], -1), w.out, x, mlp, scratch, gate=gate,
-                                pdl=pdl)
+        return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
+                                x, mlp, scratch, gate=gate, pdl=pdl)
 
     def _split_projection(self, projection):
         c = self.config
@@ -410,20 +404,16 @@ class TritonModel:
             x = embedding(token_ids, self.embed)
         pdl = self.pdl and PREFILL_PDL and tokens <= PREFILL_PDL_TOKENS  # not for the delta rule (above)
 
-        def attend(i, q, key_cache, value_cache, gate):
-            fused = gate if PREFILL_GATE_IN_ATTENTION else None  # else the out-projection's prologue applies it
-
+        def attend(i, q, key_cache, value_cache):
             def cost():
                 keys = start + tokens
                 visible = tokens * start + tokens * (tokens + 1) // 2
-                moved = ((2 + (fused is not None)) * tokens * c.num_attention_heads * c.head_dim
+                moved = (2 * tokens * c.num_attention_heads * c.head_dim
                          + 2 * keys * c.num_key_value_heads * c.head_dim) * element
                 return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
-            kind = "attention (flash prefill)" + (" + output gate" if fused is not None else "")
-            with self._operator(kind, i, cost):
-                out = attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl, gate=fused)
-            return out, None if fused is not None else gate
+            with self._operator("attention (flash prefill)", i, cost):
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
@@ -502,7 +492,7 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * size * c.hidden_size * element, 0)):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
-        def attend(i, q, key_cache, value_cache, gate):  # the gate: the staged tail's (or out-projection's) prologue
+        def attend(i, q, key_cache, value_cache):
             def cost():  # the KV cache at the traced context, q and the output
                 keys = self.trace_context + 1
                 moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
@@ -510,7 +500,7 @@ class TritonModel:
 
             with self._operator("attention (split-KV decode + merge)", i, cost):
                 return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
-                                        num_splits=self.decode_splits, pdl=pdl), gate
+                                        num_splits=self.decode_splits, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):

@@ -91,24 +91,6 @@ def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence
     assert all(torch.isnan(tensor[0, :, 12:]).all() for tensor in state.key.values())  # not zeroed by reset
 
 
-def test_prefill_output_gate_in_the_attention_changes_no_bit(checkpoints, monkeypatch):
-    # triton_model.PREFILL_GATE_IN_ATTENTION: the prefill's flash attention applies the attention output gate as it
-    # stores, with the out-projection's gate pass's roundings, and that pass is skipped: the same logits
-    gated = []
-    original = triton_model.attention_prefill
-    monkeypatch.setattr(triton_model, "attention_prefill", lambda *args, gate=None, **options:
-                        gated.append(gate is not None) or original(*args, gate=gate, **options))
-    token_ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(10)).tolist()
-    scores = {}
-    for fused in (True, False):
-        monkeypatch.setattr(triton_model, "PREFILL_GATE_IN_ATTENTION", fused)
-        llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=24)
-        scores[fused] = llm.score(token_ids, prefill=20)
-        assert gated and all(flag == fused for flag in gated)
-        gated.clear()
-    assert torch.equal(scores[True], scores[False])
-
-
 def test_decode_attention_is_first_called_over_the_whole_cache(checkpoints, monkeypatch):
     # TritonModel._tune_decode_attention: the autotuner's one pick is made over the longest context the model
     # serves, once per model, before the first step; the logits are those of the model without it
@@ -297,30 +279,6 @@ def test_gpu_prefill_with_programmatic_dependent_launch_changes_no_bit(tokens):
             runs.append((model.prefill(token_ids, slot=0, all_logits=True), model.state.recurrent[0][0].clone(),
                          model.state.conv[0][0].clone(), model.state.key[3][0].clone()))
         results[pdl] = runs
-        del model
-        torch.cuda.empty_cache()
-    assert torch.isfinite(results[False][0][0]).all()
-    for run in results[True] + results[False]:
-        for got, want in zip(run, results[False][0]):
-            assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [128, 300])
-def test_gpu_prefill_output_gate_in_the_attention_changes_no_bit(monkeypatch, tokens):
-    # triton_model.PREFILL_GATE_IN_ATTENTION at the real shape in bf16, eager and replayed: the logits and the
-    # caches as with the out-projection's gate pass
-    token_ids = torch.randint(0, 248_000, (tokens,), generator=torch.Generator().manual_seed(5)).cuda()
-    results = {}
-    for fused in (True, False):
-        monkeypatch.setattr(triton_model, "PREFILL_GATE_IN_ATTENTION", fused)
-        model = _real_model("triton", torch.bfloat16).model
-        runs = []
-        for _ in range(3):  # eager, captured, replayed
-            model.reset(0)
-            runs.append((model.prefill(token_ids, slot=0, all_logits=True), model.state.key[7][0].clone(),
-                         model.state.recurrent[8][0].clone()))
-        results[fused] = runs
         del model
         torch.cuda.empty_cache()
     assert torch.isfinite(results[False][0][0]).all()

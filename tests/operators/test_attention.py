@@ -28,7 +28,6 @@ from qwen_triton.operators.attention import (
     rotary_table,
 )
 from qwen_triton.operators.attention import decode as decode_module
-from qwen_triton.operators.linear import gemm
 from qwen_triton.reference import functional as fn
 
 # the interpreter converts one-element arrays to scalars in runtime-bounded loops (numpy deprecation)
@@ -214,26 +213,6 @@ def test_attention_prefill_strided_q_and_out(device):
     ref = fn.attention(q, key_cache[0], value_cache[0], torch.arange(length, device=device), length)
     torch.testing.assert_close(out, ref, **tolerance(torch.float32))
     assert torch.equal(out_buffer[:, :, :dim], torch.zeros_like(q))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_attention_prefill_applies_the_output_gate(dtype, device):
-    """gate=: out * sigmoid(gate) as the out-projection's gate prologue forms it (out rounded first), bit for bit,
-    from a gate of strided rows (a slice of the in-projection's output, as the engine passes it)."""
-    torch.manual_seed(4)
-    heads, kv_heads, dim, length, start = 6, 2, 40, 29, 11
-    q = torch.randn(length, heads, dim, device=device, dtype=dtype)
-    key_cache = torch.randn(1, kv_heads, 48, dim, device=device, dtype=dtype)
-    value_cache = torch.randn_like(key_cache)
-    gate = (2 * torch.randn(length, heads * dim + 24, device=device)).to(dtype)[:, 24:]
-    plain = attention_prefill(q, key_cache, value_cache, 0, start)
-    gated = attention_prefill(q, key_cache, value_cache, 0, start, gate=gate)
-    expected = gemm._apply_prologue(plain.reshape(length, -1), gate, None, 0.0)  # the GEMM's gate pass
-    assert torch.equal(gated.reshape(length, -1), expected)
-    torch.testing.assert_close(gated.reshape(length, -1).float(), plain.reshape(length, -1).float()
-                               * torch.sigmoid(gate.float()), **tolerance(dtype))
-    with pytest.raises(ValueError, match="gate"):
-        attention_prefill(q, key_cache, value_cache, 0, start, gate=gate[:, :-1])
 
 
 @pytest.mark.parametrize(
@@ -427,10 +406,6 @@ def test_gpu_attention_prefill(length, start):
     ref = fn.attention(q.double(), key_cache[1].double(), value_cache[1].double(), positions, start + length)
     assert_bf16_close(out, ref)
     assert torch.equal(out, attention_prefill(q, key_cache, value_cache, 1, start))
-    gate = torch.randn(length, HEADS * DIM, device=device, dtype=dtype) * 2
-    expected = gemm._apply_prologue(out.reshape(length, -1), gate, None, 0.0)  # the GEMM's gate pass
-    assert torch.equal(attention_prefill(q, key_cache, value_cache, 1, start, gate=gate).reshape(length, -1),
-                       expected)
 
 
 @pytest.mark.gpu

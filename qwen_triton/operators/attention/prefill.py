@@ -76,14 +76,14 @@ def _configs():
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket", "context_bucket"], cache_results=True)
 @triton.jit
 def _prefill_kernel(
-    q, key, value, out, gate,
+    q, key, value, out,
     length, start, scale_log2,
     stride_q_token, stride_q_head,
     stride_k_head, stride_k_position, stride_v_head, stride_v_position,
-    stride_out_token, stride_out_head, stride_gate_token,
+    stride_out_token, stride_out_head,
     length_bucket, context_bucket,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -127,14 +127,11 @@ def _prefill_kernel(
         m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, visible, True, IEEE)
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    result = (acc / l_i[:, None]).to(out.dtype.element_ty)
-    stored = row_valid[:, None] & in_head[None, :]
-    if HAS_GATE:  # the output gate, with the GEMM prologue's roundings (linear/fusion.py's `prologue`)
-        gate_tile = tl.load(gate + token[:, None] * stride_gate_token + head[:, None] * HEAD_DIM + lanes[None, :],
-                            mask=stored, other=0.0).to(tl.float32)
-        result = (result.to(tl.float32) * tl.sigmoid(gate_tile)).to(out.dtype.element_ty)
-    tl.store(out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + lanes[None, :], result,
-             mask=stored)
+    result = acc / l_i[:, None]
+    tl.store(
+        out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + lanes[None, :],
+        result.to(out.dtype.element_ty), mask=row_valid[:, None] & in_head[None, :],
+    )
 
 
 def attention_prefill(
@@ -145,16 +142,13 @@ def attention_prefill(
     start: int,
     out: torch.Tensor | None = None,
     pdl: bool = False,
-    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA of q [T, Hq, D] (positions start .. start+T-1) against keys 0 .. start+T-1 of `slot`.
 
     key_cache, value_cache [max_batch, Hkv, max_length, D] in q's dtype (keys of this chunk already
     written, e.g. by qk_norm_rotary). q and out may have strided tokens/heads (unit last stride).
     Returns out [T, Hq, D] in q's dtype. pdl: launch with programmatic dependent launch (Hopper;
-    operators/common.py). gate [T, Hq * D] in q's dtype (strided tokens, unit last stride): return
-    out * sigmoid(gate) instead (Qwen3.5's attention output gate), out rounded to q's dtype first, as the
-    out-projection's gate prologue rounds it.
+    operators/common.py).
     """
     check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
     length, num_heads, head_dim = q.shape
@@ -174,23 +168,20 @@ def attention_prefill(
         out = torch.empty(length, num_heads, head_dim, device=q.device, dtype=q.dtype)
     check_tensor("out", out, shape=(length, num_heads, head_dim), dtype=q.dtype)
     check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, out=out)
-    if gate is not None:
-        check_tensor("gate", gate, shape=(length, num_heads * head_dim), dtype=q.dtype)
-        check_same_device(q=q, gate=gate)
     if length == 0:
         return out
     group = num_heads // num_kv_heads
     key, value = key_cache[slot], value_cache[slot]
     grid = lambda meta: (triton.cdiv(length, meta["BLOCK_M"] // group), num_kv_heads)  # noqa: E731
     _prefill_kernel[grid](
-        q, key, value, out, out if gate is None else gate,
+        q, key, value, out,
         length, start, LOG2_E / math.sqrt(head_dim),
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1), 0 if gate is None else gate.stride(0),
+        out.stride(0), out.stride(1),
         triton.next_power_of_2(length), triton.next_power_of_2(start + length),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IEEE=q.dtype == torch.float32, USE_PDL=pdl, HAS_GATE=gate is not None, **launch_options(pdl),
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 
