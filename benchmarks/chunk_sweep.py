@@ -111,7 +111,8 @@ def check(length: int, chunk_size=None) -> list[dict]:
         errors = (test_helpers.frobenius_error(out, ref_out), test_helpers.max_error(out, ref_out),
                   test_helpers.frobenius_error(state, ref_state))
         row = dict(T=length, chunk=chunk_size or chunk.chunk_size_for(length), precision=precision or "default",
-                   out_frobenius=errors[0], out_max=errors[1], state_frobenius=errors[2], bounds=bounds, first_call_s=seconds)
+                   out_frobenius=errors[0], out_max=errors[1], state_frobenius=errors[2], bounds=bounds,
+                   first_call_s=seconds)
         passed = all(bound is None or error < bound for error, bound in zip(errors, bounds))
         if precision is None:
             again = initial.clone()

@@ -573,8 +573,9 @@ def real_shape_chunked_case(length, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length, chunk_size", [(128, 32), (128, 64), (4096, None)])
+@pytest.mark.parametrize("length, chunk_size", [(128, 32), (128, 64), (2048, None), (4096, None)])
 def test_gpu_chunked(length, chunk_size):
+    # chunk_size None: the engine's choice (2048 tokens in chunks of 32, 4096 in chunks of 64)
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=20)
     state = initial.clone()
     out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
