@@ -170,7 +170,8 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
             baseline.gated_delta_rule_chunked(*kernel_arguments(sets[i]), states[i], out=outs[i])
 
         baseline_call(0)  # tunes its kernels
-        rows.append(dict(T=length, chunk=None, kernel="baseline call", config=tuned_picks(baseline),
+        # chunk: the sweep it was timed beside (the baseline runs its own chunk size)
+        rows.append(dict(T=length, chunk=size, kernel="baseline call", config=tuned_picks(baseline),
                          us=graph_us(baseline_call, copies), autotuner_pick=True))
 
     # each copy its own scratch: the state pass replays a consistent (bounded) update of its state
@@ -219,8 +220,8 @@ def main() -> None:
                 json.dump(dict(device=torch.cuda.get_device_name(), checks=checks, rows=rows), f, indent=1)
     print(f"{torch.cuda.get_device_name()}: us per call, back to back in a CUDA graph ({time.perf_counter() - started:.0f} s "
           "in all, compilation included); * the autotuner's pick")
-    for length, size in dict.fromkeys((r["T"], r["chunk"]) for r in rows if r["kernel"] != "baseline call"):
-        mine = [r for r in rows if r["T"] == length and r["chunk"] in (size, None)]
+    for length, size in dict.fromkeys((r["T"], r["chunk"]) for r in rows):
+        mine = [r for r in rows if r["T"] == length and r["chunk"] == size]
         print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")

@@ -298,8 +298,8 @@ SHORT_PROMPT_PICKS = {
 
 def _short_prompt_pick(kernel: str):
     def prune(configs, named_args, **kwargs):
-        chunk = kwargs.get("CHUNK_ROWS", CHUNK)
-        if named_args.get("chunk_bucket", SHORT_PROMPT_TOKENS) * chunk <= SHORT_PROMPT_TOKENS:
+        chunk, bucket = kwargs.get("CHUNK_ROWS", CHUNK), named_args.get("chunk_bucket")
+        if bucket is not None and bucket * chunk <= SHORT_PROMPT_TOKENS:
             return keep_preferred(configs, SHORT_PROMPT_PICKS.get(chunk, {}).get(kernel))
         return configs
     return prune
