@@ -8,7 +8,10 @@ one fused row (tests/operators/test_gated_delta_rule.py's make_inputs), transfor
 dt_bias. Each time is per call, from a CUDA graph of `copies` back-to-back calls on as many distinct
 inputs and states (18 for short prompts, as the 18 DeltaNet layers of a prefill), replayed:
 - `call`: gated_delta_rule_chunked with the autotuner's picks;
-- `prepare`: kernel 1 (`_chunk_prepare_kernel`) alone, at each of its configs;
+- `prepare`: kernel 1 (`_chunk_prepare_kernel`) alone, at each of its configs; for prompts of more than
+  chunk.SPLIT_PREPARE_TOKENS tokens, where kernel 1 runs as two (`_chunk_inverse_kernel`, then
+  `_chunk_products_kernel`), `inverse` and `products`: the two together with one of them at each of its configs
+  (the other at the autotuner's pick), and `prepare`: the one kernel, as the shorter prompts run it;
 - `state`: kernel 2 (`_chunk_state_kernel`, the sequential state pass) alone, at each of its configs;
 - `output`: kernel 3 (`_chunk_output_kernel`) alone, at each of its configs.
 Then the checks of test_gpu_chunked: errors against the float32 torch reference (Frobenius and max of o
@@ -96,7 +99,8 @@ def check(length: int, chunk_size=None) -> list[dict]:
     float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
     ref_out, ref_state = test_helpers.reference_chunked(float_inputs, initial.clone())
     rows = []
-    kernels = (chunk._chunk_prepare_kernel, chunk._chunk_state_kernel, chunk._chunk_output_kernel)
+    kernels = (chunk._chunk_prepare_kernel, chunk._chunk_inverse_kernel, chunk._chunk_products_kernel,
+               chunk._chunk_state_kernel, chunk._chunk_output_kernel)
     all_configs = [list(kernel.configs) for kernel in kernels]
     for precision, bounds in BOUNDS.items():
         if precision is not None:
@@ -177,8 +181,17 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
     # each copy its own scratch: the state pass replays a consistent (bounded) update of its state
     scratches = [chunk._scratch(inputs["q"], inputs["v"], None, size) for inputs in sets]
 
+    split = length > chunk.SPLIT_PREPARE_TOKENS
+
     def prepare_only(i):
         chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
+
+    def one_kernel_prepare(i):
+        saved, chunk.SPLIT_PREPARE_TOKENS = chunk.SPLIT_PREPARE_TOKENS, length
+        try:
+            chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
+        finally:
+            chunk.SPLIT_PREPARE_TOKENS = saved
 
     def state_only(i):
         chunk._launch_state_pass(states[i], scratches[i])
@@ -186,13 +199,20 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
     def output_only(i):
         chunk._launch_output(sets[i]["q"], outs[i], scratches[i])
 
-    for name, launch in (("prepare", prepare_only), ("state", state_only), ("output", output_only)):
+    swept = [("state", state_only), ("output", output_only)]
+    if split:
+        kernels.update(inverse=chunk._chunk_inverse_kernel, products=chunk._chunk_products_kernel)
+        picks.update((name, short(kernels[name].best_config)) for name in ("inverse", "products"))
+        swept = [("inverse", prepare_only), ("products", prepare_only), ("prepare", one_kernel_prepare)] + swept
+    else:
+        swept = [("prepare", prepare_only)] + swept
+    for name, launch in swept:
         kernel = kernels[name]
         all_configs = list(kernel.configs)
         for config in all_configs:
             with_configs(kernel, [config])
             for i in range(copies):  # compiles; the inputs of the later kernels
-                prepare_only(i)
+                launch(i) if name == "prepare" else prepare_only(i)
                 state_only(i)
             rows.append(dict(T=length, chunk=size, kernel=name, config=short(config), us=graph_us(launch, copies),
                              autotuner_pick=short(config) == picks[name]))
@@ -225,8 +245,10 @@ def main() -> None:
         print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
-        for name in ("prepare", "state", "output"):
+        for name in ("inverse", "products", "prepare", "state", "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
+            if not timed:
+                continue
             print(f"  {name:10s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
                                               for r in timed))
         for c in (c for c in checks if c["T"] == length and c["chunk"] == size):

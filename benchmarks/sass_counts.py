@@ -8,6 +8,7 @@ not a timing: fewer instructions on a latency-bound kernel's critical path is a 
 GPU.
 
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3] [--chunk 64]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse  (or products: kernel 1 in two parts)
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
 """
@@ -66,7 +67,7 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kernel", choices=["prepare", "state", "output"])
+    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output"])
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")

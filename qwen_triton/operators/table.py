@@ -76,14 +76,17 @@ OPERATORS: tuple[Operator, ...] = (
              "decode: the one-step conv update inside the DeltaNet step (one sequence: the projected step kernel, "
              "its projection tiles; several: the fused step)"),
     Operator("23", "gating prep: L2 norm of q, k; beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)",
-             ("gated_delta_rule.chunk:_chunk_prepare_kernel",),
+             ("gated_delta_rule.chunk:_chunk_prepare_kernel", "gated_delta_rule.chunk:_chunk_inverse_kernel",
+              "gated_delta_rule.chunk:_chunk_products_kernel"),
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
              "fused into the delta rule kernels (standalone: gated_delta_rule.gating:_gating_kernel)"),
     Operator("24", "gated delta rule",
              ("memory.zero:_zero_kernel", "gated_delta_rule.chunk:_chunk_prepare_kernel",
+              "gated_delta_rule.chunk:_chunk_inverse_kernel", "gated_delta_rule.chunk:_chunk_products_kernel",
               "gated_delta_rule.chunk:_chunk_state_kernel", "gated_delta_rule.chunk:_chunk_output_kernel"),
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
-             "prefill: chunk 64, UT form, fp32 state; decode: one recurrent step on the fp32 state in place, "
+             "prefill: chunks of 32 tokens up to 2048, else 64, UT form, fp32 state (the chunk's preparation one "
+             "kernel up to 256 tokens, else two); decode: one recurrent step on the fp32 state in place, "
              "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step; "
              "a new prompt's conv and recurrent states zeroed first, every layer's in one launch (reset)"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",

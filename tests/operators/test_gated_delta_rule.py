@@ -205,6 +205,43 @@ def test_chunked_start_states_are_the_prefix_states(device, chunk_size):
         torch.testing.assert_close(scratch.chunk_states[chunk], state, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("length, chunk_size", [(17, 32), (65, 64), (130, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, chunk_size, dtype):
+    """Kernel 1 in two parts (prompts of more than SPLIT_PREPARE_TOKENS tokens): the same scratch, bit for bit,
+    as the one kernel writes under the interpreter (the same arithmetic in the same order); on the GPU the
+    tiles of another warp count may sum in another order, so there within float32 roundings. And the call
+    through the two parts against the reference."""
+    inputs = make_inputs(length, 1, 2, 24, 40, dtype, device, seed=length)
+    scratches = {}
+    for split in (False, True):
+        monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else length)
+        scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size)
+        for name in ("w", "u", "qk", "decay", "decayed_keys"):
+            getattr(scratch, name).fill_(float("nan"))  # every entry read later must be written
+        chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
+        scratches[split] = scratch
+    exact = device == "cpu"
+    for name in ("w", "u", "qk", "decay", "decayed_keys"):
+        one, two = getattr(scratches[False], name), getattr(scratches[True], name)
+        if name == "qk":  # the causal lower triangle is what is written
+            lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()
+            one, two = one[..., lower], two[..., lower]
+        assert not two.isnan().any(), name
+        if exact:
+            assert torch.equal(one, two), name
+        else:
+            torch.testing.assert_close(two.float(), one.float(), rtol=1e-3, atol=1e-4)
+    state = random_state((2, 24, 40), device)
+    ref_out, ref_state = reference_chunked(inputs, state.clone())
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)  # the two parts
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOLERANCE[dtype])
+    if dtype == torch.float32:
+        torch.testing.assert_close(state, ref_state, **TOLERANCE[torch.float32])
+    else:  # test_chunked_float16's bound
+        assert frobenius_error(state, ref_state) < 5e-3
+
+
 @pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                   (torch.float16, torch.float32)])
 def test_chunked_output_norm_equals_norming_after(device, dtype, weight_dtype):
@@ -261,7 +298,8 @@ def _invert_blocks_kernel(a_ptr, x_ptr, BLOCKS: tl.constexpr, SIZE: tl.constexpr
 @triton.jit
 def _invert_chunk_kernel(a_ptr, scratch_ptr, x_ptr, SIZE: tl.constexpr):
     index = tl.arange(0, SIZE)[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
-    tl.store(x_ptr + index, chunk_module._invert_chunk(tl.load(a_ptr + index), scratch_ptr))
+    chunk_module._invert_chunk(tl.load(a_ptr + index), scratch_ptr)  # the inverse replaces A in the scratch
+    tl.store(x_ptr + index, tl.load(scratch_ptr + index))
 
 
 def chunk_systems(blocks, size, correlation, seed):
@@ -617,17 +655,23 @@ def test_gpu_chunked_short_prompts(length, chunk_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
-def test_gpu_chunked_every_config(chunk_size):
-    """Each config of each of the three kernels pinned in turn (the others at their autotuner's pick), at the real
-    shape over four or seven chunks (the last partial), with and without the output norm, for each chunk size: a
-    config the compiler gets wrong fails here whatever the tuning picks (one did, 2026-11-30, in a version of the
-    output kernel: docs/perf-notes.md, tenth session)."""
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_chunked_every_config(chunk_size, split, monkeypatch):
+    """Each config of each kernel pinned in turn (the others at their autotuner's pick), at the real shape over
+    four or seven chunks (the last partial), with and without the output norm, for each chunk size, with kernel
+    1 whole and in its two parts (split): a config the compiler gets wrong fails here whatever the tuning
+    picks (one did, 2026-11-30, in a version of the output kernel: docs/perf-notes.md, tenth session)."""
     length = 200
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", length - 1 if split else length)
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=24)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
-    kernels = {"prepare": (chunk_module._chunk_prepare_kernel, chunk_module.PREPARE_CONFIGS),
-               "state": (chunk_module._chunk_state_kernel, chunk_module.STATE_CONFIGS),
-               "output": (chunk_module._chunk_output_kernel, chunk_module.OUTPUT_CONFIGS)}
+    if split:
+        kernels = {"inverse": (chunk_module._chunk_inverse_kernel, chunk_module.INVERSE_CONFIGS),
+                   "products": (chunk_module._chunk_products_kernel, chunk_module.PRODUCTS_CONFIGS)}
+    else:
+        kernels = {"prepare": (chunk_module._chunk_prepare_kernel, chunk_module.PREPARE_CONFIGS)}
+    kernels.update(state=(chunk_module._chunk_state_kernel, chunk_module.STATE_CONFIGS),
+                   output=(chunk_module._chunk_output_kernel, chunk_module.OUTPUT_CONFIGS))
     for name, (kernel, every) in kernels.items():
         configs = list(kernel.configs)
         try:

@@ -260,7 +260,6 @@ def _invert_chunk(system, block_base):
     half = tl.arange(0, size // 2)
     # (the halves' upper-right blocks hold A's zeros, as the inverse's do)
     _merge_blocks(block_base, half[:, None] * size + half[None, :], size, size // 2)
-    return tl.load(block_base + square, cache_modifier=".cg")
 
 
 @triton.jit
@@ -305,13 +304,92 @@ def _short_prompt_pick(kernel: str):
     return prune
 
 
-def _prune_prepare(configs, named_args, **kwargs):
-    """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the kernel
-    at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not tuned.
-    Otherwise the short-prompt pick (SHORT_PROMPT_PICKS)."""
+def _prune_ieee(configs, named_args, **kwargs):
+    """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the prepare
+    kernel at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not
+    tuned."""
     if kwargs["PRECISION"] == "ieee":
         return [c for c in configs if c.num_warps >= 8] or configs[:1]
+    return configs
+
+
+def _prune_prepare(configs, named_args, **kwargs):
+    """_prune_ieee, then the short-prompt pick (SHORT_PROMPT_PICKS)."""
+    configs = _prune_ieee(configs, named_args, **kwargs)
+    if kwargs["PRECISION"] == "ieee":
+        return configs
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
+
+
+@triton.jit
+def _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
+                  V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                  CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk `chunk`'s intra-chunk attention of head `head`, causal Q K^T * exp(G_i - G_j) [C, C] (the upper
+    triangle is never read, nor written)."""
+    key_head = head // GROUP
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    keys = tl.arange(0, BLOCK_K)
+    # the loads first, so that their latencies overlap
+    q = _load_rows(q_ptr + key_head * stride_qh, rows, length, stride_qt, keys, K_DIM, False)
+    k = _load_rows(k_ptr + key_head * stride_kh, rows, length, stride_kt, keys, K_DIM, False)
+    decay, _ = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+    q = l2_normalize_rows(q.to(tl.float32), scale)
+    k = l2_normalize_rows(k.to(tl.float32), 1.0)
+    qk = _decayed_scores(q, k, decay, PRECISION, False)
+    offsets = tl.arange(0, CHUNK_ROWS)
+    tl.store(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS
+             + offsets[None, :], qk.to(qk_ptr.dtype.element_ty), mask=offsets[:, None] >= offsets[None, :])
+
+
+@triton.jit
+def _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
+                 V_HEADS: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """From a chunk's raw keys k [C, BLOCK_K] and its G and beta: stores the decayed keys
+    diag(exp(G_C - G)) K (the state pass multiplies them by V'; G_C: G at the chunk's last row, the padding
+    keeps G) and forms (I + A)^-1, A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)), in the chunk's
+    [C, C] float32 block of system_ptr (float32 "ieee" products: the inverse is reused by every row).
+    Returns the normalised keys."""
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    keys = tl.arange(0, BLOCK_K)
+    k = l2_normalize_rows(k.to(tl.float32), 1.0)
+    offsets = tl.arange(0, CHUNK_ROWS)
+    decay_last = tl.sum(tl.where(offsets == CHUNK_ROWS - 1, decay, 0.0))
+    _store_rows(decayed_keys_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM,
+                k * tl.exp(decay_last - decay)[:, None])
+    system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
+    _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True), system_base)
+    return k
+
+
+@triton.jit
+def _load_inverse(system_ptr, chunk, head, V_HEADS: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    offsets = tl.arange(0, CHUNK_ROWS)
+    square = offsets[:, None] * CHUNK_ROWS + offsets[None, :]
+    return tl.load(system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + square,
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+             CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """W = (I + A)^-1 diag(beta exp(G)) K of a chunk (k: its normalised keys)."""
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    keys = tl.arange(0, BLOCK_K)
+    w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
+    _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
+
+
+@triton.jit
+def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr,
+             CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """U = (I + A)^-1 diag(beta) V of a chunk (v: its raw values)."""
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    values = tl.arange(0, BLOCK_V)
+    u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+    _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
@@ -331,46 +409,100 @@ def _chunk_prepare_kernel(
     through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
-    key_head = head // GROUP
-    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
-    keys = tl.arange(0, BLOCK_K)
-    k_base = k_ptr + key_head * stride_kh
-    # each program issues its loads first, so that their latencies overlap
     if tl.program_id(2) == 0:
-        # the intra-chunk attention, causal (the upper triangle is never read)
-        q = _load_rows(q_ptr + key_head * stride_qh, rows, length, stride_qt, keys, K_DIM, False)
-        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
-        decay, _ = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
-        q = l2_normalize_rows(q.to(tl.float32), scale)
-        k = l2_normalize_rows(k.to(tl.float32), 1.0)
-        qk = _decayed_scores(q, k, decay, PRECISION, False)
-        offsets = tl.arange(0, CHUNK_ROWS)
-        tl.store(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS
-                 + offsets[None, :], qk.to(qk_ptr.dtype.element_ty), mask=offsets[:, None] >= offsets[None, :])
+        _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
+                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
     else:
-        k = _load_rows(k_base, rows, length, stride_kt, keys, K_DIM, False)
-        values = tl.arange(0, BLOCK_V)
-        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, values, V_DIM, False)
+        rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+        # the loads first, so that their latencies overlap
+        k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K), K_DIM,
+                       False)
+        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
         decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
-        k = l2_normalize_rows(k.to(tl.float32), 1.0)
+        k = _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
+                         V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+        inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
+        _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+        _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, PRECISION)
 
-        # the decayed keys the state pass multiplies by V' (G_C: G at the chunk's last row; the padding keeps G)
-        offsets = tl.arange(0, CHUNK_ROWS)
-        decay_last = tl.sum(tl.where(offsets == CHUNK_ROWS - 1, decay, 0.0))
-        _store_rows(decayed_keys_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM,
-                    k * tl.exp(decay_last - decay)[:, None])
 
-        # A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)) and (I + A)^-1 (float32 "ieee" products: the
-        # inverse is reused by every row)
-        system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
-        inverse = _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True), system_base)
+# Prompts of more than SPLIT_PREPARE_TOKENS tokens run kernel 1 as two kernels (below), each of shorter programs.
+SPLIT_PREPARE_TOKENS = 256
 
-        # W = (I + A)^-1 diag(beta exp(G)) K,  U = (I + A)^-1 diag(beta) V
-        w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
-        _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
-        u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
-        _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
+INVERSE_CONFIGS = [
+    triton.Config({}, num_warps=4),
+    triton.Config({}, num_warps=8),
+]
+
+
+@triton.autotune(configs=autotune_configs(INVERSE_CONFIGS),
+                 key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "PRECISION"],
+                 prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
+@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
+def _chunk_inverse_kernel(
+    k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
+    length, chunk_bucket, stride_kt, stride_kh, stride_at, stride_bt,
+    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Kernel 1 split, first part. Grid (chunks, Hv): program (c, h) writes chunk c's G [C] and decayed keys
+    [C, Dk] of head h, and forms (I + A)^-1 [C, C] in its block of system_ptr (float32)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K), K_DIM,
+                   False)
+    decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+    tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
+    _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
+                 V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+
+
+PRODUCTS_CONFIGS = [
+    triton.Config({}, num_warps=4),
+    triton.Config({}, num_warps=8),
+]
+
+
+@triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
+                 prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
+@triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
+def _chunk_products_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, system_ptr,
+    length, chunk_bucket, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
+    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 3): program (c, h, 0)
+    writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] and
+    program (c, h, 2) its U [C, Dv], from the inverse in system_ptr; G and beta recomputed from a, b (the
+    same arithmetic as the first part's, so the same values)."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    part = tl.program_id(2)
+    if part == 0:
+        _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
+                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+    else:
+        rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+        if part == 1:
+            k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K),
+                           K_DIM, False)
+            decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
+                                       stride_bt)
+            inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
+            _store_w(inverse, l2_normalize_rows(k.to(tl.float32), 1.0), decay, beta, w_ptr, chunk, head, length,
+                     K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+        else:
+            v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
+            _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+            inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
+            _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, PRECISION)
 
 
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
@@ -607,18 +739,27 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
 
 
 def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
-    """Kernel 1 (arguments checked by gated_delta_rule_chunked)."""
+    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (arguments checked by
+    gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
-    _chunk_prepare_kernel[(chunks, value_heads, 2)](
-        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-        scratch.system,
-        length, triton.next_power_of_2(chunks), key_dim**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
-        BLOCK_K=max(16, triton.next_power_of_2(key_dim)), BLOCK_V=max(16, triton.next_power_of_2(value_dim)),
-        CHUNK_ROWS=scratch.chunk, PRECISION=scratch.prepare_precision,
-    )
+    shapes = dict(V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim,
+                  BLOCK_K=max(16, triton.next_power_of_2(key_dim)), CHUNK_ROWS=scratch.chunk,
+                  PRECISION=scratch.prepare_precision)
+    values = dict(V_DIM=value_dim, BLOCK_V=max(16, triton.next_power_of_2(value_dim)))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
+               b.stride(0))
+    if length <= SPLIT_PREPARE_TOKENS:
+        _chunk_prepare_kernel[(chunks, value_heads, 2)](
+            q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
+            scratch.system, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
+        return
+    _chunk_inverse_kernel[(chunks, value_heads)](
+        k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
+        length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
+    _chunk_products_kernel[(chunks, value_heads, 3)](
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
 
 
 def _launch_state_pass(state, scratch: _Scratch) -> None:
