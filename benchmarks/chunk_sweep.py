@@ -203,6 +203,14 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
     if split:
         kernels.update(inverse=chunk._chunk_inverse_kernel, products=chunk._chunk_products_kernel)
         picks.update((name, short(kernels[name].best_config)) for name in ("inverse", "products"))
+        for i in range(copies):  # the inverses that the products read
+            prepare_only(i)
+        for name, parts in (("inverse alone", (True, False)), ("products alone", (False, True))):  # at the picks
+            def part(i, parts=parts):
+                chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i], parts=parts)
+
+            rows.append(dict(T=length, chunk=size, kernel=name, config=picks[name.split()[0]], us=graph_us(part, copies),
+                             autotuner_pick=True))
         swept = [("inverse", prepare_only), ("products", prepare_only), ("prepare", one_kernel_prepare)] + swept
     else:
         swept = [("prepare", prepare_only)] + swept
@@ -245,11 +253,11 @@ def main() -> None:
         print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
-        for name in ("inverse", "products", "prepare", "state", "output"):
+        for name in ("inverse alone", "products alone", "inverse", "products", "prepare", "state", "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
             if not timed:
                 continue
-            print(f"  {name:10s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
+            print(f"  {name:14s} " + "; ".join(f"{r['us']:.1f}{'*' if r['autotuner_pick'] else ''} ({r['config']})"
                                               for r in timed))
         for c in (c for c in checks if c["T"] == length and c["chunk"] == size):
             bounds = ", ".join("-" if b is None else f"{b:.0e}" for b in c["bounds"])

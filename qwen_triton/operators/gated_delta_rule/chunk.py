@@ -139,6 +139,9 @@ CHUNK = 64
 SHORT_CHUNK = 32
 SHORT_CHUNK_TOKENS = 2048
 CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
+# Under the default precision mix for 16-bit activations, kernel 1's products but the inverse's (K K^T, Q K^T,
+# W, U) take operands in the activation dtype (else tf32). See the module docstring, Precision.
+PREPARE_IN_ACTIVATION_DTYPE = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -170,9 +173,9 @@ def _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, strid
 
 
 @triton.jit
-def _decayed_scores(left, right, decay, PRECISION: tl.constexpr, STRICT: tl.constexpr):
+def _decayed_scores(left, right, decay, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STRICT: tl.constexpr):
     """(left right^T) * exp(G_i - G_j) for a chunk's rows, causal: j <= i (j < i if STRICT), zero elsewhere."""
-    scores = tl.dot(left, tl.trans(right), input_precision=PRECISION)
+    scores = _mm(left, tl.trans(right), DOT_DTYPE, PRECISION)
     i = tl.arange(0, left.shape[0])[:, None]
     j = tl.arange(0, right.shape[0])[None, :]
     if STRICT:
@@ -325,7 +328,7 @@ def _prune_prepare(configs, named_args, **kwargs):
 def _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
                   V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                  CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+                  CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """Chunk `chunk`'s intra-chunk attention of head `head`, causal Q K^T * exp(G_i - G_j) [C, C] (the upper
     triangle is never read, nor written)."""
     key_head = head // GROUP
@@ -337,7 +340,7 @@ def _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, ch
     decay, _ = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
     q = l2_normalize_rows(q.to(tl.float32), scale)
     k = l2_normalize_rows(k.to(tl.float32), 1.0)
-    qk = _decayed_scores(q, k, decay, PRECISION, False)
+    qk = _decayed_scores(q, k, decay, DOT_DTYPE, PRECISION, False)
     offsets = tl.arange(0, CHUNK_ROWS)
     tl.store(qk_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS
              + offsets[None, :], qk.to(qk_ptr.dtype.element_ty), mask=offsets[:, None] >= offsets[None, :])
@@ -346,7 +349,7 @@ def _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, ch
 @triton.jit
 def _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
                  V_HEADS: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """From a chunk's raw keys k [C, BLOCK_K] and its G and beta: stores the decayed keys
     diag(exp(G_C - G)) K (the state pass multiplies them by V'; G_C: G at the chunk's last row, the padding
     keeps G) and forms (I + A)^-1, A = strictly-lower(diag(beta) K K^T * exp(G_i - G_j)), in the chunk's
@@ -360,7 +363,7 @@ def _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, leng
     _store_rows(decayed_keys_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM,
                 k * tl.exp(decay_last - decay)[:, None])
     system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
-    _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, PRECISION, True), system_base)
+    _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, DOT_DTYPE, PRECISION, True), system_base)
     return k
 
 
@@ -374,26 +377,26 @@ def _load_inverse(system_ptr, chunk, head, V_HEADS: tl.constexpr, CHUNK_ROWS: tl
 
 @triton.jit
 def _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-             CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+             CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """W = (I + A)^-1 diag(beta exp(G)) K of a chunk (k: its normalised keys)."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
-    w = tl.dot(inverse, k * (beta * tl.exp(decay))[:, None], input_precision=PRECISION)
+    w = _mm(inverse, k * (beta * tl.exp(decay))[:, None], DOT_DTYPE, PRECISION)
     _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
 
 
 @triton.jit
 def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr,
-             CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+             CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """U = (I + A)^-1 diag(beta) V of a chunk (v: its raw values)."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     values = tl.arange(0, BLOCK_V)
-    u = tl.dot(inverse, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+    u = _mm(inverse, v.to(tl.float32) * beta[:, None], DOT_DTYPE, PRECISION)
     _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "DOT_DTYPE", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
@@ -402,7 +405,8 @@ def _chunk_prepare_kernel(
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
@@ -412,7 +416,7 @@ def _chunk_prepare_kernel(
     if tl.program_id(2) == 0:
         _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
-                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
     else:
         rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
         # the loads first, so that their latencies overlap
@@ -422,10 +426,10 @@ def _chunk_prepare_kernel(
         decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
         k = _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
-                         V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+                         V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
         inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-        _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
-        _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, PRECISION)
+        _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
+        _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
 # Prompts of more than SPLIT_PREPARE_TOKENS tokens run kernel 1 as two kernels (below), each of shorter programs.
@@ -438,14 +442,14 @@ INVERSE_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(INVERSE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "PRECISION"],
+                 key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "DOT_DTYPE", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_inverse_kernel(
     k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
     length, chunk_bucket, stride_kt, stride_kh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Kernel 1 split, first part. Grid (chunks, Hv): program (c, h) writes chunk c's G [C] and decayed keys
     [C, Dk] of head h, and forms (I + A)^-1 [C, C] in its block of system_ptr (float32)."""
@@ -457,7 +461,7 @@ def _chunk_inverse_kernel(
     decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
     tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
     _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
-                 V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+                 V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
 PRODUCTS_CONFIGS = [
@@ -467,7 +471,7 @@ PRODUCTS_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "DOT_DTYPE", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
@@ -475,7 +479,8 @@ def _chunk_products_kernel(
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 3): program (c, h, 0)
     writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] and
@@ -487,7 +492,7 @@ def _chunk_products_kernel(
     if part == 0:
         _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
-                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
     else:
         rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
         if part == 1:
@@ -497,12 +502,12 @@ def _chunk_products_kernel(
                                        stride_bt)
             inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
             _store_w(inverse, l2_normalize_rows(k.to(tl.float32), 1.0), decay, beta, w_ptr, chunk, head, length,
-                     K_DIM, BLOCK_K, CHUNK_ROWS, PRECISION)
+                     K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
         else:
             v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
             _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
             inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-            _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, PRECISION)
+            _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
@@ -697,6 +702,7 @@ def gated_delta_rule_chunked(
 class _Scratch(NamedTuple):
     """What kernel 1 writes for kernels 2 and 3, what kernel 2 writes for kernel 3, and the precisions."""
     chunk: int  # the chunk's rows, C
+    prepare_dtype: torch.dtype  # the operands of kernel 1's products but the inverse's
     prepare_precision: str
     dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
@@ -722,11 +728,12 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
         prepare_precision, dot_dtype, product_precision = "tf32", torch.float32, "tf32"
     else:
         prepare_precision, dot_dtype, product_precision = "tf32", v.dtype, "tf32"
+    prepare_dtype = dot_dtype if PREPARE_IN_ACTIVATION_DTYPE else torch.float32
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunk = chunk_size or chunk_size_for(length)
     chunks = triton.cdiv(length, chunk)
     return _Scratch(
-        chunk, prepare_precision, dot_dtype, product_precision,
+        chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
         qk=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
@@ -738,14 +745,14 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     )
 
 
-def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
-    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (arguments checked by
-    gated_delta_rule_chunked)."""
+def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(True, True)) -> None:
+    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (parts: which of them
+    to launch, for timing them alone; arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
     shapes = dict(V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim,
                   BLOCK_K=max(16, triton.next_power_of_2(key_dim)), CHUNK_ROWS=scratch.chunk,
-                  PRECISION=scratch.prepare_precision)
+                  DOT_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype], PRECISION=scratch.prepare_precision)
     values = dict(V_DIM=value_dim, BLOCK_V=max(16, triton.next_power_of_2(value_dim)))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
                b.stride(0))
@@ -754,12 +761,14 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
             q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
             scratch.system, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
         return
-    _chunk_inverse_kernel[(chunks, value_heads)](
-        k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
-        length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
-    _chunk_products_kernel[(chunks, value_heads, 3)](
-        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
-        length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
+    if parts[0]:
+        _chunk_inverse_kernel[(chunks, value_heads)](
+            k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
+            length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
+    if parts[1]:
+        _chunk_products_kernel[(chunks, value_heads, 3)](
+            q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
+            length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
 
 
 def _launch_state_pass(state, scratch: _Scratch) -> None:
