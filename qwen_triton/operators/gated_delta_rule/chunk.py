@@ -140,7 +140,9 @@ SHORT_CHUNK = 32
 SHORT_CHUNK_TOKENS = 2048
 CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # Under the default precision mix for 16-bit activations, kernel 1's products but the inverse's (K K^T, Q K^T,
-# W, U) take operands in the activation dtype (else tf32). See the module docstring, Precision.
+# W, U) take operands in the activation dtype (else tf32). See the module docstring, Precision. (Not in the
+# kernels' tuning keys, which hold no dtype object: the autotuner writes its keys to JSON. Given this flag the
+# operands' dtype follows from the inputs' dtype and the precision, which are.)
 PREPARE_IN_ACTIVATION_DTYPE = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -396,7 +398,7 @@ def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, 
 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "DOT_DTYPE", "PRECISION"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
@@ -442,7 +444,7 @@ INVERSE_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(INVERSE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "DOT_DTYPE", "PRECISION"],
+                 key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_inverse_kernel(
@@ -471,7 +473,7 @@ PRODUCTS_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "DOT_DTYPE", "PRECISION"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
