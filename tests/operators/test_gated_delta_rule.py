@@ -282,7 +282,10 @@ def test_chunked_precision_options(device, precision):
     ref_out, ref_state = reference_chunked(inputs, state.clone())
     out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, dot_precision=precision)
     torch.testing.assert_close(out.float(), ref_out.float(), **TOLERANCE[torch.float16])
-    torch.testing.assert_close(state, ref_state, rtol=1e-3, atol=1e-4)
+    if device == "cuda" and precision == "tf32":  # tensor-core tf32 (10-bit operands; the interpreter's are exact)
+        assert frobenius_error(state, ref_state) < 5e-3  # test_gpu_chunked's bound for the option
+    else:
+        torch.testing.assert_close(state, ref_state, rtol=1e-3, atol=1e-4)
 
 
 # ---- the chunk's (I + A)^-1 ---------------------------------------------------------------------
