@@ -209,8 +209,8 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
             def part(i, parts=parts):
                 chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i], parts=parts)
 
-            rows.append(dict(T=length, chunk=size, kernel=name, config=picks[name.split()[0]], us=graph_us(part, copies),
-                             autotuner_pick=True))
+            rows.append(dict(T=length, chunk=size, kernel=name, config=picks[name.split()[0]],
+                             us=graph_us(part, copies), autotuner_pick=True))
         swept = [("inverse", prepare_only), ("products", prepare_only), ("prepare", one_kernel_prepare)] + swept
     else:
         swept = [("prepare", prepare_only)] + swept

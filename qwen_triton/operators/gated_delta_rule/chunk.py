@@ -25,7 +25,7 @@ steps. In the engine's prefill (benchmarks/prefill_options.py, chunks of 32 agai
 (e5c4a2d), 512 tokens 2,809.7 against 2,912.5, 1024 tokens 4,201.2 against 4,213.9 (7e98561), 2048 tokens
 7,281.2 against 7,350.0, and 4096 tokens 13,605.7 against 13,533.8 (e03104f): chunks of 64 from there.
 
-Three kernels:
+Three kernels (four for long prompts: kernel 1 in two parts):
 1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one stores
    the intra-chunk attention Q K^T (causal-masked and decayed: one [C, C] product), the other G, the decayed
    keys K~, A (one [C, C] product), (I + A)^-1 and W, U (one [C, C] x [C, D] product each). These only depend
@@ -53,6 +53,22 @@ Three kernels:
    6,248 against 6,792, and 152 bytes of spills per thread against 352 (commits fb3e19c against 17a173e).
    Measured (profiles of the engine's prefill, H200): the kernel 18.02 -> 16.26 us at 128 tokens (commits
    501113a -> fb3e19c), 147.97 -> 139.71 us at 4096 (4ca1bd6 -> fb3e19c), medians over the 18 layers.
+   Its products but the inverse's take bf16 operands (Precision, below): at 4096 tokens, back to back in a CUDA
+   graph (benchmarks/chunk_sweep.py, commit 0f920e6, against 8550a07's tf32), kernel 1 161.2 -> 117.3 us and
+   the whole call 300.9 -> 256.1 us; in the engine's prefill (benchmarks/prefill_options.py,
+   `prefill-options-bf16-prepare-2026-12-01-NVIDIA-H200-0f920e6.json`, us) 13,580.3 -> 12,845.0 at 4096 tokens,
+   4,246.4 -> 4,135.6 at 1024, 1,607.6 -> 1,577.1 at 128: the operands' shared memory halves (64 -> 32 KiB a
+   program for sm_90, benchmarks/sass_counts.py).
+   For prompts of more than SPLIT_PREPARE_TOKENS (2048) tokens, those in chunks of 64, it runs as two kernels
+   of shorter programs: `_chunk_inverse_kernel`, grid (chunks, Hv), G, the decayed keys and (I + A)^-1 (left
+   in the scratch), then `_chunk_products_kernel`, grid (chunks, Hv, 3), Q K^T, W and U in programs of their
+   own, each from the scratch's inverse and the inputs (G and beta recomputed from a, b by the same arithmetic).
+   The same values (bit for bit under the interpreter). Measured in the engine's prefill (prefill_options.py, us,
+   split against one kernel): 12,845.0 against 12,926.8 at 4096 tokens (0f920e6), 13,441.6 against 13,567.6
+   with tf32 operands (8550a07); but 4,135.6 against 4,086.5 at 1024 tokens, 4,251.0 against 4,217.3 (tf32), and
+   3,240.6 against 3,203.6 at 512 (tf32; `prefill-options-split-2026-12-01-NVIDIA-H200-8550a07.json`). At 4096
+   tokens alone in a CUDA graph (chunk_sweep.py, 0f920e6) the first part takes 54.8 us, the second 63.4, the
+   two together 115.5 (one kernel 117.3); in the engine's profile at 9362a54 47.9 and 53.2 us a layer.
 2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
    program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
    per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
@@ -92,8 +108,13 @@ launch only at its exit, 1,800 against 1,797 without PDL.
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
 there are systematic. For 16-bit activations the other chunk-local products of kernel 1 (K K^T, Q K^T,
-W, U) use tf32 operands, and the products of kernels 2 and 3 take 16-bit operands (the state and V'
-rounded to the activation dtype, float32 accumulation), the choice of flash-linear-attention; the chunk
+W, U) take operands in the activation dtype (the normalised keys, and the inverse for W and U, rounded to
+it; PREPARE_IN_ACTIVATION_DTYPE = False: tf32, as until 0f920e6), and the products of kernels 2 and 3 take
+16-bit operands (the state and V' rounded to the activation dtype, float32 accumulation), the choice of
+flash-linear-attention. Measured at the real shape, bf16, 4096 tokens against the float32 reference
+(chunk_sweep.py's check, 0f920e6): output Frobenius error 4.06e-3 (3.14e-3 with tf32 in kernel 1), max 5.94e-3
+(4.93e-3), state 2.78e-3 (2.40e-3); the engine's logits against the float32 reference model over 384 steps after
+a 128-token prefill (tests/engine) median 2.903e-2 -> 2.905e-2, max 5.951e-2 -> 5.809e-2 (9c133f5 -> 9362a54). The chunk
 start states and V' are stored in that dtype, the rounding the products make anyway, so that splitting
 the sequential pass from the output adds no rounding. U stays float32 because V' = U - W S can cancel.
 `dot_precision="tf32"` or `"ieee"` makes every product take float32 operands at that precision (and the
