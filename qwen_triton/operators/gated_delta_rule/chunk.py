@@ -340,10 +340,9 @@ def _prune_ieee(configs, named_args, **kwargs):
 
 
 def _prune_prepare(configs, named_args, **kwargs):
-    """_prune_ieee, then the short-prompt pick (SHORT_PROMPT_PICKS)."""
-    configs = _prune_ieee(configs, named_args, **kwargs)
+    """_prune_ieee's for "ieee" operands, else the short-prompt pick (SHORT_PROMPT_PICKS)."""
     if kwargs["PRECISION"] == "ieee":
-        return configs
+        return _prune_ieee(configs, named_args, **kwargs)
     return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
@@ -770,8 +769,8 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
 
 
 def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(True, True)) -> None:
-    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (parts: which of them
-    to launch, for timing them alone; arguments checked by gated_delta_rule_chunked)."""
+    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (parts: which of the two
+    to launch, for timing them alone; the one kernel ignores it. Arguments checked by gated_delta_rule_chunked)."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
     shapes = dict(V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim,
