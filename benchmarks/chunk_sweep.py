@@ -28,7 +28,7 @@ versions as a prefill runs them; its compilation and tuning come on top of this 
 each length, chunk.chunk_size_for).
 
     python3 benchmarks/chunk_sweep.py [--tokens 128,4096] [--chunk-sizes 32,64] [--out chunk.json]
-        [--baseline REV_OR_FILE]
+        [--baseline REV_OR_FILE] [--setting 'module.NAME=VALUE;...'] [--check-only]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from qwen_triton.operators.gated_delta_rule import chunk
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from tests.operators import test_gated_delta_rule as test_helpers  # noqa: E402  (the test's inputs and checks)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill_options import parse_setting  # noqa: E402
 
 kernel_arguments = test_helpers.kernel_arguments
 
@@ -234,7 +236,13 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", help="e.g. 32,64 (default: the engine's choice at each length)")
     parser.add_argument("--out")
     parser.add_argument("--baseline", help="a git revision or a file: another chunk.py to time the call of")
+    parser.add_argument("--setting", default="",
+                        help="module constants for the whole run, e.g. 'qwen_triton.operators.gated_delta_rule."
+                             "chunk.U_IN_DOT_DTYPE=True' (prefill_options.py's syntax)")
+    parser.add_argument("--check-only", action="store_true", help="the checks without the sweep")
     args = parser.parse_args()
+    for module, name, value in parse_setting(args.setting):
+        setattr(module, name, value)
     started = time.perf_counter()
     baseline = load_baseline(args.baseline) if args.baseline else None
     checks, rows = [], []
@@ -242,15 +250,19 @@ def main() -> None:
     for length in (int(t) for t in args.tokens.split(",")):
         for size in sizes:
             checks += check(length, size)
-            rows += sweep(length, baseline, size)
+            if not args.check_only:
+                rows += sweep(length, baseline, size)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), checks=checks, rows=rows), f, indent=1)
     print(f"{torch.cuda.get_device_name()}: us per call, back to back in a CUDA graph ({time.perf_counter() - started:.0f} s "
           "in all, compilation included); * the autotuner's pick")
-    for length, size in dict.fromkeys((r["T"], r["chunk"]) for r in rows):
+    for length, size in dict.fromkeys((r["T"], r["chunk"]) for r in checks):
         mine = [r for r in rows if r["T"] == length and r["chunk"] == size]
-        print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
+        if mine:
+            print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
+        else:
+            print(f"T={length}, chunks of {size}: {args.setting or 'defaults'}")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
         for name in ("inverse alone", "products alone", "inverse", "products", "prepare", "state", "output"):
