@@ -1,5 +1,4 @@
-"""Registers, spills and SASS instruction counts of the chunked delta rule's kernels (and the prefill GEMM's)
-compiled for sm_90, on the CPU.
+"""Registers, spills and SASS instruction counts of the chunked delta rule's kernels compiled for sm_90, on the CPU.
 
 No GPU: Triton compiles the kernel for an H100/H200 target with its bundled ptxas, and cuobjdump (bundled
 too) reports the registers and stack (spills) per thread and disassembles it; the shared memory per program
@@ -12,8 +11,6 @@ GPU.
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse  (or products: kernel 1 in two parts)
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py gemm-conv [--warps 8] [--max-registers 128]
-        (the prefill GEMM on TMA loads, 128 x 128 x 64 tiles, without then with the conv epilogue of width 4)
 """
 
 from __future__ import annotations
@@ -32,19 +29,14 @@ from triton.compiler.compiler import ASTSource
 
 from qwen_triton.operators.gated_delta_rule import chunk
 
-FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr", "partial_ptr"}
-INTEGERS = {"length", "chunks", "chunk_bucket", "M", "N", "K", "M_BUCKET", "conv_columns"}
+FLOAT32_POINTERS = {"u_ptr", "decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
+INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
-def compile_counts(kernel, constants: dict, warps: int, stages: int, max_registers=None, descriptors=None) -> dict:
+def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
     signature, constexprs = {}, {}
-    descriptors = descriptors or {}
     for name in kernel.arg_names:
-        if name in descriptors:
-            signature[name] = descriptors[name]
-        elif name in constants:
-            signature[name], constexprs[name] = "constexpr", constants[name]
-        elif name.endswith("_ptr"):
+        if name.endswith("_ptr"):
             signature[name] = "*fp32" if name in FLOAT32_POINTERS else "*bf16"
         elif name in ("scale", "eps"):
             signature[name] = "fp32"
@@ -53,10 +45,9 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, max_registe
         else:
             signature[name], constexprs[name] = "constexpr", constants[name]
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                 if (name.endswith("_ptr") and name not in descriptors) or name.startswith("stride")}
+                 if name.endswith("_ptr") or name.startswith("stride")}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages, maxnreg=max_registers))
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     with open(path, "wb") as f:
@@ -76,27 +67,12 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, max_registe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output", "gemm-conv"])
-    parser.add_argument("--max-registers", type=int, help="gemm-conv: the registers a thread may take (maxnreg)")
+    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output"])
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
     parser.add_argument("--chunk", type=int, default=chunk.CHUNK, choices=chunk.CHUNK_SIZES, help="the chunk's rows")
     args = parser.parse_args()
-    if args.kernel == "gemm-conv":
-        from qwen_triton.operators.linear import gemm
-
-        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
-        descriptors = {"x_ptr": "tensordesc<bf16[128,64]>", "w_ptr": "tensordesc<bf16[128,64]>"}
-        for width in (0, 4):
-            constants = dict(ACTIVATION=0, HAS_RESIDUAL=False, SPLIT_ALLOWED=False, GROUP_M=8, SPLIT_K=1, TMA=True,
-                             USE_PDL=False, CONV_WIDTH=width, **tiles)
-            for warps in args.warps:
-                counts = compile_counts(gemm._gemm_kernel, constants, warps, args.stages,
-                                        args.max_registers if width else None, descriptors)
-                print(f"gemm, conv width {width}, {warps} warps, {args.stages} stages, max registers "
-                      f"{args.max_registers if width else None}:", counts)
-        return
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,

@@ -107,10 +107,6 @@ SCREENED_LM_HEAD_PDL = True
 # (its next kernel's programs placed beside its latency-bound ones); 4096 tokens no gain (13.56-13.73 ms).
 PREFILL_PDL = True
 PREFILL_PDL_TOKENS = 256
-# A prefill of CONV_IN_PROJECTION_TOKENS tokens or more runs a DeltaNet layer's conv + SiLU in its
-# in-projection's epilogue (linear(conv=...): the GEMM's tiles overlap by the conv's halo rows) instead of a
-# launch of its own; the same bits. Measured: docs/perf-notes.md, twentieth session.
-CONV_IN_PROJECTION_TOKENS = 1024
 # The decode attention's autotuning on a call over the whole cache (TritonModel._tune_decode_attention)
 TUNE_DECODE_ATTENTION_AT_FULL_LENGTH = True
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
@@ -257,11 +253,7 @@ class TritonModel:
         def cost():
             rows, width = x.shape[0], weight.shape[0] // (2 if options.get("activation") else 1)
             activations = rows * (x.shape[1] + width * (2 if options.get("residual") is not None else 1))
-            flops = 2 * rows * weight.numel()
-            if options.get("conv") is not None:  # 2 W FLOPs an element of the conv's columns (its weight: negligible)
-                conv_weight, _, columns = options["conv"]
-                flops += 2 * rows * columns * conv_weight.shape[1]
-            return weight.numel() * weight.element_size() + activations * x.element_size(), flops
+            return weight.numel() * weight.element_size() + activations * x.element_size(), 2 * rows * weight.numel()
 
         with self._operator(kind, layer, cost):
             return linear(x, weight, out=out, split_k=self.split_k, pdl=pdl, **options)
@@ -427,19 +419,13 @@ class TritonModel:
             if isinstance(w, AttentionWeights):
                 x = self._attention(i, w, mlp, x, positions, slots, attend, pdl=pdl)
             else:
-                if tokens >= CONV_IN_PROJECTION_TOKENS and tokens > MAX_ROWS:  # the conv in the GEMM's epilogue
-                    projection = self._linear("deltanet in-projection + conv + silu", i, x, w.projection,
-                                              norm_weight=w.input_norm, eps=c.rms_norm_eps, pdl=pdl,
-                                              conv=(w.conv, self.state.conv[i][slot], c.linear_conv_dim))
-                    mixed, z, b, a = self._split_projection(projection)
-                else:
-                    projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
-                                              eps=c.rms_norm_eps, pdl=pdl)
-                    mixed, z, b, a = self._split_projection(projection)
-                    with self._operator("deltanet conv + silu", i,
-                                        lambda: (2 * tokens * c.linear_conv_dim * element,
-                                                 2 * tokens * c.linear_conv_dim * c.linear_conv_kernel_dim)):
-                        mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl)
+                projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
+                                          eps=c.rms_norm_eps, pdl=pdl)
+                mixed, z, b, a = self._split_projection(projection)
+                with self._operator("deltanet conv + silu", i,
+                                    lambda: (2 * tokens * c.linear_conv_dim * element,
+                                             2 * tokens * c.linear_conv_dim * c.linear_conv_kernel_dim)):
+                    mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][slot], pdl=pdl)
                 q, k, v = self._heads(mixed)
 
                 def delta_cost():  # q, k, v and z in, the normed output out (the chunk size: chunk.py's choice)

@@ -255,80 +255,6 @@ def test_gemm_tensor_descriptors_need_aligned_rows(device, monkeypatch):
     assert_close(result, reference(x, weight, **kwargs), torch.float16)
 
 
-# The conv epilogue (linear(conv=...)): the first C columns through the causal conv1d + SiLU along the rows.
-# Against the two launches it replaces (the projection, then causal_conv1d on its first C columns): the same
-# bits, output and new conv state, with a nonzero old state; tiles of 32 rows under the interpreter, so M = 17
-# is one tile with the state's rows, 40 two, 95 four (the last three rows spanning tiles); pointer and TMA loads.
-CONV_CASES = [
-    (17, 64, 40, 70, False, torch.float32),
-    (40, 64, 64, 100, True, torch.float16),
-    (95, 64, 48, 48, True, torch.float16),
-    (95, 40, 33, 70, False, torch.float16),
-    (61, 64, 64, 64, False, torch.float32),
-]
-
-
-def conv_operands(C, width, dtype, device, seed):
-    return make((C, width), dtype, device, seed + 5, scale=0.5), make((C, width - 1), dtype, device, seed + 6)
-
-
-def two_launches(x, weight, conv_weight, state, C, **kwargs):
-    """The projection, then causal_conv1d on its first C columns (state updated in place)."""
-    from qwen_triton.operators.conv import causal_conv1d
-
-    projected = linear(x, weight, **kwargs)
-    projected[:, :C] = causal_conv1d(projected[:, :C], conv_weight, state)
-    return projected
-
-
-@pytest.mark.parametrize("M, K, C, N, tma, dtype", CONV_CASES)
-def test_linear_conv_epilogue_equals_two_launches(device, monkeypatch, M, K, C, N, tma, dtype):
-    from qwen_triton.operators.linear import gemm
-
-    monkeypatch.setattr(gemm, "TMA_ROWS", 0 if tma else 10**9)
-    x, weight, kwargs = inputs(M, K, N, dtype, device, ("norm",), seed=M)
-    conv_weight, old_state = conv_operands(C, 4, dtype, device, M)
-    expected_state = old_state.clone()
-    expected = two_launches(x, weight, conv_weight, expected_state, C, **kwargs)
-    described = described_operands(monkeypatch)
-    state = old_state.clone()
-    out = linear(x, weight, conv=(conv_weight, state, C), **kwargs)
-    assert (len(described) == 2) == (tma and dtype != torch.float32)
-    assert torch.equal(out, expected)
-    assert torch.equal(state, expected_state)
-    assert not torch.equal(state, old_state)
-
-
-def test_linear_conv_epilogue_other_widths(device):
-    """Widths 2 and 16 (the widest: a halo of 15 rows in 32-row tiles)."""
-    for width in (2, 16):
-        x, weight, kwargs = inputs(50, 64, 40, torch.float32, device, (), seed=width)
-        conv_weight, state = conv_operands(24, width, torch.float32, device, width)
-        expected_state = state.clone()
-        expected = two_launches(x, weight, conv_weight, expected_state, 24, **kwargs)
-        assert torch.equal(linear(x, weight, conv=(conv_weight, state, 24), **kwargs), expected)
-        assert torch.equal(state, expected_state)
-
-
-@pytest.mark.parametrize("conv, rows, options, message", [
-    (lambda w, s: (w, s), 20, {}, "conv must be"),
-    (lambda w, s: (w, s, 71), 20, {}, "column count must be"),
-    (lambda w, s: (w, s, 0), 20, {}, "column count must be"),
-    (lambda w, s: (w[:, :3], s, 24), 20, {}, "conv_state has shape"),
-    (lambda w, s: (w.float(), s, 24), 20, {}, "conv_weight has dtype"),
-    (lambda w, s: (w[:, :1], s[:, :0], 24), 20, {}, "conv_weight has width 1"),
-    (lambda w, s: (w, s, 24), 16, {}, "more than 16 rows"),
-    (lambda w, s: (w, s, 24), 20, {"activation": "swiglu"}, "neither an activation"),
-    (lambda w, s: (w, s, 24), 20, {"out_dtype": torch.float32}, "output in x's dtype"),
-])
-def test_linear_conv_epilogue_rejects_bad_arguments(conv, rows, options, message):
-    x = torch.zeros(rows, 40, dtype=torch.float16)
-    weight = torch.zeros(70, 40, dtype=torch.float16)
-    conv_weight, state = torch.zeros(24, 4, dtype=torch.float16), torch.zeros(24, 3, dtype=torch.float16)
-    with pytest.raises(ValueError, match=message):
-        linear(x, weight, conv=conv(conv_weight, state), **options)
-
-
 # ---- GPU: the real shapes of Qwen3.5-0.8B, bfloat16 ----------------------------------------------------
 
 HIDDEN = 1024
@@ -422,23 +348,6 @@ def test_gpu_prefill_projections_tensor_descriptors(monkeypatch, name, rows, K, 
     assert len(described) == 2
     assert relative_norm_error(out, ref) < GPU_BOUND
     assert torch.equal(run_gemm(x, weight, kwargs, True, tma=True), out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [17, 100, 257, 1000, 1024, 4096])
-def test_gpu_deltanet_in_projection_conv_epilogue(M):
-    """The DeltaNet in-projection (8224 x 1024, its norm) with the conv of its 6144 q|k|v columns in the epilogue,
-    bf16, pointer loads (M <= 256) and TMA: the bits of the projection, then causal_conv1d; the same new
-    conv state."""
-    x, weight, kwargs = gpu_inputs(M, 8224, HIDDEN, ("norm",), seed=M)
-    conv_weight = (torch.randn(6144, 4, device="cuda") * 0.5).to(torch.bfloat16)
-    old_state = torch.randn(6144, 3, device="cuda").to(torch.bfloat16)
-    expected_state = old_state.clone()
-    expected = two_launches(x, weight, conv_weight, expected_state, 6144, **kwargs)
-    state = old_state.clone()
-    out = linear(x, weight, conv=(conv_weight, state, 6144), **kwargs)
-    assert torch.equal(out, expected)
-    assert torch.equal(state, expected_state)
 
 
 @pytest.mark.gpu

@@ -166,7 +166,7 @@ CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # operands' dtype follows from the inputs' dtype and the precision, which are.)
 PREPARE_IN_ACTIVATION_DTYPE = True
 # U stored in the dtype of kernels 2 and 3's operands (16-bit activations) rather than float32 (Precision, above)
-U_IN_DOT_DTYPE = False
+U_IN_DOT_DTYPE = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 

@@ -10,9 +10,7 @@ goes to memory; the GEMM applies them in a pass of their own before its main loo
 Epilogues (applied to the float32 accumulators before the one store):
 - swiglu: out = silu(acc_gate) * acc_up, the gate and up rows of one [2I, K] weight accumulated side by side;
 - residual: out = acc + residual (residual may be the output itself: an in-place add, safe because each
-  output element is read and then written by the same program);
-- conv: the first columns through the Gated DeltaNet's causal conv1d along the rows and SiLU (the GEMM's tiles
-  overlap by the conv's halo rows; `store_conv_output`).
+  output element is read and then written by the same program).
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ def accumulate(
     """
     x_rows = offs_m.to(tl.int64) * stride_xm
     w_rows = offs_n.to(tl.int64) * stride_wn
-    m_mask = (offs_m >= 0) & (offs_m < M)  # (a conv epilogue's first tile starts above row 0)
+    m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -166,77 +164,6 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         acc = acc + residual.to(tl.float32)
     out_rows = offs_m.to(tl.int64) * stride_om
     tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def store_conv_output(acc, out_ptr, stride_om, m_start, offs_n, M, N, conv_columns, conv_weight_ptr, stride_cw,
-                      conv_state_ptr, stride_sc, staging_ptr, stride_tm, tile_row, first_rows, has_conv,
-                      WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The conv epilogue of the tile of rows m_start.. (BLOCK_M of them): columns offs_n < conv_columns leave as
-    silu(causal conv1d of width WIDTH along the rows) of the projection, the rest as the projection (rounded
-    to out's dtype either way).
-
-    The tile starts WIDTH - 1 rows before the rows it stores (its halo, rows the previous tile stores): each
-    stored row's conv reads the WIDTH - 1 projected rows above it in the same tile. With conv columns
-    (has_conv) the program stages its projected tile in rows tile_row.. of staging_ptr (its own; L2-resident)
-    and reads it back at the WIDTH row shifts after a barrier, in slabs of 32 rows: a register tensor cannot
-    be shifted along a dimension but by a gather (tl.gather: warp shuffles after a layout conversion), which,
-    like the shifted loads of whole tiles, took more registers than two programs an SM have (sm_90: 190-255
-    a thread against the GEMM's 90). The projection is rounded to out's dtype before the conv, where the
-    unfused projection's store rounds it, and the conv is causal_conv1d's sum (float32 from zero, tap 0
-    first) and SiLU: the same bits as the two launches. first_rows: the tile holds the sequence's first rows,
-    whose halo rows (above row 0: zeros from the loads) take the conv state's inputs [C, WIDTH - 1] instead;
-    its program is the only one reading these columns' old state (the caller writes the new one after a
-    barrier)."""
-    y = acc.to(out_ptr.dtype.element_ty)
-    local = tl.arange(0, BLOCK_M)
-    offs_m = m_start + local
-    column_mask = (offs_n < N)[None, :]
-    if has_conv:
-        conv_cols = offs_n < conv_columns
-        if first_rows:
-            earlier = offs_m < 0
-            old = tl.load(conv_state_ptr + offs_n[None, :] * stride_sc + (WIDTH - 1 + offs_m)[:, None],
-                          mask=earlier[:, None] & conv_cols[None, :], other=0.0)
-            y = tl.where(earlier[:, None], old.to(y.dtype), y)
-        # (the staging rows are whole tiles wide: no column mask, so the accesses are 16-byte vectors)
-        staging = staging_ptr + tile_row.to(tl.int64) * stride_tm + offs_n[None, :]
-        tl.store(staging + local[:, None] * stride_tm, y)
-        taps = ()
-        for j in tl.static_range(WIDTH):
-            taps = taps + (tl.load(conv_weight_ptr + offs_n * stride_cw + j, mask=conv_cols, other=0.0).to(tl.float32),)
-        tl.debug_barrier()  # the whole tile staged before any thread reads another's rows
-        SLAB: tl.constexpr = min(BLOCK_M, 32)
-        for first in tl.static_range(0, BLOCK_M, SLAB):
-            rows = first + tl.arange(0, SLAB)
-            total = tl.zeros([SLAB, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(WIDTH):
-                # tap j reads the row WIDTH - 1 - j above; the halo rows' own sums, which read past the tile's
-                # top (clamped), are not stored
-                shifted = tl.load(staging + tl.maximum(rows - (WIDTH - 1 - j), 0)[:, None] * stride_tm)
-                total += shifted.to(tl.float32) * taps[j][None, :]
-                if j == WIDTH - 1:
-                    projected = shifted.to(tl.float32)
-            result = tl.where(conv_cols[None, :], total / (1.0 + tl.exp(-total)), projected)
-            slab_kept = ((rows >= WIDTH - 1) & (m_start + rows < M))[:, None] & column_mask
-            slab_rows = (m_start + rows).to(tl.int64) * stride_om
-            tl.store(out_ptr + slab_rows[:, None] + offs_n[None, :], result.to(out_ptr.dtype.element_ty),
-                     mask=slab_kept)
-    else:
-        keep = ((local >= WIDTH - 1) & (offs_m < M))[:, None] & column_mask
-        out_rows = offs_m.to(tl.int64) * stride_om
-        tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], y, mask=keep)
-
-
-@triton.jit
-def store_conv_state(acc, conv_state_ptr, stride_sc, offs_n, conv_columns, WIDTH: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
-    """The new conv state of columns offs_n: the last WIDTH - 1 rows of a tile whose last row is the sequence's
-    last (acc: its projection, rounded as the output is), into slots 0..WIDTH - 2 (oldest first)."""
-    slot = tl.arange(0, BLOCK_M) - (BLOCK_M - (WIDTH - 1))
-    mask = (slot >= 0)[:, None] & (offs_n < conv_columns)[None, :]
-    tl.store(conv_state_ptr + offs_n[None, :] * stride_sc + slot[:, None],
-             acc.to(conv_state_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

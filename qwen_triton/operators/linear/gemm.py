@@ -71,8 +71,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, wait_for_previous_kernel)
-from .fusion import (SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_conv_output,
-                     store_conv_state, store_output, store_split_output)
+from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -127,21 +126,10 @@ def _tma_configs(split: bool) -> list[triton.Config]:
     return autotune_configs(configs)
 
 
-def _conv_configs(configs: list[triton.Config]) -> list[triton.Config]:
-    """The no-split configs for the conv epilogue: at 8 warps capped at CONV_MAX_REGISTERS a thread, so that
-    two programs share an SM as without it (for sm_90, benchmarks/sass_counts.py gemm-conv: 191 registers a
-    thread uncapped; 128: 32 bytes of spills, in the epilogue)."""
-    return [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=c.pre_hook,
-                          maxnreg=CONV_MAX_REGISTERS if c.num_warps == 8 else None) for c in configs]
-
-
-CONV_MAX_REGISTERS = 128
 SPLIT_CONFIGS = _configs(split=True)
 NO_SPLIT_CONFIGS = _configs(split=False)
 TMA_SPLIT_CONFIGS = _tma_configs(split=True)
 TMA_NO_SPLIT_CONFIGS = _tma_configs(split=False)
-CONV_CONFIGS = _conv_configs(NO_SPLIT_CONFIGS)
-TMA_CONV_CONFIGS = _conv_configs(TMA_NO_SPLIT_CONFIGS)
 MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS)
 
 
@@ -250,11 +238,10 @@ def accumulate_described(x_desc, w_desc, m_start, n_start, up_rows, k_start, k_e
 
 
 @triton.jit
-def _tile_coordinates(tile, M, N, ROW_STEP: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column block) of output tile number `tile`, in groups of GROUP_M row blocks (the tiles
-    running at once share weight tiles in L2); row block i stores rows i * ROW_STEP.. (BLOCK_M, or less by a
-    conv's halo)."""
-    num_m = tl.cdiv(M, ROW_STEP)
+    running at once share weight tiles in L2)."""
+    num_m = tl.cdiv(M, BLOCK_M)
     in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
     first_m = (tile // in_group) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
@@ -263,56 +250,33 @@ def _tile_coordinates(tile, M, N, ROW_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr, conv_weight_ptr, conv_state_ptr, staging_ptr,
-    M, N, K, M_BUCKET, conv_columns,
-    stride_xm, stride_wn, stride_om, stride_rm, stride_cw, stride_sc, stride_tm,
+    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_wn, stride_om, stride_rm,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False, CONV_WIDTH: tl.constexpr = 0,
+    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
     # USE_PDL: launched with PDL (everything after the wait)
-    # CONV_WIDTH > 0: the conv epilogue (fusion.store_conv_output; SPLIT_K = 1, no activation or residual):
-    # each tile starts CONV_WIDTH - 1 rows (its halo) above the rows it stores
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
-    HALO: tl.constexpr = CONV_WIDTH - 1 if CONV_WIDTH > 0 else 0
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M - HALO, BLOCK_N, GROUP_M)
-    m_start = pid_m * (BLOCK_M - HALO) - HALO
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if TMA:
-        acc, acc_up = accumulate_described(x_ptr, w_ptr, m_start, pid_n * BLOCK_N, N, k_start, k_end,
+        acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
                                  k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
-    if CONV_WIDTH > 0:
-        has_conv = pid_n * BLOCK_N < conv_columns
-        store_conv_output(acc, out_ptr, stride_om, m_start, offs_n, M, N, conv_columns, conv_weight_ptr, stride_cw,
-                          conv_state_ptr, stride_sc, staging_ptr, stride_tm, pid_m * BLOCK_M, pid_m == 0, has_conv,
-                          CONV_WIDTH, BLOCK_M, BLOCK_N)
-        if pid_m == 0 and has_conv:
-            # the new conv state, the last CONV_WIDTH - 1 projected rows, written by the only program that read
-            # these columns' old state (after its reads: the barrier) from a tile of its own ending at the
-            # last row, the same products as the tile that stores those rows
-            tail_start = M - BLOCK_M
-            if TMA:
-                tail, _ = accumulate_described(x_ptr, w_ptr, tail_start, pid_n * BLOCK_N, N, 0, K, False,
-                                               BLOCK_M, BLOCK_N, BLOCK_K)
-            else:
-                tail, _ = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, 0, tail_start + tl.arange(0, BLOCK_M),
-                                     offs_n, M, N, 0, K, False, BLOCK_M, BLOCK_N, BLOCK_K)
-            tl.debug_barrier()
-            store_conv_state(tail.to(out_ptr.dtype.element_ty), conv_state_ptr, stride_sc, offs_n, conv_columns,
-                             CONV_WIDTH, BLOCK_M)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL)
     else:
@@ -320,7 +284,7 @@ def _gemm_kernel(
                            stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL)
 
 
-_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED", "CONV_WIDTH"]
+_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED"]
 # (a single config, as under the interpreter, is not pruned: the split list's first config then splits K
 # at any M, and the launcher gives it a workspace)
 _gemm_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
@@ -333,14 +297,8 @@ _gemm_tma_no_split = triton.autotune(configs=TMA_NO_SPLIT_CONFIGS, key=_KEY,
                                      prune_configs_by={"early_config_prune": _prune},
                                      restore_value=["out_ptr"], cache_results=True)(_gemm_kernel)
 
-_gemm_conv = triton.autotune(configs=CONV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                             restore_value=["out_ptr", "conv_state_ptr"], cache_results=True)(_gemm_kernel)
-_gemm_tma_conv = triton.autotune(configs=TMA_CONV_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                                 restore_value=["out_ptr", "conv_state_ptr"], cache_results=True)(_gemm_kernel)
-
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _prologue_outputs: dict[tuple, torch.Tensor] = {}
-_stagings: dict[tuple, torch.Tensor] = {}
 
 
 def _workspace(device: torch.device, rows: int, N: int):
@@ -348,19 +306,6 @@ def _workspace(device: torch.device, rows: int, N: int):
     M; fusion.split_workspace)."""
     tiles = triton.cdiv(rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK)
     return split_workspace(_workspaces, device, MAX_SPLIT_K, rows, N, tiles)
-
-
-def _staging(device, dtype, rows: int, N: int, halo: int, configs) -> torch.Tensor:
-    """The conv epilogue's staging rows (fusion.store_conv_output): BLOCK_M rows per row block of tiles (which
-    step BLOCK_M - halo rows), for any config's BLOCK_M and up to `rows` (a bucket of M) rows, as wide as the
-    tiles that cover N (no column mask); one per (device, dtype, bucket, N, halo), shared as the prologue's
-    workspace is."""
-    key = (device, dtype, rows, N, halo)
-    if key not in _stagings:
-        tall = max(triton.cdiv(rows, c.kwargs["BLOCK_M"] - halo) * c.kwargs["BLOCK_M"] for c in configs)
-        wide = max(triton.cdiv(N, c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_N"] for c in configs)
-        _stagings[key] = torch.empty(tall, wide, dtype=dtype, device=device)
-    return _stagings[key]
 
 
 def _apply_prologue(x, gate, norm_weight, eps, pdl=False):
@@ -397,13 +342,12 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False, conv=None):
+         tma=None, pdl=False):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
-    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
-    conv: (weight [C, W], state [C, W - 1], C), the conv epilogue on the first C columns (no split of K)."""
+    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py)."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
@@ -412,36 +356,26 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     tma = tma and _describable(x) and _describable(weight)
     N = out.shape[1]
     bucket = triton.next_power_of_2(M)
-    if conv is not None:
-        split_k = False
-        conv_weight, conv_state, conv_columns = conv
-        width = conv_weight.shape[1]
-    else:
-        conv_weight = conv_state = out  # never touched (CONV_WIDTH = 0)
-        conv_columns, width = 0, 0
-    halo = max(width - 1, 0)
     split_allowed = bool(split_k) and bucket <= MAX_SPLIT_ROWS
     if split_allowed or (split_k and len(SPLIT_CONFIGS) == 1):
         partial, counters = _workspace(x.device, bucket, N)
     else:
         partial, counters = x, x  # never touched: every config kept has SPLIT_K = 1
     if tma:
-        kernel = _gemm_tma_conv if conv is not None else _gemm_tma_split if split_k else _gemm_tma_no_split
+        kernel = _gemm_tma_split if split_k else _gemm_tma_no_split
         x_operand, w_operand = _described(x), _described(weight)
     else:
-        kernel = _gemm_conv if conv is not None else _gemm_split if split_k else _gemm_no_split
+        kernel = _gemm_split if split_k else _gemm_no_split
         x_operand, w_operand = x, weight
-    staging = _staging(x.device, out.dtype, bucket, N, halo, kernel.configs) if conv is not None else out
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"] - halo) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     kernel[grid](
-        x_operand, w_operand, out, out if residual is None else residual, partial, counters, conv_weight,
-        conv_state, staging, M, N, K, bucket, conv_columns,
+        x_operand, w_operand, out, out if residual is None else residual, partial, counters,
+        M, N, K, bucket,
         x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        conv_weight.stride(0), conv_state.stride(0), staging.stride(0),
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
-        USE_PDL=pdl, CONV_WIDTH=width, **launch_options(pdl),
+        USE_PDL=pdl, **launch_options(pdl),
     )
     return out

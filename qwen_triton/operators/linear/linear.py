@@ -6,8 +6,6 @@
                gate        -> x * sigmoid(gate)                  (the attention output gate before o_proj)
     epilogue:  activation="swiglu" -> silu(x @ Wg.T) * (x @ Wu.T), weight = [Wg; Wu] of [2I, K], out [M, I]
                residual    -> + residual                         (out may be residual itself: in place)
-               conv=(weight, state, C) -> out[:, :C] = silu(causal_conv1d(out[:, :C]))  (the Gated DeltaNet's
-                              conv over the rows, as operators/conv computes it, its state updated; prefill only)
 
 Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py), whose
 tiles come through TMA descriptors from 257 tokens on (Hopper).
@@ -35,7 +33,6 @@ from .gemm import gemm
 from .gemv import MAX_ROWS, gemv
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_CONV_WIDTH = 16  # the conv epilogue's widest kernel (a tile's halo: BLOCK_M >= 32 rows)
 ACTIVATIONS = {None: 0, "swiglu": 1}
 
 
@@ -65,7 +62,6 @@ def linear(
     split_k: bool = True,
     out_dtype: torch.dtype | None = None,
     pdl: bool = False,
-    conv: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -74,11 +70,6 @@ def linear(
     out [M, N] (rows may be strided); out_dtype: x's dtype (default) or torch.float32.
     split_k: let the GEMV split K across programs (autotuned); False keeps one program per output tile.
     pdl: launch the kernels with programmatic dependent launch (Hopper; see operators/common.py).
-    conv: (conv_weight [C, W], conv_state [C, W - 1], C): the first C output columns leave as the causal
-    depthwise conv1d of width W along the rows, then SiLU, of the projection (rounded to x's dtype first), the
-    W - 1 inputs before row 0 read from conv_state, which then holds the last W - 1 projected rows: what
-    projecting, then `causal_conv1d(out[:, :C], conv_weight, conv_state)`, computes, in one launch (gemm.py).
-    For the GEMM (M > 16 rows) without activation or residual, output in x's dtype.
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -115,36 +106,9 @@ def linear(
         out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()
     ):
         raise ValueError("residual overlaps out without being out itself: pass the same tensor for an in-place add")
-    if conv is not None:
-        _check_conv(conv, M, N, x, out, activation, residual)
     if M == 0 or N == 0:
         return out
     options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
     if M <= MAX_ROWS:
         return gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
-    return gemm(x, weight, out, split_k=split_k, pdl=pdl, conv=conv, **options)
-
-
-def _check_conv(conv, M, N, x, out, activation, residual) -> None:
-    """The conv epilogue's arguments (see `linear`)."""
-    if not (isinstance(conv, tuple) and len(conv) == 3):
-        raise ValueError("conv must be (conv_weight [C, W], conv_state [C, W - 1], C)")
-    conv_weight, conv_state, columns = conv
-    if not isinstance(columns, int) or not 0 < columns <= N:
-        raise ValueError(f"conv's column count must be an int in 1..{N} (the output's columns), got {columns!r}")
-    check_tensor("conv_weight", conv_weight, shape=(columns, None), dtype=x.dtype)
-    width = conv_weight.shape[1]
-    if not 2 <= width <= MAX_CONV_WIDTH:
-        raise ValueError(f"conv_weight has width {width}, expected 2 to {MAX_CONV_WIDTH}")
-    check_tensor("conv_state", conv_state, shape=(columns, width - 1), dtype=x.dtype)
-    check_same_device(x=x, conv_weight=conv_weight, conv_state=conv_state)
-    if M <= MAX_ROWS:
-        raise ValueError(f"conv is a prefill epilogue of the GEMM: more than {MAX_ROWS} rows, got {M} "
-                         "(decode: operators/conv's causal_conv1d_step)")
-    if activation is not None or residual is not None:
-        raise ValueError("conv takes neither an activation nor a residual")
-    if out.dtype != x.dtype:
-        raise ValueError(f"conv needs the output in x's dtype ({x.dtype}), got {out.dtype}")
-    for name, other in (("conv_weight", conv_weight), ("conv_state", conv_state)):
-        if overlaps(out, other) or overlaps(x, other):
-            raise ValueError(f"{name} overlaps x or out")
+    return gemm(x, weight, out, split_k=split_k, pdl=pdl, **options)
