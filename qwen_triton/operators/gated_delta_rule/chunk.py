@@ -165,8 +165,6 @@ CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # kernels' tuning keys, which hold no dtype object: the autotuner writes its keys to JSON. Given this flag the
 # operands' dtype follows from the inputs' dtype and the precision, which are.)
 PREPARE_IN_ACTIVATION_DTYPE = True
-# U stored in the dtype of kernels 2 and 3's operands (16-bit activations) rather than float32 (Precision, above)
-U_IN_DOT_DTYPE = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -732,7 +730,7 @@ class _Scratch(NamedTuple):
     dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
-    u: torch.Tensor  # [Hv, T, Dv] float32 (U_IN_DOT_DTYPE: dot_dtype)
+    u: torch.Tensor  # [Hv, T, Dv] float32
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
     decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
@@ -760,8 +758,7 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     return _Scratch(
         chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
-        u=torch.empty(value_heads, length, value_dim, device=device,
-                      dtype=dot_dtype if U_IN_DOT_DTYPE else torch.float32),
+        u=torch.empty(value_heads, length, value_dim, device=device, dtype=torch.float32),
         qk=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
