@@ -174,6 +174,7 @@ TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch
 # at OVERLAP_OUTPUT_WARPS warps (not autotuned: its runs need the state pass's flags).
 OVERLAP_OUTPUT_TOKENS = SHORT_CHUNK_TOKENS + 1
 OUTPUT_PROGRAMS_PER_SM = 2
+OVERLAP_PDL = True  # False: the same kernels, the output kernel launched after the state pass (its counts' cost)
 OVERLAP_OUTPUT_WARPS = 4
 FLAG_LANES = tl.constexpr(256)  # the lanes of a state-pass program's count of a chunk (>= its threads: all count)
 MAX_SMS = tl.constexpr(256)  # the occupancy marks, one per SM id
@@ -824,7 +825,7 @@ def gated_delta_rule_chunked(
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
     if overlap_output:
         flags = _flags(v.device, triton.cdiv(length, scratch.chunk), value_heads)
-        pdl = pdl_available(v.device)
+        pdl = pdl_available(v.device) and OVERLAP_PDL
         _launch_state_pass(state, scratch, flags, pdl)
         _launch_output(q, out, scratch, output_norm, flags, pdl)
     else:
