@@ -619,7 +619,7 @@ def _chunk_state_kernel(
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    columns = tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V)  # a chunk's count: FLAG_LANES x V_DIM in all
+    columns = tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V)  # its count: a slot reaches V_DIM in all
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
@@ -629,21 +629,32 @@ def _chunk_state_kernel(
     u_base = u_ptr + head * length * V_DIM
     new_values_base = new_values_ptr + head * length * V_DIM
     offsets = tl.arange(0, CHUNK_ROWS)
+    lanes = tl.arange(0, FLAG_LANES)
     for chunk in range(chunks):
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, decayed_keys, decay_last = _state_step_tiles(
             w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        if OVERLAP and chunk > 0:  # the previous chunk counted a step late: its stores have landed by now
+            _count_chunk(flags_ptr, chunk - 1, head, lanes, columns, V_HEADS)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-        if OVERLAP:  # this chunk's start state and V' columns stored: each thread releases its own stores
-            lanes = tl.zeros([FLAG_LANES], dtype=tl.int32) + (FLAG_READY + chunk * V_HEADS + head)
-            tl.atomic_add(flags_ptr + lanes, columns, sem="release", scope="gpu")
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
+    if OVERLAP:
+        _count_chunk(flags_ptr, chunks - 1, head, lanes, columns, V_HEADS)
+
+
+@triton.jit
+def _count_chunk(flags_ptr, chunk, head, lanes, columns, V_HEADS: tl.constexpr):
+    """Count a chunk's stores of one state-pass program into the chunk's FLAG_LANES slots for the head, every
+    thread releasing its own stores (a slot each, or more: no thread left out; distinct slots, so that the
+    atomics do not queue on one address; no barrier, which would stop the loop's software pipelining)."""
+    slots = flags_ptr + FLAG_READY + (chunk * V_HEADS + head) * FLAG_LANES + lanes
+    tl.atomic_add(slots, tl.zeros([FLAG_LANES], dtype=tl.int32) + columns, sem="release", scope="gpu")
 
 
 OUTPUT_CONFIGS = [
@@ -745,17 +756,18 @@ def _chunk_output_beside_kernel(
         occupied = tl.atomic_add(flags_ptr + FLAG_OCCUPIED + _sm_id(), 0, sem="acquire", scope="gpu")
         if occupied > 0:
             wait_for_previous_kernel(USE_PDL)
-    READY_COUNT: tl.constexpr = FLAG_LANES * V_DIM
     values = tl.arange(0, BLOCK_D)
     blocks = chunks * V_HEADS
     block = tl.atomic_add(flags_ptr + FLAG_QUEUE, 1, sem="relaxed", scope="gpu")
+    lanes = tl.arange(0, FLAG_LANES)
     while block < blocks:
-        ready = flags_ptr + FLAG_READY + block
-        while tl.atomic_add(ready, 0, sem="acquire", scope="gpu") < READY_COUNT:
+        ready = flags_ptr + FLAG_READY + block * FLAG_LANES + lanes
+        while tl.min(tl.atomic_add(ready, tl.zeros([FLAG_LANES], dtype=tl.int32), sem="acquire", scope="gpu"),
+                     axis=0) < V_DIM:
             if MARK_SM:  # (on the GPU) back off between polls
                 tl.inline_asm_elementwise("nanosleep.u32 64; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                           is_pure=False, pack=1)
-        tl.store(ready, 0)  # taken: no other program reads this count
+        tl.store(ready, tl.zeros([FLAG_LANES], dtype=tl.int32))  # taken: no other program reads these counts
         _output_block(block // V_HEADS, block % V_HEADS, values, q_ptr, qk_ptr, decay_ptr, new_values_ptr,
                       chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, length, scale, eps, stride_qt, stride_qh,
                       stride_ot, stride_oh, stride_zt, V_HEADS, GROUP, K_DIM, V_DIM, CHUNK_ROWS, BLOCK_K,
@@ -849,7 +861,8 @@ def _flags(device, chunks: int, heads: int) -> torch.Tensor:
     pair of kernels at a time); calls on concurrent streams must not."""
     key = (device, triton.next_power_of_2(chunks) * heads)
     if key not in _flag_buffers:
-        _flag_buffers[key] = torch.zeros(FLAG_READY.value + key[1], dtype=torch.int32, device=device)
+        _flag_buffers[key] = torch.zeros(FLAG_READY.value + key[1] * FLAG_LANES.value, dtype=torch.int32,
+                                         device=device)
     return _flag_buffers[key]
 
 
