@@ -36,9 +36,7 @@ INTEGERS = {"length", "chunks", "chunk_bucket"}
 def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
-        if name == "flags_ptr":
-            signature[name] = "*i32"
-        elif name.endswith("_ptr"):
+        if name.endswith("_ptr"):
             signature[name] = "*fp32" if name in FLOAT32_POINTERS else "*bf16"
         elif name in ("scale", "eps"):
             signature[name] = "fp32"

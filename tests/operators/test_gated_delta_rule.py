@@ -613,41 +613,6 @@ def real_shape_chunked_case(length, seed):
     return inputs, initial, ref_out, ref_state
 
 
-@pytest.mark.parametrize("length, chunk_size, dtype, norm", [
-    (1, 32, torch.float32, False), (70, 32, torch.float32, True), (130, 64, torch.float16, True),
-    (130, 64, torch.float16, False),
-])
-def test_chunked_output_beside_the_state_pass_changes_no_bit(device, length, chunk_size, dtype, norm):
-    """overlap_output=True (the output kernel's persistent programs taking each (chunk, head) once the state pass
-    has counted it; on a GPU with PDL beside the running state pass): the output and the state of the kernels
-    one after the other, twice over (the flags are zero again after each call)."""
-    inputs = make_inputs(length, 1, 2, 24, 40, dtype, device, seed=length)
-    weight = make_inputs(1, 1, 1, 1, 40, dtype, device, seed=3)["v"].reshape(40)
-    results = []
-    for overlap in (False, True, True):
-        state = random_state((2, 24, 40), device)
-        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size, overlap_output=overlap,
-                                       output_norm=(inputs["z"], weight, 1e-6) if norm else None)
-        results.append((out, state))
-        if overlap:  # (the buffer the call used: keyed by the tensors' device)
-            assert not chunk_module._flags(out.device, triton.cdiv(length, chunk_size), 2).any()
-    assert torch.isfinite(results[0][0]).all()
-    for out, state in results[1:]:
-        assert torch.equal(out, results[0][0])
-        assert torch.equal(state, results[0][1])
-
-
-def test_chunked_output_beside_the_state_pass_from_long_prompts(monkeypatch):
-    """overlap_output=None: beside from OVERLAP_OUTPUT_TOKENS tokens where PDL is available (never under the
-    interpreter)."""
-    cpu = torch.device("cpu")
-    assert not chunk_module.overlaps_output(10**6, cpu)  # no PDL
-    monkeypatch.setattr(chunk_module, "pdl_available", lambda device: True)
-    limit = chunk_module.OVERLAP_OUTPUT_TOKENS
-    assert limit > chunk_module.SHORT_CHUNK_TOKENS  # prompts in chunks of 64 (the measured case)
-    assert [chunk_module.overlaps_output(n, cpu) for n in (limit - 1, limit, 4096)] == [False, True, True]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("length, chunk_size", [(128, 32), (128, 64), (2048, None), (4096, None)])
 def test_gpu_chunked(length, chunk_size):
@@ -667,43 +632,6 @@ def test_gpu_chunked(length, chunk_size):
                                        chunk_size=chunk_size)
         assert frobenius_error(out, ref_out) < 1e-2
         assert frobenius_error(state, ref_state) < 5e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [2049, 4096])
-def test_gpu_chunked_output_beside_the_state_pass(length):
-    """At the real shape, bf16, with the output norm: the output kernel beside the state pass (the default for
-    these lengths on Hopper), eager three times and replayed from a CUDA graph three times, gives the bits of
-    the kernels one after the other; the flags are zero after each."""
-    if not chunk_module.pdl_available(torch.device("cuda")):
-        pytest.skip("the output kernel runs beside the state pass through PDL (compute capability 9.0)")
-    assert length >= chunk_module.OVERLAP_OUTPUT_TOKENS
-    inputs, initial, _, _ = real_shape_chunked_case(length, seed=24)
-    weight = torch.randn(128, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
-
-    def call(overlap, state):
-        return gated_delta_rule_chunked(*kernel_arguments(inputs), state, overlap_output=overlap,
-                                        output_norm=(inputs["z"], weight, 1e-6))
-
-    expected_state = initial.clone()
-    expected = call(False, expected_state)
-    flags = chunk_module._flags(inputs["v"].device, triton.cdiv(length, 64), 16)
-    for _ in range(3):
-        state = initial.clone()
-        assert torch.equal(call(None, state), expected)
-        assert torch.equal(state, expected_state)
-        assert not flags.any()
-    state = initial.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = call(None, state)
-    for _ in range(3):
-        state.copy_(initial)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, expected)
-        assert torch.equal(state, expected_state)
-        assert not flags.any()
 
 
 @pytest.mark.gpu

@@ -148,8 +148,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, interpreting, keep_preferred,
-                      launch_options, pdl_available, wait_for_previous_kernel)
+from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
@@ -169,25 +168,11 @@ PREPARE_IN_ACTIVATION_DTYPE = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-# Kernel 3 beside kernel 2 (the module docstring, "The output beside the state pass"): for prompts of at least
-# OVERLAP_OUTPUT_TOKENS tokens where the device has PDL; a persistent grid of OUTPUT_PROGRAMS_PER_SM programs an SM
-# at OVERLAP_OUTPUT_WARPS warps (not autotuned: its runs need the state pass's flags).
-OVERLAP_OUTPUT_TOKENS = SHORT_CHUNK_TOKENS + 1
-OUTPUT_PROGRAMS_PER_SM = 2
-OVERLAP_PDL = True  # False: the same kernels, the output kernel launched after the state pass (its counts' cost)
-OVERLAP_OUTPUT_WARPS = 4
-FLAG_LANES = tl.constexpr(256)  # the lanes of a state-pass program's count of a chunk (>= its threads: all count)
-MAX_SMS = tl.constexpr(256)  # the occupancy marks, one per SM id
-
 
 @triton.jit
-def _load_rows(base, rows, length, stride_row, cols, width, TO_FLOAT: tl.constexpr = True,
-               FROM_L2: tl.constexpr = False):
+def _load_rows(base, rows, length, stride_row, cols, width, TO_FLOAT: tl.constexpr = True):
     mask = (rows[:, None] < length) & (cols[None, :] < width)
-    if FROM_L2:  # (".cg": what programs of another kernel running at the same time wrote)
-        x = tl.load(base + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(base + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(base + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
     if TO_FLOAT:
         x = x.to(tl.float32)
     return x
@@ -564,20 +549,6 @@ STATE_CONFIGS = [
 ]
 
 
-# The flags of kernels 2 and 3 side by side (int32, zero between calls): the output kernel's work queue and exit
-# count, the SMs' occupancy marks, then one count per (chunk, head)
-FLAG_QUEUE = tl.constexpr(0)
-FLAG_EXITS = tl.constexpr(1)
-FLAG_OCCUPIED = tl.constexpr(2)
-FLAG_READY = tl.constexpr(2 + MAX_SMS.value)
-
-
-@triton.jit
-def _sm_id():
-    """The id of the SM the program runs on (%smid)."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-
-
 @triton.jit
 def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys, values,
                       K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
@@ -595,31 +566,23 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
     configs=autotune_configs(STATE_CONFIGS),
     key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
-    restore_value=["state_ptr", "flags_ptr"], cache_results=True,
+    restore_value=["state_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
 @triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
 def _chunk_state_kernel(
-    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr, flags_ptr,
+    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    OVERLAP: tl.constexpr = False, USE_PDL: tl.constexpr = False, MARK_SM: tl.constexpr = False,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place. OVERLAP (the output kernel beside it, `_chunk_output_beside_kernel`):
-    it counts each chunk's stores into the chunk's flag (every thread, release), lets the output kernel
-    launch at once (USE_PDL) and marks its SM (MARK_SM), flags_ptr's layout as `_flags` makes it."""
-    if OVERLAP:
-        if MARK_SM:
-            tl.atomic_add(flags_ptr + FLAG_OCCUPIED + _sm_id(), 1, sem="release", scope="gpu")
-        allow_next_kernel(USE_PDL)
+    the final state (float32) in place."""
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    columns = tl.minimum(BLOCK_V, V_DIM - tl.program_id(1) * BLOCK_V)  # its count: a slot reaches V_DIM in all
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(slab, mask=slab_mask, other=0.0)
 
@@ -629,14 +592,11 @@ def _chunk_state_kernel(
     u_base = u_ptr + head * length * V_DIM
     new_values_base = new_values_ptr + head * length * V_DIM
     offsets = tl.arange(0, CHUNK_ROWS)
-    lanes = tl.arange(0, FLAG_LANES)
     for chunk in range(chunks):
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, decayed_keys, decay_last = _state_step_tiles(
             w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
-        if OVERLAP and chunk > 0:  # the previous chunk counted a step late: its stores have landed by now
-            _count_chunk(flags_ptr, chunk - 1, head, lanes, columns, V_HEADS)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
@@ -644,17 +604,6 @@ def _chunk_state_kernel(
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
-    if OVERLAP:
-        _count_chunk(flags_ptr, chunks - 1, head, lanes, columns, V_HEADS)
-
-
-@triton.jit
-def _count_chunk(flags_ptr, chunk, head, lanes, columns, V_HEADS: tl.constexpr):
-    """Count a chunk's stores of one state-pass program into the chunk's FLAG_LANES slots for the head, every
-    thread releasing its own stores (a slot each, or more: no thread left out; distinct slots, so that the
-    atomics do not queue on one address; no barrier, which would stop the loop's software pipelining)."""
-    slots = flags_ptr + FLAG_READY + (chunk * V_HEADS + head) * FLAG_LANES + lanes
-    tl.atomic_add(slots, tl.zeros([FLAG_LANES], dtype=tl.int32) + columns, sem="release", scope="gpu")
 
 
 OUTPUT_CONFIGS = [
@@ -691,35 +640,19 @@ def _chunk_output_kernel(
     O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
     instead, O rounded to the output dtype first, as the norm kernel reads it."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
+    keys = tl.arange(0, BLOCK_K)
     if NORM:
         values = tl.arange(0, BLOCK_D)
     else:
         values = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    _output_block(tl.program_id(0), tl.program_id(1), values, q_ptr, qk_ptr, decay_ptr, new_values_ptr,
-                  chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, length, scale, eps, stride_qt, stride_qh,
-                  stride_ot, stride_oh, stride_zt, V_HEADS, GROUP, K_DIM, V_DIM, CHUNK_ROWS, BLOCK_K, DOT_DTYPE,
-                  PRECISION, NORM, ROUND_PRODUCT, False)
-
-
-@triton.jit
-def _output_block(chunk, head, values, q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr,
-                  norm_weight_ptr, length, scale, eps, stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
-                  V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-                  CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, FROM_L2: tl.constexpr):
-    """Kernel 3's work for columns `values` of chunk `chunk` of head `head` (FROM_L2: kernel 2's start state
-    and V' loaded from L2, ".cg": kernel 2 is still running)."""
-    keys = tl.arange(0, BLOCK_K)
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
     start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    if FROM_L2:
-        state = tl.load(start_slab, mask=slab_mask, other=0.0, cache_modifier=".cg")
-    else:
-        state = tl.load(start_slab, mask=slab_mask, other=0.0)
-    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False,
-                            FROM_L2)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
@@ -735,52 +668,6 @@ def _output_block(chunk, head, values, q_ptr, qk_ptr, decay_ptr, new_values_ptr,
     _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
 
 
-@triton.jit
-def _chunk_output_beside_kernel(
-    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, flags_ptr,
-    length, chunks, scale, eps,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
-    V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr, USE_PDL: tl.constexpr,
-    MARK_SM: tl.constexpr,
-):
-    """Kernel 3 beside kernel 2 (launched with PDL while the state pass runs): a persistent grid whose programs
-    take (chunk, head) blocks from a queue in chunk order, each once the state pass has counted its chunk's
-    stores for the head (FLAG_LANES x V_DIM: every lane of its programs, a column each; acquire), whole head
-    rows (BLOCK_D columns) each. A program on an SM where a state-pass program runs (MARK_SM) first waits for the state pass to end,
-    so as not to slow its steps. Every program waits for the state pass to end before it leaves (the final
-    state is the state pass's last store); the last to leave zeroes the queue, the exit count and the marks
-    (each block's count is zeroed by the program that takes it): the flags are zero again for the next call."""
-    if MARK_SM:
-        occupied = tl.atomic_add(flags_ptr + FLAG_OCCUPIED + _sm_id(), 0, sem="acquire", scope="gpu")
-        if occupied > 0:
-            wait_for_previous_kernel(USE_PDL)
-    values = tl.arange(0, BLOCK_D)
-    blocks = chunks * V_HEADS
-    block = tl.atomic_add(flags_ptr + FLAG_QUEUE, 1, sem="relaxed", scope="gpu")
-    lanes = tl.arange(0, FLAG_LANES)
-    while block < blocks:
-        ready = flags_ptr + FLAG_READY + block * FLAG_LANES + lanes
-        while tl.min(tl.atomic_add(ready, tl.zeros([FLAG_LANES], dtype=tl.int32), sem="acquire", scope="gpu"),
-                     axis=0) < V_DIM:
-            if MARK_SM:  # (on the GPU) back off between polls
-                tl.inline_asm_elementwise("nanosleep.u32 64; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-        tl.store(ready, tl.zeros([FLAG_LANES], dtype=tl.int32))  # taken: no other program reads these counts
-        _output_block(block // V_HEADS, block % V_HEADS, values, q_ptr, qk_ptr, decay_ptr, new_values_ptr,
-                      chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, length, scale, eps, stride_qt, stride_qh,
-                      stride_ot, stride_oh, stride_zt, V_HEADS, GROUP, K_DIM, V_DIM, CHUNK_ROWS, BLOCK_K,
-                      DOT_DTYPE, PRECISION, NORM, ROUND_PRODUCT, True)
-        block = tl.atomic_add(flags_ptr + FLAG_QUEUE, 1, sem="relaxed", scope="gpu")
-    wait_for_previous_kernel(USE_PDL)
-    if tl.atomic_add(flags_ptr + FLAG_EXITS, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        marks = tl.arange(0, MAX_SMS)
-        tl.store(flags_ptr + FLAG_OCCUPIED + marks, tl.zeros([MAX_SMS], dtype=tl.int32))
-        tl.store(flags_ptr + FLAG_QUEUE, 0)
-        tl.store(flags_ptr + FLAG_EXITS, 0)
-
-
 def gated_delta_rule_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -794,15 +681,12 @@ def gated_delta_rule_chunked(
     out: torch.Tensor | None = None,
     dot_precision: str | None = None,
     output_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    overlap_output: bool | None = None,
 ) -> torch.Tensor:
     """Prefill of one sequence: o [T, Hv, Dv]; state [Hv, Dk, Dv] float32 carried in place.
 
     dot_precision: None (the default mix, see the module docstring), "tf32" or "ieee" (float32 operands).
     output_norm: (z [T, Hv * Dv], weight [Dv], eps): return gated_rms_norm(o, z, weight, eps) instead of o
     (gated_rms_norm.py's roundings, o rounded to v's dtype first), formed by the output kernel.
-    overlap_output: the output kernel beside the state pass (None: from OVERLAP_OUTPUT_TOKENS tokens, where the
-    device has PDL; True elsewhere runs the same kernels one after the other); the same bits either way.
     """
     if chunk_size is not None and chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES}, got {chunk_size}")
@@ -831,46 +715,11 @@ def gated_delta_rule_chunked(
     if length == 0:
         return out
 
-    if overlap_output is None:
-        overlap_output = overlaps_output(length, v.device)
     scratch = _scratch(q, v, dot_precision, chunk_size)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    if overlap_output:
-        flags = _flags(v.device, triton.cdiv(length, scratch.chunk), value_heads)
-        pdl = pdl_available(v.device) and OVERLAP_PDL
-        _launch_state_pass(state, scratch, flags, pdl)
-        _launch_output(q, out, scratch, output_norm, flags, pdl)
-    else:
-        _launch_state_pass(state, scratch)
-        _launch_output(q, out, scratch, output_norm)
+    _launch_state_pass(state, scratch)
+    _launch_output(q, out, scratch, output_norm)
     return out
-
-
-def overlaps_output(length: int, device) -> bool:
-    """Whether gated_delta_rule_chunked(overlap_output=None) runs the output kernel beside the state pass."""
-    return length >= OVERLAP_OUTPUT_TOKENS and pdl_available(device)
-
-
-_flag_buffers: dict[tuple, torch.Tensor] = {}
-
-
-def _flags(device, chunks: int, heads: int) -> torch.Tensor:
-    """The int32 flags of kernels 2 and 3 side by side (FLAG_QUEUE ... FLAG_READY), zero at allocation and
-    zero again after each call (the kernels reset them): one buffer per (device, bucket of chunks x heads),
-    never replaced, so that a CUDA graph captured with it keeps it. Calls on one stream share it (one call's
-    pair of kernels at a time); calls on concurrent streams must not."""
-    key = (device, triton.next_power_of_2(chunks) * heads)
-    if key not in _flag_buffers:
-        _flag_buffers[key] = torch.zeros(FLAG_READY.value + key[1] * FLAG_LANES.value, dtype=torch.int32,
-                                         device=device)
-    return _flag_buffers[key]
-
-
-def _output_grid(device) -> int:
-    """The persistent output kernel's programs: OUTPUT_PROGRAMS_PER_SM for each SM (3 under the interpreter)."""
-    if interpreting():
-        return 3
-    return OUTPUT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _Scratch(NamedTuple):
@@ -945,43 +794,25 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
             length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
 
 
-def _launch_state_pass(state, scratch: _Scratch, flags=None, pdl=False) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; with flags,
-    each chunk counted into them for the output kernel beside it (pdl: launched with PDL, SMs marked)."""
+def _launch_state_pass(state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
         scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
-        state if flags is None else flags,  # (unused without; restored around tuning either way)
         length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        OVERLAP=flags is not None, USE_PDL=pdl, MARK_SM=pdl,
     )
 
 
-def _launch_output(q, out, scratch: _Scratch, output_norm=None, flags=None, pdl=False) -> None:
-    """Kernel 3: o (or its gated norm, with output_norm) written into out; with flags, the persistent kernel
-    beside the state pass (pdl: launched with PDL)."""
+def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
+    """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
     z, weight, eps = output_norm if output_norm is not None else (out, out, 0.0)  # unused stand-ins without it
-    if flags is not None:
-        _chunk_output_beside_kernel[(_output_grid(out.device),)](
-            q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight, flags,
-            length, chunks, key_dim**-0.5, eps,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
-            V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
-            CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-            BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
-            DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-            NORM=output_norm is not None,
-            ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
-            USE_PDL=pdl, MARK_SM=pdl, num_warps=OVERLAP_OUTPUT_WARPS, **launch_options(pdl),
-        )
-        return
 
     def grid(meta):
         return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
