@@ -831,13 +831,24 @@ SHORT_PROMPT_PICKS = """
 import importlib, json
 chunk = importlib.import_module("qwen_triton.operators.gated_delta_rule.chunk")
 conv = importlib.import_module("qwen_triton.operators.conv.causal_conv1d")
-picks = {}
+import triton.language as tl
+picks, float32 = {}, {}
 for name in ("prepare", "state", "output"):
     kernel = getattr(chunk, f"_chunk_{name}_kernel")
     prune = kernel.early_config_prune
-    kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32", CHUNK_ROWS=rows))
-            for rows in (64, 32) for bucket in (2, 4, 8, 64)]
+    kept = [len(prune(kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32", CHUNK_ROWS=rows,
+                      DOT_DTYPE=tl.bfloat16)) for rows in (64, 32) for bucket in (2, 4, 8, 64)]
     picks[name] = [kept, len(kernel.configs)]
+for name in ("prepare", "inverse", "products", "state", "output"):
+    kernel = getattr(chunk, f"_chunk_{name}_kernel")
+    float32[name] = [[(c.kwargs, c.num_warps, c.num_stages) == (kernel.configs[0].kwargs, kernel.configs[0].num_warps,
+                                                                kernel.configs[0].num_stages)
+                      for c in kernel.early_config_prune(kernel.configs, dict(chunk_bucket=64), PRECISION=precision,
+                                                         CHUNK_ROWS=64, DOT_DTYPE=tl.float32)]
+                     for precision in ("tf32", "ieee")]
+    float32[name].append(len(kernel.early_config_prune(kernel.configs, dict(chunk_bucket=64), PRECISION="tf32",
+                                                       CHUNK_ROWS=64, DOT_DTYPE=tl.bfloat16)))
+picks["float32"] = float32
 kernel = conv._causal_conv1d_kernel
 kept = [kernel.early_config_prune(kernel.configs, dict(length_bucket=n)) for n in (128, 256, 512, 4096)]
 picks["conv"] = [[[(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"], c.kwargs["WALK_BLOCKS"], c.num_warps) for c in configs]
@@ -852,6 +863,10 @@ def test_short_prompts_run_the_swept_configs():
     # the whole tuning space; the prefill conv
     # one pinned config at every length: the tile up to 512 tokens, the walk beyond
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
+    # float32 operands (the "tf32" and "ieee" options): every chunk kernel its first config alone, untuned (their
+    # tuning at 4096 tokens faulted on the H200); 16-bit operands: all configs at 64 chunks (kernel 1's parts: 2)
+    for name, (tf32, ieee, sixteen_bit) in picks.pop("float32").items():
+        assert tf32 == ieee == [True] and sixteen_bit > 1, (name, tf32, ieee, sixteen_bit)
     conv_kept, conv_every = picks.pop("conv")
     assert conv_every > 1 and conv_kept == [[[16, 128, 0, 4]]] * 3 + [[[8, 512, 4, 4]]], conv_kept
     for name, (kept, every) in picks.items():

@@ -330,20 +330,23 @@ def _short_prompt_pick(kernel: str):
     return prune
 
 
-def _prune_ieee(configs, named_args, **kwargs):
-    """float32 ("ieee") operands turn every product into FMA chains: for sm_90 ptxas took 65 s on the prepare
-    kernel at 4 warps (and spilled), 12 s at 8 warps; that precision is an accuracy option, so it is not
-    tuned."""
-    if kwargs["PRECISION"] == "ieee":
-        return [c for c in configs if c.num_warps >= 8] or configs[:1]
+def _first_for_float32_operands(prune):
+    """`prune`, but a kernel whose products take float32 operands (the "tf32" and "ieee" options, float32
+    activations: DOT_DTYPE float32) runs its first config, untuned: these are accuracy options. At 4096 tokens
+    with "tf32" the tuning of kernel 1's two parts and the state pass faulted with an illegal address on the
+    H200 (docs/perf-notes.md, twentieth session: the shipped kernels, which kernel's which config not
+    located), where their first configs ran the accuracy checks of benchmarks/chunk_sweep.py at 128 and 4096
+    tokens. (With "ieee" every product is an FMA chain: for sm_90 ptxas took 65 s on the one-kernel prepare at
+    4 warps, 12 s at 8, its first config.)"""
+    def pruned(configs, named_args, **kwargs):
+        if kwargs.get("DOT_DTYPE") == tl.float32:
+            return configs[:1]
+        return prune(configs, named_args, **kwargs)
+    return pruned
+
+
+def _every_config(configs, named_args, **kwargs):
     return configs
-
-
-def _prune_prepare(configs, named_args, **kwargs):
-    """_prune_ieee's for "ieee" operands, else the short-prompt pick (SHORT_PROMPT_PICKS)."""
-    if kwargs["PRECISION"] == "ieee":
-        return _prune_ieee(configs, named_args, **kwargs)
-    return _short_prompt_pick("prepare")(configs, named_args, **kwargs)
 
 
 @triton.jit
@@ -419,7 +422,8 @@ def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _prune_prepare}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("prepare"))},
+                 cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
@@ -466,7 +470,8 @@ INVERSE_CONFIGS = [
 
 @triton.autotune(configs=autotune_configs(INVERSE_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_every_config)},
+                 cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_inverse_kernel(
     k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
@@ -495,7 +500,8 @@ PRODUCTS_CONFIGS = [
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _prune_ieee}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_every_config)},
+                 cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, system_ptr,
@@ -565,7 +571,7 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
     key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
-    prune_configs_by={"early_config_prune": _short_prompt_pick("state")},
+    prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("state"))},
     restore_value=["state_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
@@ -626,7 +632,8 @@ def _prune_output(configs, named_args, **kwargs):
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
                  key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM"],
-                 prune_configs_by={"early_config_prune": _prune_output}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_prune_output)},
+                 cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
     q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
