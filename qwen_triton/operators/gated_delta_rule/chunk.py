@@ -103,7 +103,12 @@ had to run at 8 warps to leave it room), and kernel 3 beside the state pass thro
 Nor do they take PDL as the prefill's other kernels do: with each letting the next launch at its entry, the
 engine's 128-token prefill took 1,893 against 1,772 us (benchmarks/prefill_options.py, seventeenth session; the
 next kernel's programs placed beside the few latency-bound ones); with every prefill kernel letting the next
-launch only at its exit, 1,800 against 1,797 without PDL.
+launch only at its exit, 1,800 against 1,797 without PDL. The twentieth session tried kernel 3 beside the state
+pass again, kept off the state pass's SMs (a persistent grid taking (chunk, head) blocks from a queue, its
+programs on an SM where a state-pass program runs waiting for the state pass to end; commits 774ab23 - 1c51172):
+the state pass still slowed, 105 -> 147 us per layer with a count per chunk on one flag (256 release atomics a
+program), 127 us with a slot per thread counted a step late, and the prefill of 4096 tokens took 12,975 and
+13,524 us against 12,890 and 13,146 without (benchmarks/prefill_options.py, docs/perf-notes.md).
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
@@ -116,9 +121,13 @@ flash-linear-attention. Measured at the real shape, bf16, 4096 tokens against th
 (4.93e-3), state 2.78e-3 (2.40e-3); the engine's logits against the float32 reference model over 384 steps after
 a 128-token prefill (tests/engine) median 2.903e-2 -> 2.905e-2, max 5.951e-2 -> 5.809e-2 (9c133f5 -> 9362a54). The chunk
 start states and V' are stored in that dtype, the rounding the products make anyway, so that splitting
-the sequential pass from the output adds no rounding. U stays float32 because V' = U - W S can cancel.
+the sequential pass from the output adds no rounding. U stays float32 because V' = U - W S can cancel (stored
+in bf16, commit 06d8514: the operator's errors at 4096 tokens about unchanged, o Frobenius 4.13e-3 against
+4.06e-3, state 2.78e-3, and the prefill 0.02-0.26 ms faster; not kept yet: its run of the GPU tests stopped at
+the fault below, which the shipped kernels have too).
 `dot_precision="tf32"` or `"ieee"` makes every product take float32 operands at that precision (and the
-stored states and V' float32). float32 activations use "ieee" throughout.
+stored states and V' float32), each kernel at its first config, untuned (`_first_for_float32_operands`: a
+config of the state pass faults with float32 operands). float32 activations use "ieee" throughout.
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, bf16), per token: q, k, v in (12 KiB), a, b in,
 o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128.
@@ -333,11 +342,13 @@ def _short_prompt_pick(kernel: str):
 def _first_for_float32_operands(prune):
     """`prune`, but a kernel whose products take float32 operands (the "tf32" and "ieee" options, float32
     activations: DOT_DTYPE float32) runs its first config, untuned: these are accuracy options. At 4096 tokens
-    with "tf32" the tuning of kernel 1's two parts and the state pass faulted with an illegal address on the
-    H200 (docs/perf-notes.md, twentieth session: the shipped kernels, which kernel's which config not
-    located), where their first configs ran the accuracy checks of benchmarks/chunk_sweep.py at 128 and 4096
-    tokens. (With "ieee" every product is an FMA chain: for sm_90 ptxas took 65 s on the one-kernel prepare at
-    4 warps, 12 s at 8, its first config.)"""
+    with "tf32" the state pass's tuning faulted with an illegal address on the H200 (test_gpu_chunked, commit
+    2323671): its config of BLOCK_V 16 at 8 warps and 2 stages faults with float32 operands, alone, where every
+    other config of kernel 1's two parts, the state pass and the output kernel ran (one at a time in processes
+    of their own, `benchmarks/fault_probe.py --float32-configs`, commit 4f56a5a; BLOCK_V 32 at 8 warps and 3
+    stages needs 240 KiB of shared memory, which the tuning skips). Not analysed further; with 16-bit operands
+    the same config runs in every tuning at that length. (With "ieee" every product is an FMA chain: for sm_90
+    ptxas took 65 s on the one-kernel prepare at 4 warps, 12 s at 8, its first config.)"""
     def pruned(configs, named_args, **kwargs):
         if kwargs.get("DOT_DTYPE") == tl.float32:
             return configs[:1]
