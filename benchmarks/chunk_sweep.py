@@ -238,7 +238,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="a git revision or a file: another chunk.py to time the call of")
     parser.add_argument("--setting", default="",
                         help="module constants for the whole run, e.g. 'qwen_triton.operators.gated_delta_rule."
-                             "chunk.U_IN_DOT_DTYPE=True' (prefill_options.py's syntax)")
+                             "chunk.PREPARE_IN_ACTIVATION_DTYPE=False' (prefill_options.py's syntax)")
     parser.add_argument("--check-only", action="store_true", help="the checks without the sweep")
     args = parser.parse_args()
     for module, name, value in parse_setting(args.setting):
