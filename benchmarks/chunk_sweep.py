@@ -45,13 +45,11 @@ import time
 import torch
 import triton
 
-from qwen_triton.benchmark.harness import time_graph
+from qwen_triton.benchmark.harness import set_module_constant, time_graph
 from qwen_triton.operators.gated_delta_rule import chunk
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from tests.operators import test_gated_delta_rule as test_helpers  # noqa: E402  (the test's inputs and checks)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from prefill_options import parse_setting  # noqa: E402
 
 kernel_arguments = test_helpers.kernel_arguments
 
@@ -237,12 +235,12 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--baseline", help="a git revision or a file: another chunk.py to time the call of")
     parser.add_argument("--setting", default="",
-                        help="module constants for the whole run, e.g. 'qwen_triton.operators.gated_delta_rule."
-                             "chunk.PREPARE_IN_ACTIVATION_DTYPE=False' (prefill_options.py's syntax)")
+                        help="module constants for the whole run, ';'-separated NAME=VALUE of chunk.py or "
+                             "package.module.NAME=VALUE, e.g. 'PREPARE_IN_ACTIVATION_DTYPE=False'")
     parser.add_argument("--check-only", action="store_true", help="the checks without the sweep")
     args = parser.parse_args()
-    for module, name, value in parse_setting(args.setting):
-        setattr(module, name, value)
+    for setting in filter(None, (part.strip() for part in args.setting.split(";"))):
+        set_module_constant(setting, None if "." in setting.split("=", 1)[0] else chunk)
     started = time.perf_counter()
     baseline = load_baseline(args.baseline) if args.baseline else None
     checks, rows = [], []
