@@ -4,6 +4,7 @@ chunked rule's test inputs: tests/operators/test_gated_delta_rule.py's make_inpu
 
     two products (as kernel 2 runs): V' = bf16(U - bf16(W) bf16(S)),  S <- exp(G_C) S + bf16(K~)^T V'
     one product (a candidate):       S <- exp(G_C) S + K~^T U - N bf16(S),  N = bf16(bf16(K~)^T bf16(W)), K~^T U float32
+    the same with U in bf16:         K~^T U = bf16(K~)^T bf16(U) (float32 sums), as the state pass would form it
 
 where N [Dk, Dk] and K~^T U [Dk, Dv] would come from kernel 1's parallel programs, leaving the state pass one
 dependent product a step (and kernel 3 forming V' = U - W S from the chunk's start state). float32 sums throughout,
@@ -56,18 +57,21 @@ def main() -> None:
     chunk_decay = decay[..., -1].exp()[..., None, None]
     correction = bf16(bf16(decayed_keys).transpose(-1, -2) @ bf16(w))  # N, stored in bf16
     carried = bf16(decayed_keys).transpose(-1, -2) @ u                  # K~^T U, float32
+    carried_bf16_u = bf16(decayed_keys).transpose(-1, -2) @ bf16(u)     # K~^T U from U in bf16 (in the state pass)
 
     exact = random_state((HEADS, DIM, DIM), "cpu") * 0.2
-    two, one = exact.clone(), exact.clone()
-    print(f"{length} tokens, state relative Frobenius error against float32 (two products / one product):")
+    two, one, one_bf16_u = exact.clone(), exact.clone(), exact.clone()
+    print(f"{length} tokens, state relative Frobenius error against float32 (two products / one product /"
+          " one product with U in bf16):")
     for c in range(chunks):
         exact = exact * chunk_decay[:, c] + decayed_keys[:, c].transpose(-1, -2) @ (u[:, c] - w[:, c] @ exact)
         new_values = bf16(u[:, c] - bf16(w[:, c]) @ bf16(two))
         two = two * chunk_decay[:, c] + bf16(decayed_keys[:, c]).transpose(-1, -2) @ new_values
         one = one * chunk_decay[:, c] + carried[:, c] - correction[:, c] @ bf16(one)
+        one_bf16_u = one_bf16_u * chunk_decay[:, c] + carried_bf16_u[:, c] - correction[:, c] @ bf16(one_bf16_u)
         if (c + 1) % 16 == 0 or c == chunks - 1:
-            errors = [float((s - exact).norm() / exact.norm()) for s in (two, one)]
-            print(f"  after {c + 1:3d} chunks: {errors[0]:.3e} / {errors[1]:.3e}")
+            errors = [float((s - exact).norm() / exact.norm()) for s in (two, one, one_bf16_u)]
+            print(f"  after {c + 1:3d} chunks: " + " / ".join(f"{e:.3e}" for e in errors))
 
 
 if __name__ == "__main__":
