@@ -9,7 +9,7 @@ GPU.
 
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3] [--chunk 64]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse  (or products: kernel 1 in two parts)
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8] [--two-products]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
 """
 
@@ -29,8 +29,7 @@ from triton.compiler.compiler import ASTSource
 
 from qwen_triton.operators.gated_delta_rule import chunk
 
-FLOAT32_POINTERS = {"decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"} | (
-    set() if chunk.U_IN_DOT_DTYPE else {"u_ptr"})
+FLOAT32_POINTERS = {"decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
 INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
@@ -73,14 +72,11 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
     parser.add_argument("--chunk", type=int, default=chunk.CHUNK, choices=chunk.CHUNK_SIZES, help="the chunk's rows")
-    parser.add_argument("--two-products", action="store_true",
-                        help="the state step with two dependent products (STATE_STEP_ONE_PRODUCT off)")
     args = parser.parse_args()
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
-                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True,  # the output kernel as the engine runs it
-                     ONE_PRODUCT=chunk.STATE_STEP_ONE_PRODUCT and not args.two_products)
+                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
     for warps in args.warps:
         counts = compile_counts(kernel, constants, warps, args.stages)
         print(f"{args.kernel}, chunks of {args.chunk}, {warps} warps, {args.stages} stages:", counts)

@@ -156,37 +156,23 @@ def test_chunked_float16(device, chunk_size):
     torch.testing.assert_close(out.float(), ref_out.float(), **TOLERANCE[torch.float16])
 
 
-@pytest.mark.parametrize("one_product", [True, False])
-@pytest.mark.parametrize("u_in_dot_dtype", [True, False])
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
 @pytest.mark.parametrize("split", [False, True])
-def test_chunked_state_step_forms(device, monkeypatch, one_product, u_in_dot_dtype, split):
-    """16-bit activations, each form of the state step (one dependent product, S <- exp(G_C) S + K~^T U - N S
-    with N = K~^T W from kernel 1 and V' formed by the output kernel; or two, V' = U - W S then
-    S <- exp(G_C) S + K~^T V') with U stored in float16 or float32, kernel 1 whole or in two parts: each
-    against the reference and against the shipped form (the forms differ only in roundings). Long memory
-    (G over a chunk -0.02 to -1.2): make_inputs' decays mostly forget the state within a chunk, where a wrong
-    sign on N S went unseen."""
+def test_chunked_long_memory(device, monkeypatch, chunk_size, split):
+    """16-bit activations (U, V' and the chunk start states in float16) with long memory, G over a chunk of 64
+    from -0.02 to -1.2, kernel 1 whole or in two parts: make_inputs' decays mostly forget the state within a
+    chunk of 64, where a wrong sign on a state step's product went unseen by the tests above (twenty-first
+    session)."""
     inputs = make_inputs(150, 2, 4, 24, 40, torch.float16, device, seed=9)
     inputs["a"] = (inputs["a"].float() / 6 - 3).to(torch.float16)
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else 150)
     initial = random_state((4, 24, 40), device)
     ref_out, ref_state = reference_chunked(inputs, initial.clone())
-    results = {}
-    for form in ((True, True), (one_product, u_in_dot_dtype)):
-        monkeypatch.setattr(chunk_module, "STATE_STEP_ONE_PRODUCT", form[0])
-        monkeypatch.setattr(chunk_module, "U_IN_DOT_DTYPE", form[1])
-        monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else 150)
-        scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, 32)
-        assert scratch.one_product == form[0]
-        assert scratch.u.dtype == (torch.float16 if form[1] else torch.float32)
-        assert (scratch.correction.numel() > 0) == form[0] and (scratch.new_values.numel() > 0) != form[0]
-        state = initial.clone()
-        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=32)
-        assert frobenius_error(out, ref_out) < 5e-3, form
-        assert frobenius_error(state, ref_state) < 5e-3, form
-        results[form] = out, state
-    shipped, this = results[(True, True)], results[(one_product, u_in_dot_dtype)]
-    assert frobenius_error(this[0], shipped[0]) < 3e-3
-    assert frobenius_error(this[1], shipped[1]) < 3e-3
+    state = initial.clone()
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size)
+    assert frobenius_error(out, ref_out) < 2e-3
+    assert frobenius_error(state, ref_state) < 2e-3
+    assert frobenius_error(state, initial) > 0.1  # the step moved the state
 
 
 def test_chunked_state_equals_recurrent_steps(device):
@@ -250,12 +236,12 @@ def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, ch
     for split in (False, True):
         monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else length)
         scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size)
-        for name in ("w", "u", "qk", "decay", "decayed_keys", "correction"):
+        for name in ("w", "u", "qk", "decay", "decayed_keys"):
             getattr(scratch, name).fill_(float("nan"))  # every entry read later must be written
         chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
         scratches[split] = scratch
     exact = device == "cpu"
-    for name in ("w", "u", "qk", "decay", "decayed_keys", "correction"):
+    for name in ("w", "u", "qk", "decay", "decayed_keys"):
         one, two = getattr(scratches[False], name), getattr(scratches[True], name)
         if name == "qk":  # the causal lower triangle is what is written
             lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()

@@ -174,12 +174,6 @@ CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # kernels' tuning keys, which hold no dtype object: the autotuner writes its keys to JSON. Given this flag the
 # operands' dtype follows from the inputs' dtype and the precision, which are.)
 PREPARE_IN_ACTIVATION_DTYPE = True
-# U stored in the dtype of kernels 2 and 3's operands (16-bit activations) rather than float32 (Precision, above)
-U_IN_DOT_DTYPE = True
-# With 16-bit operands the state pass steps S <- exp(G_C) S + K~^T U - N S, N = K~^T W [Dk, Dk] formed by kernel 1,
-# one product on the step's dependent chain instead of two (W S, then K~^T V'), and kernel 3 forms V' = U - W S
-# from the chunk's start state (kernel 2, above)
-STATE_STEP_ONE_PRODUCT = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -389,14 +383,6 @@ def _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, ch
 
 
 @triton.jit
-def _decay_keys(k, decay, CHUNK_ROWS: tl.constexpr):
-    """The decayed keys diag(exp(G_C - G)) K of a chunk's normalised keys (G_C: G at the chunk's last row; the
-    padding keeps G)."""
-    decay_last = tl.sum(tl.where(tl.arange(0, CHUNK_ROWS) == CHUNK_ROWS - 1, decay, 0.0))
-    return k * tl.exp(decay_last - decay)[:, None]
-
-
-@triton.jit
 def _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
                  V_HEADS: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
@@ -408,8 +394,10 @@ def _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, leng
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
     k = l2_normalize_rows(k.to(tl.float32), 1.0)
+    offsets = tl.arange(0, CHUNK_ROWS)
+    decay_last = tl.sum(tl.where(offsets == CHUNK_ROWS - 1, decay, 0.0))
     _store_rows(decayed_keys_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM,
-                _decay_keys(k, decay, CHUNK_ROWS))
+                k * tl.exp(decay_last - decay)[:, None])
     system_base = system_ptr + (chunk * V_HEADS + head) * (CHUNK_ROWS * CHUNK_ROWS)
     _invert_chunk(_decayed_scores(k * beta[:, None], k, decay, DOT_DTYPE, PRECISION, True), system_base)
     return k
@@ -426,24 +414,11 @@ def _load_inverse(system_ptr, chunk, head, V_HEADS: tl.constexpr, CHUNK_ROWS: tl
 @triton.jit
 def _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
              CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """W = (I + A)^-1 diag(beta exp(G)) K of a chunk (k: its normalised keys), returned as stored (its dtype)."""
+    """W = (I + A)^-1 diag(beta exp(G)) K of a chunk (k: its normalised keys)."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     keys = tl.arange(0, BLOCK_K)
-    w = _mm(inverse, k * (beta * tl.exp(decay))[:, None], DOT_DTYPE, PRECISION).to(w_ptr.dtype.element_ty)
+    w = _mm(inverse, k * (beta * tl.exp(decay))[:, None], DOT_DTYPE, PRECISION)
     _store_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, w)
-    return w
-
-
-@triton.jit
-def _store_correction(k, decay, w, correction_ptr, chunk, head, V_HEADS: tl.constexpr, K_DIM: tl.constexpr,
-                      BLOCK_K: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """N = K~^T W [Dk, Dk] of a chunk (k: its normalised keys, K~ its decayed keys, as kernel 1 stores them; w:
-    W as stored), for the state pass's one-product step."""
-    keys = tl.arange(0, BLOCK_K)
-    correction = _mm(tl.trans(_decay_keys(k, decay, CHUNK_ROWS)), w, DOT_DTYPE, PRECISION)
-    tl.store(correction_ptr + (chunk * V_HEADS + head) * (K_DIM * K_DIM) + keys[:, None] * K_DIM + keys[None, :],
-             correction.to(correction_ptr.dtype.element_ty), mask=(keys[:, None] < K_DIM) & (keys[None, :] < K_DIM))
 
 
 @triton.jit
@@ -457,23 +432,22 @@ def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, 
 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "ONE_PRODUCT"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("prepare"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr, correction_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, ONE_PRODUCT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
-    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr), and with ONE_PRODUCT
-    N = K~^T W [Dk, Dk]."""
+    through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     if tl.program_id(2) == 0:
@@ -491,11 +465,7 @@ def _chunk_prepare_kernel(
         k = _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
                          V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
         inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-        w = _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE,
-                     PRECISION)
-        if ONE_PRODUCT:
-            _store_correction(k, decay, w, correction_ptr, chunk, head, V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS,
-                              DOT_DTYPE, PRECISION)
+        _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
         _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
@@ -540,22 +510,22 @@ PRODUCTS_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "ONE_PRODUCT"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_every_config)},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, system_ptr, correction_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, system_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, ONE_PRODUCT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 3): program (c, h, 0)
-    writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] (and with
-    ONE_PRODUCT N = K~^T W [Dk, Dk]) and program (c, h, 2) its U [C, Dv], from the inverse in system_ptr; G and
-    beta recomputed from a, b (the same arithmetic as the first part's, so the same values)."""
+    writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] and
+    program (c, h, 2) its U [C, Dv], from the inverse in system_ptr; G and beta recomputed from a, b (the
+    same arithmetic as the first part's, so the same values)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     part = tl.program_id(2)
@@ -571,12 +541,8 @@ def _chunk_products_kernel(
             decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
                                        stride_bt)
             inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-            k = l2_normalize_rows(k.to(tl.float32), 1.0)
-            w = _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE,
-                         PRECISION)
-            if ONE_PRODUCT:
-                _store_correction(k, decay, w, correction_ptr, chunk, head, V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS,
-                                  DOT_DTYPE, PRECISION)
+            _store_w(inverse, l2_normalize_rows(k.to(tl.float32), 1.0), decay, beta, w_ptr, chunk, head, length,
+                     K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
         else:
             v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
             _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
@@ -601,36 +567,36 @@ STATE_CONFIGS = [
 
 
 @triton.jit
-def _state_step_tiles(u_base, keys_base, decay_base, chunk, length, keys, values,
+def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys, values,
                       K_DIM: tl.constexpr, V_DIM: tl.constexpr, CHUNK_ROWS: tl.constexpr):
-    """What every state step reads of chunk `chunk`: U's columns [C, BLOCK_V], the decayed keys [C, Dk] and G_C.
-    Rows past the sequence's end load as zeros."""
+    """What a state step reads of chunk `chunk`: W [C, Dk], U's columns [C, BLOCK_V], the decayed keys [C, Dk]
+    and G_C. Rows past the sequence's end load as zeros."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
     u = _load_rows(u_base, rows, length, V_DIM, values, V_DIM, False)
     decayed_keys = _load_rows(keys_base, rows, length, K_DIM, keys, K_DIM, False)
     decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
-    return u, decayed_keys, decay_last
+    return w, u, decayed_keys, decay_last
 
 
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "ONE_PRODUCT"],  # DOT_DTYPE: w's dtype, in the key
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("state"))},
     restore_value=["state_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
 @triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
 def _chunk_state_kernel(
-    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, correction_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ONE_PRODUCT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
-    storing each chunk's start state [chunks, Hv, Dk, Dv] (in DOT_DTYPE) on the way and the final state
-    (float32) in place. ONE_PRODUCT: a step is S <- exp(G_C) S + K~^T U - N S (N = K~^T W, kernel 1's);
-    otherwise V' = U - W S, stored [Hv, T, Dv] (in DOT_DTYPE), then S <- exp(G_C) S + K~^T V'."""
+    storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
+    the final state (float32) in place."""
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -643,25 +609,17 @@ def _chunk_state_kernel(
     u_base = u_ptr + head * length * V_DIM
     new_values_base = new_values_ptr + head * length * V_DIM
     offsets = tl.arange(0, CHUNK_ROWS)
-    square_mask = (keys[:, None] < K_DIM) & (keys[None, :] < K_DIM)
     for chunk in range(chunks):
         # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
         # tiles into shared memory (cp.async) while this chunk's products run
-        u, decayed_keys, decay_last = _state_step_tiles(
-            u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        w, u, decayed_keys, decay_last = _state_step_tiles(
+            w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
-        if ONE_PRODUCT:
-            correction = tl.load(correction_ptr + (chunk * V_HEADS + head) * (K_DIM * K_DIM) + keys[:, None] * K_DIM
-                                 + keys[None, :], mask=square_mask, other=0.0)
-            carried = _mm(tl.trans(decayed_keys), u, DOT_DTYPE, PRECISION)  # off the chain: no state in it
-            state = state * tl.exp(decay_last) + carried - _mm(correction, state, DOT_DTYPE, PRECISION)
-        else:
-            w = _load_rows(w_base, chunk * CHUNK_ROWS + offsets, length, K_DIM, keys, K_DIM, False)
-            new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
-            _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-            state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
+        new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
+        _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
+        state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
     tl.store(slab, state, mask=slab_mask)
 
 
@@ -684,22 +642,20 @@ def _prune_output(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
-                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM", "ONE_PRODUCT"],
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_prune_output)},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, qk_ptr, decay_ptr, w_ptr, u_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
     length, chunk_bucket, scale, eps,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-    ONE_PRODUCT: tl.constexpr,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
-    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state; V' = U - W S formed here
-    with ONE_PRODUCT (the state pass's one-product step), else read (the state pass's). NORM: grid (chunks, Hv,
+    O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
     instead, O rounded to the output dtype first, as the norm kernel reads it."""
     chunk = tl.program_id(0)
@@ -714,12 +670,7 @@ def _chunk_output_kernel(
     block = chunk * V_HEADS + head
     start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
     state = tl.load(start_slab, mask=slab_mask, other=0.0)
-    if ONE_PRODUCT:
-        w = _load_rows(w_ptr + head * length * K_DIM, rows, length, K_DIM, keys, K_DIM, False)
-        u = _load_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
-        new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
-    else:
-        new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
@@ -796,15 +747,13 @@ class _Scratch(NamedTuple):
     prepare_precision: str
     dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
-    one_product: bool  # the state pass's one-product step (STATE_STEP_ONE_PRODUCT, 16-bit operands)
     w: torch.Tensor  # [Hv, T, Dk]
-    u: torch.Tensor  # [Hv, T, Dv] float32, or dot_dtype with U_IN_DOT_DTYPE
+    u: torch.Tensor  # [Hv, T, Dv] in dot_dtype
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
     decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
-    new_values: torch.Tensor  # [Hv, T, Dv], V' (empty with one_product: kernel 3 forms it)
-    correction: torch.Tensor  # [chunks, Hv, Dk, Dk], N = K~^T W (empty without one_product)
+    new_values: torch.Tensor  # [Hv, T, Dv], V'
     chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
 
 
@@ -824,21 +773,15 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunk = chunk_size or chunk_size_for(length)
     chunks = triton.cdiv(length, chunk)
-    # float32 operands (accuracy options) keep the two-product step: N in float32 would double its bytes
-    one_product = STATE_STEP_ONE_PRODUCT and dot_dtype != torch.float32
     return _Scratch(
-        chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision, one_product,
+        chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
-        u=torch.empty(value_heads, length, value_dim, device=device,
-                      dtype=dot_dtype if U_IN_DOT_DTYPE else torch.float32),
+        u=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         qk=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=torch.float32),
-        new_values=torch.empty(0 if one_product else (value_heads, length, value_dim), device=device,
-                               dtype=dot_dtype),
-        correction=torch.empty((chunks, value_heads, key_dim, key_dim) if one_product else 0, device=device,
-                               dtype=dot_dtype),
+        new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
     )
 
@@ -850,24 +793,22 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
     chunks = triton.cdiv(length, scratch.chunk)
     shapes = dict(V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim,
                   BLOCK_K=max(16, triton.next_power_of_2(key_dim)), CHUNK_ROWS=scratch.chunk,
-                  DOT_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype], PRECISION=scratch.prepare_precision,
-                  ONE_PRODUCT=scratch.one_product)
+                  DOT_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype], PRECISION=scratch.prepare_precision)
     values = dict(V_DIM=value_dim, BLOCK_V=max(16, triton.next_power_of_2(value_dim)))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
                b.stride(0))
     if length <= SPLIT_PREPARE_TOKENS:
         _chunk_prepare_kernel[(chunks, value_heads, 2)](
             q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-            scratch.system, scratch.correction, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
+            scratch.system, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
         return
     if parts[0]:
         _chunk_inverse_kernel[(chunks, value_heads)](
             k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
-            length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0),
-            **{name: value for name, value in shapes.items() if name != "ONE_PRODUCT"})
+            length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
     if parts[1]:
         _chunk_products_kernel[(chunks, value_heads, 3)](
-            q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system, scratch.correction,
+            q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
             length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
 
 
@@ -877,12 +818,11 @@ def _launch_state_pass(state, scratch: _Scratch) -> None:
     chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
-        scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, scratch.correction, state, scratch.new_values,
-        scratch.chunk_states, length, chunks, triton.next_power_of_2(chunks),
+        scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
+        length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        ONE_PRODUCT=scratch.one_product,
     )
 
 
@@ -896,14 +836,14 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
         return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
 
     _chunk_output_kernel[grid](
-        q, scratch.qk, scratch.decay, scratch.w, scratch.u, scratch.new_values, scratch.chunk_states, out, z, weight,
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
         length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        NORM=output_norm is not None, ONE_PRODUCT=scratch.one_product,
+        NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
     )
