@@ -11,11 +11,18 @@ GPU.
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse  (or products: kernel 1 in two parts)
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 64 --warps 4 --stages 2 --sequence \
+        [--constant TRANSPOSED=True]
+
+--sequence prints the PTX's shared-memory, tensor-core, barrier and global-memory operations in program order (runs
+of one operation collapsed to `op xN`): what a loop's step waits on. --constant NAME=VALUE sets a constexpr of the
+kernel (a Python literal), e.g. a flag of a variant under study.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import os
 import re
@@ -33,7 +40,35 @@ FLOAT32_POINTERS = {"decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "syste
 INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
-def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
+SEQUENCE_OPERATIONS = ("wgmma.mma_async", "wgmma.wait_group", "mma.sync", "ldmatrix", "st.shared", "ld.shared",
+                       "bar.sync", "cp.async.wait", "cp.async.commit", "cp.async", "st.global", "ld.global", "shfl")
+
+
+def operation_sequence(ptx: str) -> str:
+    """The PTX's operations of SEQUENCE_OPERATIONS, its labels and branches, in order, runs collapsed."""
+    runs: list[list] = []
+    for line in ptx.splitlines():
+        text = line.strip()
+        if not text or text.startswith(("//", ".")):
+            continue
+        words = text.split()
+        operation = words[1] if text.startswith("@") and len(words) > 1 else words[0]
+        if text.startswith("$L__BB"):
+            name = text.split(":")[0]
+        elif operation.startswith("bra"):
+            name = "bra"
+        else:
+            name = next((o for o in SEQUENCE_OPERATIONS if operation.startswith(o)), None)
+        if name is None:
+            continue
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return " ".join(f"{name} x{count}" if count > 1 else name for name, count in runs)
+
+
+def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: bool = False) -> dict:
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
@@ -60,9 +95,12 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int) -> dict:
         match.group(1).split(".")[0] for match in
         (re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line) for line in sass.splitlines()) if match)
     registers, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
-                instructions=sum(opcodes.values()),
-                tensor_core={name: opcodes[name] for name in ("HGMMA", "HMMA")}, top=dict(opcodes.most_common(8)))
+    counts = dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
+                  instructions=sum(opcodes.values()),
+                  tensor_core={name: opcodes[name] for name in ("HGMMA", "HMMA")}, top=dict(opcodes.most_common(8)))
+    if sequence:
+        counts["sequence"] = operation_sequence(compiled.asm["ptx"])
+    return counts
 
 
 def main() -> None:
@@ -72,14 +110,25 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
     parser.add_argument("--chunk", type=int, default=chunk.CHUNK, choices=chunk.CHUNK_SIZES, help="the chunk's rows")
+    parser.add_argument("--sequence", action="store_true", help="the PTX's operation sequence (see above)")
+    parser.add_argument("--constant", action="append", default=[], metavar="NAME=VALUE",
+                        help="a constexpr of the kernel (a Python literal); repeatable")
     args = parser.parse_args()
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
                      BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
+    for item in args.constant:
+        name, value = item.split("=", 1)
+        if name not in kernel.arg_names:
+            raise SystemExit(f"{kernel.__name__} has no argument {name}")
+        constants[name] = ast.literal_eval(value)
     for warps in args.warps:
-        counts = compile_counts(kernel, constants, warps, args.stages)
+        counts = compile_counts(kernel, constants, warps, args.stages, args.sequence)
+        sequence = counts.pop("sequence", None)
         print(f"{args.kernel}, chunks of {args.chunk}, {warps} warps, {args.stages} stages:", counts)
+        if sequence:
+            print("  PTX sequence:", sequence)
 
 
 if __name__ == "__main__":
