@@ -215,15 +215,13 @@ def test_chunked_start_states_are_the_prefix_states(device, chunk_size):
     chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
     chunk_module._launch_state_pass(initial.clone(), scratch)
     chunks = -(-length // chunk_size)
-    # stored transposed, [chunks, Hv, Dv, Dk], under STATE_TRANSPOSED
-    starts = scratch.chunk_states.transpose(-1, -2) if scratch.transposed else scratch.chunk_states
-    assert starts.shape == (chunks, heads, key_dim, value_dim)
-    torch.testing.assert_close(starts[0], initial, rtol=0, atol=0)
+    assert scratch.chunk_states.shape == (chunks, heads, key_dim, value_dim)
+    torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
     for chunk in range(1, chunks):
         prefix = [x[:chunk * chunk_size] for x in kernel_arguments(inputs)[:5]]
         state = initial.clone()
         gated_delta_rule_chunked(*prefix, inputs["A_log"], inputs["dt_bias"], state, chunk_size=chunk_size)
-        torch.testing.assert_close(starts[chunk], state, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(scratch.chunk_states[chunk], state, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("length, chunk_size", [(17, 32), (65, 64), (130, 32)])

@@ -174,10 +174,6 @@ CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # kernels' tuning keys, which hold no dtype object: the autotuner writes its keys to JSON. Given this flag the
 # operands' dtype follows from the inputs' dtype and the precision, which are.)
 PREPARE_IN_ACTIVATION_DTYPE = True
-# The state pass carries the transposed state S^T [BLOCK_V, Dk] (so both of a step's products take the carried
-# operand, S^T and then V'^T, from registers, none through shared memory), and U, V' and the chunk start states
-# are stored transposed: U and V' [Hv, Dv, T], the start states [chunks, Hv, Dv, Dk]
-STATE_TRANSPOSED = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -427,21 +423,16 @@ def _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM: tl.cons
 
 @triton.jit
 def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr,
-             CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-             TRANSPOSED: tl.constexpr):
+             CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """U = (I + A)^-1 diag(beta) V of a chunk (v: its raw values)."""
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     values = tl.arange(0, BLOCK_V)
     u = _mm(inverse, v.to(tl.float32) * beta[:, None], DOT_DTYPE, PRECISION)
-    if TRANSPOSED:  # U^T [Dv, T] of the head
-        tl.store(u_ptr + head * length * V_DIM + values[None, :] * length + rows[:, None], u.to(u_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < length) & (values[None, :] < V_DIM))
-    else:
-        _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
+    _store_rows(u_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, u)
 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "TRANSPOSED"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("prepare"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
@@ -452,7 +443,7 @@ def _chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
@@ -475,8 +466,7 @@ def _chunk_prepare_kernel(
                          V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
         inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
         _store_w(inverse, k, decay, beta, w_ptr, chunk, head, length, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
-        _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION,
-                 TRANSPOSED)
+        _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
 # Prompts of more than SPLIT_PREPARE_TOKENS tokens (those in chunks of 64) run kernel 1 as two kernels (below),
@@ -520,7 +510,7 @@ PRODUCTS_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "TRANSPOSED"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_every_config)},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
@@ -530,7 +520,7 @@ def _chunk_products_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 3): program (c, h, 0)
     writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] and
@@ -557,8 +547,7 @@ def _chunk_products_kernel(
             v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
             _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
             inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-            _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION,
-                     TRANSPOSED)
+            _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
@@ -590,45 +579,9 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
     return w, u, decayed_keys, decay_last
 
 
-@triton.jit
-def _transposed_state_pass(decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
-                           length, chunks, V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-                           CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                           DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """The state pass on S^T: per chunk V'^T = U^T - S^T W^T [BLOCK_V, C], S^T <- exp(G_C) S^T + V'^T K~. The
-    carried operand of each product (S^T, then V'^T) is its left one, which the tensor cores take from
-    registers; W^T and K~ come from the pipelined loads."""
-    head = tl.program_id(0)
-    keys = tl.arange(0, BLOCK_K)
-    values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    slab_mask = (values[:, None] < V_DIM) & (keys[None, :] < K_DIM)
-    slab = state_ptr + head * (K_DIM * V_DIM) + keys[None, :] * V_DIM + values[:, None]  # S^T's entries in S
-    state = tl.load(slab, mask=slab_mask, other=0.0)
-    keys_base = decayed_keys_ptr + head * length * K_DIM
-    decay_base = decay_ptr + head * length
-    w_base = w_ptr + head * length * K_DIM
-    u_base = u_ptr + head * length * V_DIM  # U^T [Dv, T]
-    new_values_base = new_values_ptr + head * length * V_DIM  # V'^T [Dv, T]
-    offsets = tl.arange(0, CHUNK_ROWS)
-    for chunk in range(chunks):
-        rows = chunk * CHUNK_ROWS + offsets
-        columns_mask = (values[:, None] < V_DIM) & (rows[None, :] < length)
-        w = _load_rows(w_base, rows, length, K_DIM, keys, K_DIM, False)
-        decayed_keys = _load_rows(keys_base, rows, length, K_DIM, keys, K_DIM, False)
-        u = tl.load(u_base + values[:, None] * length + rows[None, :], mask=columns_mask, other=0.0)
-        decay_last = tl.load(decay_base + tl.minimum(chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
-        tl.store(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM) + values[:, None] * K_DIM
-                 + keys[None, :], state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
-        new_values = u - _mm(state, tl.trans(w), DOT_DTYPE, PRECISION)
-        tl.store(new_values_base + values[:, None] * length + rows[None, :],
-                 new_values.to(new_values_ptr.dtype.element_ty), mask=columns_mask)
-        state = state * tl.exp(decay_last) + _mm(new_values, decayed_keys, DOT_DTYPE, PRECISION)
-    tl.store(slab, state, mask=slab_mask)
-
-
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
-    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "TRANSPOSED"],  # DOT_DTYPE: w's dtype
+    key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
     prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("state"))},
     restore_value=["state_ptr"], cache_results=True,
 )
@@ -639,41 +592,35 @@ def _chunk_state_kernel(
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place. TRANSPOSED: it carries S^T [BLOCK_V, Dk] and reads U^T, writes V'^T
-    [Hv, Dv, T] and the start states [chunks, Hv, Dv, Dk]."""
-    if TRANSPOSED:
-        _transposed_state_pass(decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr,
-                               chunk_states_ptr, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS, BLOCK_K, BLOCK_V,
-                               DOT_DTYPE, PRECISION)
-    else:
-        head = tl.program_id(0)
-        keys = tl.arange(0, BLOCK_K)
-        values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-        state = tl.load(slab, mask=slab_mask, other=0.0)
+    the final state (float32) in place."""
+    head = tl.program_id(0)
+    keys = tl.arange(0, BLOCK_K)
+    values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    state = tl.load(slab, mask=slab_mask, other=0.0)
 
-        keys_base = decayed_keys_ptr + head * length * K_DIM
-        decay_base = decay_ptr + head * length
-        w_base = w_ptr + head * length * K_DIM
-        u_base = u_ptr + head * length * V_DIM
-        new_values_base = new_values_ptr + head * length * V_DIM
-        offsets = tl.arange(0, CHUNK_ROWS)
-        for chunk in range(chunks):
-            # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
-            # tiles into shared memory (cp.async) while this chunk's products run
-            w, u, decayed_keys, decay_last = _state_step_tiles(
-                w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
-            start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
-                                       K_DIM, V_DIM)
-            tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
-            new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
-            _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
-            state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
-        tl.store(slab, state, mask=slab_mask)
+    keys_base = decayed_keys_ptr + head * length * K_DIM
+    decay_base = decay_ptr + head * length
+    w_base = w_ptr + head * length * K_DIM
+    u_base = u_ptr + head * length * V_DIM
+    new_values_base = new_values_ptr + head * length * V_DIM
+    offsets = tl.arange(0, CHUNK_ROWS)
+    for chunk in range(chunks):
+        # no load depends on the state: at num_stages >= 2 the software pipeliner copies the next chunk's
+        # tiles into shared memory (cp.async) while this chunk's products run
+        w, u, decayed_keys, decay_last = _state_step_tiles(
+            w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
+                                   K_DIM, V_DIM)
+        tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
+        new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
+        _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
+        state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
+    tl.store(slab, state, mask=slab_mask)
 
 
 OUTPUT_CONFIGS = [
@@ -695,7 +642,7 @@ def _prune_output(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
-                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM", "TRANSPOSED"],
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_prune_output)},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
@@ -706,7 +653,6 @@ def _chunk_output_kernel(
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
     O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
@@ -722,15 +668,9 @@ def _chunk_output_kernel(
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
-    if TRANSPOSED:  # S^T [Dv, Dk] and V'^T [Dv, T] stored
-        state = tl.trans(tl.load(chunk_states_ptr + block * (K_DIM * V_DIM) + values[:, None] * K_DIM + keys[None, :],
-                                 mask=(values[:, None] < V_DIM) & (keys[None, :] < K_DIM), other=0.0))
-        new_values = tl.trans(tl.load(new_values_ptr + head * length * V_DIM + values[:, None] * length + rows[None, :],
-                                      mask=(values[:, None] < V_DIM) & (rows[None, :] < length), other=0.0))
-    else:
-        start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-        state = tl.load(start_slab, mask=slab_mask, other=0.0)
-        new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
+    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
@@ -807,15 +747,14 @@ class _Scratch(NamedTuple):
     prepare_precision: str
     dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
-    transposed: bool  # STATE_TRANSPOSED: u, new_values [Hv, Dv, T] and chunk_states [chunks, Hv, Dv, Dk]
     w: torch.Tensor  # [Hv, T, Dk]
-    u: torch.Tensor  # [Hv, T, Dv] in dot_dtype ([Hv, Dv, T] if transposed)
+    u: torch.Tensor  # [Hv, T, Dv] in dot_dtype
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
     decay: torch.Tensor  # [Hv, T] float32, G
     decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
-    new_values: torch.Tensor  # [Hv, T, Dv], V' ([Hv, Dv, T] if transposed)
-    chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start ([chunks, Hv, Dv, Dk] if transposed)
+    new_values: torch.Tensor  # [Hv, T, Dv], V'
+    chunk_states: torch.Tensor  # [chunks, Hv, Dk, Dv], the state at each chunk's start
 
 
 def chunk_size_for(length: int) -> int:
@@ -834,18 +773,16 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunk = chunk_size or chunk_size_for(length)
     chunks = triton.cdiv(length, chunk)
-    values_by_token = (value_dim, length) if STATE_TRANSPOSED else (length, value_dim)
     return _Scratch(
-        chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision, STATE_TRANSPOSED,
+        chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
-        u=torch.empty(value_heads, *values_by_token, device=device, dtype=dot_dtype),
+        u=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
         qk=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=torch.float32),
-        new_values=torch.empty(value_heads, *values_by_token, device=device, dtype=dot_dtype),
-        chunk_states=torch.empty((chunks, value_heads) + ((value_dim, key_dim) if STATE_TRANSPOSED else
-                                                          (key_dim, value_dim)), device=device, dtype=dot_dtype),
+        new_values=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
+        chunk_states=torch.empty(chunks, value_heads, key_dim, value_dim, device=device, dtype=dot_dtype),
     )
 
 
@@ -857,7 +794,7 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
     shapes = dict(V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim,
                   BLOCK_K=max(16, triton.next_power_of_2(key_dim)), CHUNK_ROWS=scratch.chunk,
                   DOT_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype], PRECISION=scratch.prepare_precision)
-    values = dict(V_DIM=value_dim, BLOCK_V=max(16, triton.next_power_of_2(value_dim)), TRANSPOSED=scratch.transposed)
+    values = dict(V_DIM=value_dim, BLOCK_V=max(16, triton.next_power_of_2(value_dim)))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
                b.stride(0))
     if length <= SPLIT_PREPARE_TOKENS:
@@ -886,7 +823,6 @@ def _launch_state_pass(state, scratch: _Scratch) -> None:
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        TRANSPOSED=scratch.transposed,
     )
 
 
@@ -907,7 +843,7 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
         DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
-        NORM=output_norm is not None, TRANSPOSED=scratch.transposed,
+        NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
     )
