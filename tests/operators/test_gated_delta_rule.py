@@ -159,10 +159,10 @@ def test_chunked_float16(device, chunk_size):
 @pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
 @pytest.mark.parametrize("split", [False, True])
 def test_chunked_long_memory(device, monkeypatch, chunk_size, split):
-    """16-bit activations (U, V' and the chunk start states in float16) with long memory, G over a chunk of 64
-    from -0.02 to -1.2, kernel 1 whole or in two parts: make_inputs' decays mostly forget the state within a
-    chunk of 64, where a wrong sign on a state step's product went unseen by the tests above (twenty-first
-    session)."""
+    """16-bit activations (U, V' and the chunk start states in float16) with long memory, G over the first 64
+    tokens from -0.04 to -1.05, kernel 1 whole or in two parts: make_inputs' decays mostly forget the state
+    within a chunk of 64 (G there mostly below -12), where a wrong sign on a state step's product went unseen
+    by the tests above (twenty-first session)."""
     inputs = make_inputs(150, 2, 4, 24, 40, torch.float16, device, seed=9)
     inputs["a"] = (inputs["a"].float() / 6 - 3).to(torch.float16)
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else 150)

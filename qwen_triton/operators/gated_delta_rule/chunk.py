@@ -84,6 +84,19 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    engine's prefills of 3, 8 and 12 tokens and T = 1, benchmarks/fault_probe.py). So no config has one stage
    and `chunks` is not specialised; test_gpu_chunked_every_config and test_gpu_chunked_short_prompts (1, 5,
    63 and 65 tokens) run those cases on the GPU.
+   Two other forms of the step, twenty-first session (docs/perf-notes.md). One dependent product a step,
+   S <- exp(G_C) S + K~^T U - N S with N = K~^T W [Dk, Dk] formed by kernel 1 and V' by kernel 3 (commit
+   ca65ef3): slower, the prefill of 4096 tokens 13,237 against 12,865 us replayed, of 128 tokens 1,621 against
+   1,568 (prefill_options.py in one process): Triton waits for each product's tensor-core group before the
+   next, so K~^T U, which needs no state, stayed in the step's chain beside N S (two waits a step as before;
+   at BLOCK_V 16, 4 warps, 24 wgmma instructions a step against 16), and a step loads N (32 KiB) in place of
+   W (16 KiB): 176 against 123 KiB of shared memory at BLOCK_V 32, 8 warps, 3 stages, the shipped form's pick
+   at 4096 tokens (benchmarks/sass_counts.py --sequence --constant ONE_PRODUCT=True, run on ca65ef3's
+   chunk.py). The step on
+   S^T, so that both products would take the carried operand from registers (commit b732384): its sm_90 PTX
+   (sass_counts.py --sequence) still passes V'^T through shared memory, twice (its store layout and the
+   operand's), the state through it before the first product, and loads U^T outside the pipeline; at
+   BLOCK_V = 64 (the smallest wgmma tile) 255 registers and spills. Not run on the GPU.
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
    its Q K^T (kernel 1's) and q, re-read and re-normalised. Folding this into the state pass for short
@@ -121,18 +134,21 @@ flash-linear-attention. Measured at the real shape, bf16, 4096 tokens against th
 (4.93e-3), state 2.78e-3 (2.40e-3); the engine's logits against the float32 reference model over 384 steps after
 a 128-token prefill (tests/engine) median 2.903e-2 -> 2.905e-2, max 5.951e-2 -> 5.809e-2 (9c133f5 -> 9362a54). The chunk
 start states and V' are stored in that dtype, the rounding the products make anyway, so that splitting
-the sequential pass from the output adds no rounding. U stays float32 because V' = U - W S can cancel (stored
-in bf16, commit 06d8514: the operator's errors at 4096 tokens about unchanged, o Frobenius 4.13e-3 against
-4.06e-3, state 2.78e-3, and the prefill 0.02-0.26 ms faster; not kept yet: its run of the GPU tests stopped at
-the fault below, which the shipped kernels have too).
+the sequential pass from the output adds no rounding. So is U (since 4c9ef0a; float32 before, for fear that
+V' = U - W S cancels): at 4096 tokens the operator's errors about unchanged (chunk_sweep.py's check, 4c9ef0a:
+o Frobenius 4.13e-3 against 4.06e-3 with U in float32, max 5.91e-3 against 5.94e-3, state 2.78e-3 both), the
+engine's logits over 384 steps median 2.929e-2, max 5.721e-2 after a 128-token prefill (tests/engine, 1fd5f16);
+in the engine's profile at 4096 tokens the state pass 105.3 -> 102.1 us a layer and kernel 1's second part
+53.2 -> 50.2 (profiles 9362a54 -> efe5bcb), the prefill 12,901 -> 12,810 us replayed in one process
+(prefill_options.py, 06d8514).
 `dot_precision="tf32"` or `"ieee"` makes every product take float32 operands at that precision (and the
 stored states and V' float32), each kernel at its first config, untuned (`_first_for_float32_operands`: a
 config of the state pass faults with float32 operands). float32 activations use "ieee" throughout.
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, bf16), per token: q, k, v in (12 KiB), a, b in,
 o out (4 KiB), plus the 1 MiB state in and out once: ~67 MB for T = 4096, 4 MB for T = 128.
-Scratch beyond the floor, per call: kernel 1 writes W (bf16), U (fp32), K~ (bf16), Q K^T (bf16) and G (fp32),
-~18 KiB per token, which kernel 2 (W, U, K~, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
+Scratch beyond the floor, per call: kernel 1 writes W, U, K~, Q K^T (bf16) and G (fp32), ~14 KiB per token,
+which kernel 2 (W, U, K~, G) and kernel 3 (Q K^T, G) read back; kernel 2 writes V' (bf16, 4
 KiB per token) and the chunk start states (bf16 [Dk, Dv] per chunk and head: 512 KiB per chunk, 8 KiB per
 token; 64 x 16 x 128 x 128 x 2 B = 32 MiB at T = 4096), which kernel 3 reads once: 12 KiB per token more
 written and read (48 MiB each way at T = 4096), the price of taking Q S and (Q K^T) V' off the sequential
