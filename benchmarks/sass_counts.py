@@ -11,12 +11,13 @@ GPU.
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse  (or products: kernel 1 in two parts)
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 64 --warps 4 --stages 2 --sequence \
-        [--constant TRANSPOSED=True]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 --warps 8 --stages 3 --sequence \
+        [--constant NAME=VALUE]
 
 --sequence prints the PTX's shared-memory, tensor-core, barrier and global-memory operations in program order (runs
 of one operation collapsed to `op xN`): what a loop's step waits on. --constant NAME=VALUE sets a constexpr of the
-kernel (a Python literal), e.g. a flag of a variant under study.
+kernel (a Python literal), e.g. the flag of a variant under study (the twenty-first session's TRANSPOSED=True at
+commit b732384, and ONE_PRODUCT=True with this script run on commit ca65ef3's chunk.py).
 """
 
 from __future__ import annotations

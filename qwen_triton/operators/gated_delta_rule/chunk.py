@@ -92,11 +92,10 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    at BLOCK_V 16, 4 warps, 24 wgmma instructions a step against 16), and a step loads N (32 KiB) in place of
    W (16 KiB): 176 against 123 KiB of shared memory at BLOCK_V 32, 8 warps, 3 stages, the shipped form's pick
    at 4096 tokens (benchmarks/sass_counts.py --sequence --constant ONE_PRODUCT=True, run on ca65ef3's
-   chunk.py). The step on
-   S^T, so that both products would take the carried operand from registers (commit b732384): its sm_90 PTX
-   (sass_counts.py --sequence) still passes V'^T through shared memory, twice (its store layout and the
-   operand's), the state through it before the first product, and loads U^T outside the pipeline; at
-   BLOCK_V = 64 (the smallest wgmma tile) 255 registers and spills. Not run on the GPU.
+   chunk.py). The step on S^T, so that both products would take the carried operand from registers (commit
+   b732384): its sm_90 PTX (sass_counts.py --sequence) still passes V'^T through shared memory, twice (its
+   store layout and the operand's), the state through it before the first product, and loads U^T outside the
+   pipeline; at BLOCK_V = 64 (the smallest wgmma tile) 255 registers and spills. Not run on the GPU.
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
    its Q K^T (kernel 1's) and q, re-read and re-normalised. Folding this into the state pass for short
@@ -761,7 +760,7 @@ class _Scratch(NamedTuple):
     chunk: int  # the chunk's rows, C
     prepare_dtype: torch.dtype  # the operands of kernel 1's products but the inverse's
     prepare_precision: str
-    dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, Q K^T, V' and the chunk states
+    dot_dtype: torch.dtype  # the operands of kernels 2 and 3, and the dtype of W, U, Q K^T, V' and the chunk states
     product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
     u: torch.Tensor  # [Hv, T, Dv] in dot_dtype
