@@ -860,10 +860,9 @@ for name in ("prepare", "state", "output"):
     picks[name] = [kept, len(kernel.configs)]
 for name in ("prepare", "inverse", "products", "state", "output"):
     kernel = getattr(chunk, f"_chunk_{name}_kernel")
-    float32[name] = [[(c.kwargs, c.num_warps, c.num_stages) == (kernel.configs[0].kwargs, kernel.configs[0].num_warps,
-                                                                kernel.configs[0].num_stages)
-                      for c in kernel.early_config_prune(kernel.configs, dict(chunk_bucket=64), PRECISION=precision,
-                                                         CHUNK_ROWS=64, DOT_DTYPE=tl.float32)]
+    float32[name] = [[c is kernel.configs[0] for c in kernel.early_config_prune(
+                          kernel.configs, dict(chunk_bucket=64), PRECISION=precision, CHUNK_ROWS=64,
+                          DOT_DTYPE=tl.float32)]
                      for precision in ("tf32", "ieee")]
     float32[name].append(len(kernel.early_config_prune(kernel.configs, dict(chunk_bucket=64), PRECISION="tf32",
                                                        CHUNK_ROWS=64, DOT_DTYPE=tl.bfloat16)))
