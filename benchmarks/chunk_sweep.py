@@ -12,7 +12,8 @@ inputs and states (18 for short prompts, as the 18 DeltaNet layers of a prefill)
   chunk.SPLIT_PREPARE_TOKENS tokens, where kernel 1 runs as two (`_chunk_inverse_kernel`, then
   `_chunk_products_kernel`), `inverse` and `products`: the two together with one of them at each of its configs
   (the other at the autotuner's pick), and `prepare`: the one kernel, as the shorter prompts run it;
-- `state`: kernel 2 (`_chunk_state_kernel`, the sequential state pass) alone, at each of its configs;
+- `state in gluon`: kernel 2 in Gluon (state_pass.py) alone, where it applies (chunk.STATE_PASS_IN_GLUON);
+- `state`: kernel 2 in Triton (`_chunk_state_kernel`, the sequential state pass) alone, at each of its configs;
 - `output`: kernel 3 (`_chunk_output_kernel`) alone, at each of its configs.
 Then the checks of test_gpu_chunked: errors against the float32 torch reference (Frobenius and max of o
 relative to the reference, Frobenius of the final state) for the default precision mix and the "tf32" and
@@ -214,7 +215,14 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
         swept = [("inverse", prepare_only), ("products", prepare_only), ("prepare", one_kernel_prepare)] + swept
     else:
         swept = [("prepare", prepare_only)] + swept
+    if chunk.STATE_PASS_IN_GLUON:  # the Gluon state pass where it applies (state_pass.py), then Triton's configs
+        for i in range(copies):
+            prepare_only(i)
+        rows.append(dict(T=length, chunk=size, kernel="state in gluon", config="state_pass.py",
+                         us=graph_us(state_only, copies), autotuner_pick=True))
+    gluon_state_pass = chunk.STATE_PASS_IN_GLUON
     for name, launch in swept:
+        chunk.STATE_PASS_IN_GLUON = gluon_state_pass and name != "state"
         kernel = kernels[name]
         all_configs = list(kernel.configs)
         for config in all_configs:
@@ -225,6 +233,7 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
             rows.append(dict(T=length, chunk=size, kernel=name, config=short(config), us=graph_us(launch, copies),
                              autotuner_pick=short(config) == picks[name]))
         with_configs(kernel, all_configs)
+    chunk.STATE_PASS_IN_GLUON = gluon_state_pass
     return rows
 
 
@@ -263,7 +272,8 @@ def main() -> None:
             print(f"T={length}, chunks of {size}: {args.setting or 'defaults'}")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
-        for name in ("inverse alone", "products alone", "inverse", "products", "prepare", "state", "output"):
+        for name in ("inverse alone", "products alone", "inverse", "products", "prepare", "state in gluon", "state",
+                     "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
             if not timed:
                 continue

@@ -29,6 +29,7 @@ import triton.language as tl
 from qwen_triton.operators.conv import causal_conv1d_step
 from qwen_triton.operators.gated_delta_rule import chunk as chunk_module
 from qwen_triton.operators.gated_delta_rule import fused_decode as fused_decode_module
+from qwen_triton.operators.gated_delta_rule import state_pass
 from qwen_triton.operators.gated_delta_rule import (
     benchmark_cases,
     gated_delta_rule_chunked,
@@ -598,6 +599,53 @@ def test_argument_errors(device):
         gating(inputs["a"], inputs["b"][:3], inputs["A_log"], inputs["dt_bias"])
 
 
+STATE_PASS_FOR_HOPPER = """
+import json, os, re, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from qwen_triton.operators.gated_delta_rule import state_pass
+heads, length, dim, block = 16, 4096, 128, state_pass.BLOCK_V
+rows = torch.zeros(heads * length, dim, dtype=torch.bfloat16)
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+results = {}
+for chunk in (32, 64):
+    descriptors = dict(w_descriptor=state_pass.descriptor(rows, [chunk, dim]),
+                       keys_descriptor=state_pass.descriptor(rows, [chunk, dim]),
+                       u_descriptor=state_pass.descriptor(rows, [chunk, block]),
+                       new_values_descriptor=state_pass.descriptor(rows.view(heads, length, dim), [1, chunk, block]),
+                       chunk_states_descriptor=state_pass.descriptor(rows, [dim, block]),
+                       state_descriptor=state_pass.descriptor(torch.zeros(heads * dim, dim), [dim, block]))
+    kernel = state_pass._state_pass_kernel
+    pointers = dict(decay_ptr="*fp32", state_ptr="*fp32", length="i32", chunks="i32")
+    signature = {name: mangle_type(descriptors[name]) if name in descriptors else pointers.get(name, "constexpr")
+                 for name in kernel.arg_names}
+    constants = dict(V_HEADS=heads, K_DIM=dim, V_DIM=dim, CHUNK_ROWS=chunk, STAGES=state_pass.STAGES)
+    compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=state_pass.WARPS))
+    path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
+    open(path, "wb").write(compiled.asm["cubin"])
+    usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    products = [line for line in compiled.asm["ptx"].splitlines() if "wgmma.mma_async" in line]
+    results[chunk] = dict(shared=compiled.metadata.shared, stack=int(usage.split("STACK:")[1].split()[0]),
+                          products=len(products),
+                          left_from_registers=sum(bool(re.search(r"\\}, \\{", line)) for line in products))
+print(json.dumps(results))
+"""
+
+
+def test_state_pass_compiles_for_hopper():
+    """The Gluon state pass compiled for sm_90 on the CPU (the interpreter runs no Gluon): no spills, within the
+    shared memory of an H100/H200 program, and every tensor-core product takes its left operand from registers,
+    the kernel's premise (state_pass.py: no shared-memory round trip in the step's chain)."""
+    results = run_without_interpreter(STATE_PASS_FOR_HOPPER)
+    for chunk, result in results.items():
+        assert result["stack"] == 0, (chunk, result)
+        assert result["shared"] <= 227 * 1024, (chunk, result)
+        assert result["products"] > 0 and result["left_from_registers"] == result["products"], (chunk, result)
+
+
 # ---- GPU, bfloat16, the real shapes ---------------------------------------------------------------
 
 HEADS, DIM = 16, 128
@@ -685,6 +733,7 @@ def test_gpu_chunked_every_config(chunk_size, split, monkeypatch):
     picks (one did, 2026-11-30, in a version of the output kernel: docs/perf-notes.md, tenth session)."""
     length = 200
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", length - 1 if split else length)
+    monkeypatch.setattr(chunk_module, "STATE_PASS_IN_GLUON", False)  # (its own tests: state_pass.py's kernel)
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=24)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
     if split:
@@ -711,6 +760,55 @@ def test_gpu_chunked_every_config(chunk_size, split, monkeypatch):
                 assert frobenius_error(normed.reshape(length, -1), expected) < 4e-3, (name, config)
         finally:
             kernel.configs, kernel.cache = configs, {}
+
+
+def long_memory_case(length, seed):
+    """real_shape_chunked_case with long memory (a as in test_chunked_long_memory): the carried state matters
+    across many chunks."""
+    inputs = make_inputs(length, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=seed)
+    inputs["a"] = (inputs["a"].float() / 6 - 3).to(torch.bfloat16)
+    initial = random_state((HEADS, DIM, DIM), "cuda") * 0.2
+    float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
+    ref_out, ref_state = reference_chunked(float_inputs, initial.clone())
+    return inputs, initial, ref_out, ref_state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 5, 63, 65, 200, 4096])
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_gpu_state_pass_in_gluon_equals_triton(length, chunk_size, monkeypatch):
+    """Kernel 2 in Gluon (state_pass.py) against the Triton kernel on the same scratch: V', the chunk start
+    states and the final state, partial last chunks included (the Gluon kernel reads the next head's rows there
+    and zeroes what they feed); long memory, so every chunk's state counts."""
+    assert state_pass.applies(torch.empty(HEADS, DIM, DIM, device="cuda"), torch.bfloat16, chunk_size)
+    inputs, initial, _, ref_state = long_memory_case(length, seed=25)
+    q, k, v, a, b, A_log, dt_bias = kernel_arguments(inputs)
+    scratch = chunk_module._scratch(q, v, None, chunk_size)
+    chunk_module._launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+    results = {}
+    for gluon in (False, True):
+        monkeypatch.setattr(chunk_module, "STATE_PASS_IN_GLUON", gluon)
+        scratch.new_values.fill_(float("nan"))
+        scratch.chunk_states.fill_(float("nan"))
+        state = initial.clone()
+        chunk_module._launch_state_pass(state, scratch)
+        results[gluon] = (scratch.new_values.clone(), scratch.chunk_states.clone(), state)
+    for name, ours, triton_kernel in zip(("V'", "chunk states", "final state"), results[True], results[False]):
+        assert torch.isfinite(ours).all(), name
+        assert frobenius_error(ours, triton_kernel) < 4e-3, name
+    assert frobenius_error(results[True][2], ref_state) < 1e-2
+    assert frobenius_error(results[True][2], initial) > 0.1  # the state moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [100, 4096])
+def test_gpu_chunked_long_memory(length):
+    """The whole operator at the real shape with long memory, against the float32 reference."""
+    inputs, initial, ref_out, ref_state = long_memory_case(length, seed=26)
+    state = initial.clone()
+    out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
+    assert frobenius_error(out, ref_out) < 1.5e-2
+    assert frobenius_error(state, ref_state) < 1e-2
 
 
 @pytest.mark.gpu

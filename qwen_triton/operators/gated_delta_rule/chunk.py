@@ -176,6 +176,7 @@ from ..common import autotune_configs, check_same_device, check_tensor, keep_pre
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
+from . import state_pass
 
 CHUNK = 64
 # Prompts of up to SHORT_CHUNK_TOKENS tokens run in chunks of SHORT_CHUNK tokens (gated_delta_rule_chunked's
@@ -189,6 +190,10 @@ CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # kernels' tuning keys, which hold no dtype object: the autotuner writes its keys to JSON. Given this flag the
 # operands' dtype follows from the inputs' dtype and the precision, which are.)
 PREPARE_IN_ACTIVATION_DTYPE = True
+
+# Kernel 2 in Gluon on the transposed state (state_pass.py) where it applies (Hopper, 16-bit operands); False: the
+# Triton kernel everywhere (for A/B measurements; the float32 options and other GPUs always take it).
+STATE_PASS_IN_GLUON = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -830,6 +835,10 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
 def _launch_state_pass(state, scratch: _Scratch) -> None:
     """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
+    if STATE_PASS_IN_GLUON and state_pass.applies(state, scratch.dot_dtype, scratch.chunk):
+        state_pass.launch(state, scratch.w, scratch.u, scratch.decayed_keys, scratch.decay, scratch.new_values,
+                          scratch.chunk_states, scratch.chunk)
+        return
     chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](

@@ -1,0 +1,211 @@
+"""The chunked delta rule's state pass (its kernel 2) in Gluon, on the transposed state: Hopper, 16-bit operands.
+
+What it computes is chunk.py's kernel 2, `_chunk_state_kernel`: per head and chunk, from the chunk's W, U and
+decayed keys K~ (kernel 1's), with S the state [Dk, Dv] at the chunk's start,
+    store S (the chunk's start state, rounded to the operand dtype)
+    V' = U - W S                                  store V' (rounded)
+    S  = exp(G_C) S + K~^T V'
+Its time is the chain of the two dependent products a chunk, 64 steps at 4096 tokens. The Triton kernel spends
+about 1.6 us a step (102 us a layer at 4096 tokens, docs/perf-notes.md): Triton takes the right operand of a
+tensor-core product from shared memory only, so each step writes S and then V' there and waits for them.
+
+This kernel carries S^T [BLOCK_V, Dk] instead, so that both products take the carried operand as their left one,
+which the tensor cores (wgmma) read from registers:
+    V'^T = U^T - S^T W^T       left: -S^T from registers;    right: the W tile [C, Dk] in shared memory, read
+                               transposed; accumulator initialised with U^T
+    S^T  = exp(G_C) S^T + V'^T K~   left: V'^T, the first product's accumulator rounded, from registers (the
+                               accumulator's layout is the left operand's: no data moves); right: the K~ tile
+No shared-memory round trip in the chain. The tiles come through TMA from one loading warp (warp specialisation)
+into a ring of STAGES buffers, each counted in by an mbarrier and handed back by the computing warpgroup once
+the step's second product is done with it; G_C is read a step ahead. A program is one warpgroup (4 warps: the
+products' 64 rows are BLOCK_V = 64 state columns) and the loading warp; grid (Hv, Dv / 64): 32 programs at the
+real shape, against 64 (BLOCK_V 32) of the Triton kernel's tuned config at 4096 tokens.
+
+The loads are 2-D descriptors over the scratch's [Hv * T, D] rows, so the last chunk of a head reads the next
+head's first rows (or zeros past the end) where the Triton kernel masks them to zeros: the step zeroes V'^T's
+columns past the sequence's end, which is what those rows feed (W and U rows only reach V', and K~ rows are
+multiplied by V' rows; the next head's rows are finite: kernel 1 wrote every one).
+
+Rounding as the Triton kernel's: S and V' rounded to the operand dtype for the products and the stores, float32
+accumulation; U - W S accumulates W S onto U in the tensor core's order instead of subtracting the finished
+product (a float32 rounding apart).
+
+Floor (the real shape, 4096 tokens, per layer): reads W, U, K~ (8 + 4 + 8 KiB a token: 84 MB) and writes V' and
+the chunk states (4 + 8 KiB a token: 50 MB): 134 MB, 33 us at 4.0 TB/s; FLOPs 2 x 2 x 64 x 128 x 128 a chunk and
+head, 8.6 GFLOP in all. As a chain: 64 steps of two dependent wgmma groups (m64 n64 k128, then m64 n128 k64).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..common import hopper_or_later, interpreting
+
+BLOCK_V = 64  # state columns a program carries: the rows of both products (wgmma's m64 for one warpgroup)
+WARPS = 4  # one warpgroup computes
+STAGES = 4  # chunks of tiles in flight: (2 x C x Dk + C x 64) x 2 bytes each, 40 KiB at C = 64
+LOADER_REGISTERS = gl.constexpr(40)  # the loading warp issues TMA copies and waits: few registers
+
+GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
+    """Whether this kernel serves the call: a Hopper GPU (not the interpreter, which runs no Gluon), 16-bit
+    operands, Dv a multiple of BLOCK_V, Dk a multiple of 16 up to 256, chunks of a multiple of 16 rows."""
+    _, key_dim, value_dim = state.shape
+    return (not interpreting() and hopper_or_later(state.device) and dot_dtype in GLUON_DTYPES
+            and value_dim % BLOCK_V == 0 and key_dim % 16 == 0 and key_dim <= 256 and chunk % 16 == 0)
+
+
+@gluon.jit
+def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_descriptor, chunk_states_descriptor,
+                       state_descriptor, decay_ptr, state_ptr, length, chunks,
+                       V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks."""
+    dtype: gl.constexpr = w_descriptor.dtype
+    BLOCK: gl.constexpr = u_descriptor.block_type.shape[1]
+    head = gl.program_id(0)
+    first_value = gl.program_id(1) * BLOCK
+    first_row = head * length
+
+    w_tiles = gl.allocate_shared_memory(dtype, [STAGES, CHUNK_ROWS, K_DIM], w_descriptor.layout)
+    key_tiles = gl.allocate_shared_memory(dtype, [STAGES, CHUNK_ROWS, K_DIM], keys_descriptor.layout)
+    u_tiles = gl.allocate_shared_memory(dtype, [STAGES, CHUNK_ROWS, BLOCK], u_descriptor.layout)
+    # what the step stores goes out through TMA from here (V' one head's rows [1, C, BLOCK]: the copy stops at
+    # the sequence's end)
+    new_values_tile = gl.allocate_shared_memory(dtype, new_values_descriptor.block_type.shape,
+                                                new_values_descriptor.layout)
+    chunk_state_tile = gl.allocate_shared_memory(dtype, chunk_states_descriptor.block_type.shape,
+                                                 chunk_states_descriptor.layout)
+    loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for stage in gl.static_range(STAGES):
+        mbarrier.init(loaded.index(stage), count=1)
+        mbarrier.init(consumed.index(stage), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_carry_state, (w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
+                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
+                        first_value, first_row, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS, BLOCK, STAGES)),
+        (_load_tiles, (w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
+                       first_value, first_row, chunks, CHUNK_ROWS, STAGES)),
+    ], [1], [LOADER_REGISTERS])
+    for stage in gl.static_range(STAGES):
+        mbarrier.invalidate(loaded.index(stage))
+        mbarrier.invalidate(consumed.index(stage))
+
+
+@gluon.jit
+def _load_tiles(w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
+                first_value, first_row, chunks, CHUNK_ROWS: gl.constexpr, STAGES: gl.constexpr):
+    """The loading warp: chunk c's W, K~ and U tiles into stage c % STAGES once the computing warps have handed
+    it back (its previous chunk's second product done)."""
+    tile_bytes: gl.constexpr = (w_descriptor.block_type.nbytes + keys_descriptor.block_type.nbytes
+                                + u_descriptor.block_type.nbytes)
+    for chunk in range(chunks):
+        stage = chunk % STAGES
+        if chunk >= STAGES:
+            mbarrier.wait(consumed.index(stage), (chunk // STAGES - 1) & 1)
+        arrival = loaded.index(stage)
+        mbarrier.expect(arrival, tile_bytes)
+        row = first_row + chunk * CHUNK_ROWS
+        tma.async_copy_global_to_shared(w_descriptor, [row, 0], arrival, w_tiles.index(stage))
+        tma.async_copy_global_to_shared(keys_descriptor, [row, 0], arrival, key_tiles.index(stage))
+        tma.async_copy_global_to_shared(u_descriptor, [row, first_value], arrival, u_tiles.index(stage))
+
+
+@gluon.jit
+def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
+                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
+                 first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr,
+                 CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """The computing warpgroup: S^T in registers through the chunks (module docstring)."""
+    dtype: gl.constexpr = w_tiles.dtype
+    # accumulators: S^T [BLOCK, Dk] of the second product, V'^T [BLOCK, C] of the first; each product's left
+    # operand is the other's accumulator, rounded
+    state_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, K_DIM, 16])
+    values_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, CHUNK_ROWS, 16])
+    state_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=values_layout, k_width=2)
+    values_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_layout, k_width=2)
+
+    state = gl.load(state_ptr + _state_offsets(head, first_value, K_DIM, V_DIM, BLOCK, state_layout))
+    tokens = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(0, values_layout))
+    new_values_view = new_values_tile.reshape([CHUNK_ROWS, BLOCK]).permute((1, 0))  # V'^T
+    chunk_state_view = chunk_state_tile.permute((1, 0))  # S^T
+
+    decay_base = decay_ptr + first_row
+    decay_last = gl.load(decay_base + gl.minimum(CHUNK_ROWS, length) - 1)
+    for chunk in range(chunks):
+        stage = chunk % STAGES
+        start = chunk * CHUNK_ROWS
+        # G_C of the next chunk, a step ahead of its use (this chunk's again on the last)
+        decay_next = gl.load(decay_base + gl.minimum(start + 2 * CHUNK_ROWS, length) - 1)
+        carried = state.to(dtype)
+        tma.store_wait(pendings=0)  # the previous step's stores have left the tiles
+        chunk_state_view.store(carried)
+        mbarrier.wait(loaded.index(stage), (chunk // STAGES) & 1)
+        u = u_tiles.index(stage).permute((1, 0)).load(values_layout).to(gl.float32)
+        new_values = warpgroup_mma(gl.convert_layout(-carried, state_operand), w_tiles.index(stage).permute((1, 0)),
+                                   u, is_async=True)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(chunk_states_descriptor, [(chunk * V_HEADS + head) * K_DIM, first_value],
+                                        chunk_state_tile)
+        new_values = warpgroup_mma_wait(num_outstanding=0, deps=(new_values,))
+        new_values = gl.where(tokens[None, :] < length - start, new_values, 0.0).to(dtype)
+        state = warpgroup_mma(gl.convert_layout(new_values, values_operand), key_tiles.index(stage),
+                              state * gl.exp(decay_last), is_async=True)
+        new_values_view.store(new_values)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(new_values_descriptor, [head, start, first_value], new_values_tile)
+        state = warpgroup_mma_wait(num_outstanding=0, deps=(state,))
+        mbarrier.arrive(consumed.index(stage))
+        decay_last = decay_next
+    # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a pointer
+    # store would stay live in registers through the loop, the initial load's being the same
+    final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
+    final_tile.permute((1, 0)).store(state)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(state_descriptor, [head * K_DIM, first_value], final_tile)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _state_offsets(head, first_value, K_DIM: gl.constexpr, V_DIM: gl.constexpr, BLOCK: gl.constexpr,
+                   layout: gl.constexpr):
+    """Offsets of S^T [BLOCK, Dk] in the state [Hv, Dk, Dv]: S^T[v, k] = state[head, k, first_value + v]."""
+    values = first_value + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    keys = gl.arange(0, K_DIM, layout=gl.SliceLayout(0, layout))
+    return head * (K_DIM * V_DIM) + keys[None, :] * V_DIM + values[:, None]
+
+
+def descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over a scratch tensor (or a view of it), tiles of `block`."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, GLUON_DTYPES[tensor.dtype])
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
+
+
+def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int) -> None:
+    """The state pass on the scratch of chunk.py (w, u, decayed_keys [Hv, T, D] in the operand dtype; decay [Hv, T]
+    float32; new_values [Hv, T, Dv] and chunk_states [chunks, Hv, Dk, Dv] written; state [Hv, Dk, Dv] float32
+    carried in place). The caller checks `applies`."""
+    value_heads, key_dim, value_dim = state.shape
+    length = decay.shape[1]
+    rows = value_heads * length
+    _state_pass_kernel[(value_heads, value_dim // BLOCK_V)](
+        descriptor(w.view(rows, key_dim), [chunk, key_dim]), descriptor(u.view(rows, value_dim), [chunk, BLOCK_V]),
+        descriptor(decayed_keys.view(rows, key_dim), [chunk, key_dim]), descriptor(new_values, [1, chunk, BLOCK_V]),
+        descriptor(chunk_states.view(-1, value_dim), [key_dim, BLOCK_V]),
+        descriptor(state.view(-1, value_dim), [key_dim, BLOCK_V]), decay, state,
+        length, triton.cdiv(length, chunk),
+        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES, num_warps=WARPS,
+    )
