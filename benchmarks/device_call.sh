@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of the twenty-second session (call 1): the chunked rule's state pass in Gluon (state_pass.py):
+# One device call of the twenty-second session (calls 1-2): the chunked rule's state pass in Gluon (state_pass.py):
 # its GPU tests and the chunked rule's, the prefill against the Triton state pass in one process, the accuracy
 # check at 128 and 4096 tokens, the profile at 4096. (Session scaffolding: results and commands go to
 # docs/perf-notes.md.)

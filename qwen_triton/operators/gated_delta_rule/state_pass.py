@@ -52,6 +52,7 @@ WARPS = 4  # one warpgroup computes
 STAGES = 4  # chunks of tiles in flight: (2 x C x Dk + C x 64) x 2 bytes each, 40 KiB at C = 64
 LOADER_REGISTERS = gl.constexpr(40)  # the loading warp issues TMA copies and waits: few registers
 
+OPERAND_DTYPES = (torch.bfloat16, torch.float16)  # the operands a wgmma takes from registers at k_width 2
 GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
@@ -59,7 +60,7 @@ def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
     """Whether this kernel serves the call: a Hopper GPU (not the interpreter, which runs no Gluon), 16-bit
     operands, Dv a multiple of BLOCK_V, Dk a multiple of 16 up to 256, chunks of a multiple of 16 rows."""
     _, key_dim, value_dim = state.shape
-    return (not interpreting() and hopper_or_later(state.device) and dot_dtype in GLUON_DTYPES
+    return (not interpreting() and hopper_or_later(state.device) and dot_dtype in OPERAND_DTYPES
             and value_dim % BLOCK_V == 0 and key_dim % 16 == 0 and key_dim <= 256 and chunk % 16 == 0)
 
 
@@ -148,28 +149,31 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
     for chunk in range(chunks):
         stage = chunk % STAGES
         start = chunk * CHUNK_ROWS
-        # G_C of the next chunk, a step ahead of its use (this chunk's again on the last)
-        decay_next = gl.load(decay_base + gl.minimum(start + 2 * CHUNK_ROWS, length) - 1)
-        carried = state.to(dtype)
-        tma.store_wait(pendings=0)  # the previous step's stores have left the tiles
-        chunk_state_view.store(carried)
         mbarrier.wait(loaded.index(stage), (chunk // STAGES) & 1)
         u = u_tiles.index(stage).permute((1, 0)).load(values_layout).to(gl.float32)
-        new_values = warpgroup_mma(gl.convert_layout(-carried, state_operand), w_tiles.index(stage).permute((1, 0)),
-                                   u, is_async=True)
+        carried = state.to(dtype)
+        left = gl.convert_layout(-carried, state_operand)
+        new_values = warpgroup_mma(left, w_tiles.index(stage).permute((1, 0)), u, is_async=True)
+        # while the first product runs: the decayed state (the second's accumulator), the start state's store,
+        # and G_C of the next chunk (this chunk's again on the last)
+        state = state * gl.exp(decay_last)
+        tma.store_wait(pendings=0)  # the previous step's stores have left the tiles
+        chunk_state_view.store(carried)
         fence_async_shared()
         tma.async_copy_shared_to_global(chunk_states_descriptor, [(chunk * V_HEADS + head) * K_DIM, first_value],
                                         chunk_state_tile)
-        new_values = warpgroup_mma_wait(num_outstanding=0, deps=(new_values,))
+        decay_last = gl.load(decay_base + gl.minimum(start + 2 * CHUNK_ROWS, length) - 1)
+        # (the left operand among the dependencies: its registers stay untouched while the product reads them)
+        new_values, left = warpgroup_mma_wait(num_outstanding=0, deps=(new_values, left))
         new_values = gl.where(tokens[None, :] < length - start, new_values, 0.0).to(dtype)
-        state = warpgroup_mma(gl.convert_layout(new_values, values_operand), key_tiles.index(stage),
-                              state * gl.exp(decay_last), is_async=True)
+        left = gl.convert_layout(new_values, values_operand)
+        state = warpgroup_mma(left, key_tiles.index(stage), state, is_async=True)
+        # while the second runs: V''s store
         new_values_view.store(new_values)
         fence_async_shared()
         tma.async_copy_shared_to_global(new_values_descriptor, [head, start, first_value], new_values_tile)
-        state = warpgroup_mma_wait(num_outstanding=0, deps=(state,))
+        state, left = warpgroup_mma_wait(num_outstanding=0, deps=(state, left))
         mbarrier.arrive(consumed.index(stage))
-        decay_last = decay_next
     # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a pointer
     # store would stay live in registers through the loop, the initial load's being the same
     final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
