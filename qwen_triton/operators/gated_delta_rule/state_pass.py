@@ -50,9 +50,6 @@ from ..common import hopper_or_later, interpreting
 BLOCK_V = 64  # state columns a program carries: the rows of both products (wgmma's m64 for one warpgroup)
 WARPS = 4  # one warpgroup computes
 STAGES = 4  # chunks of tiles in flight: (2 x C x Dk + C x 64) x 2 bytes each, 40 KiB at C = 64
-# The state as two halves of its keys (Dk / 2 columns of S^T each): each product as two independent chains of
-# tensor-core instructions (four each at the real shape) instead of one chain of eight and one of four.
-STATE_IN_HALVES = False
 LOADER_REGISTERS = gl.constexpr(40)  # the loading warp issues TMA copies and waits: few registers
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)  # the operands a wgmma takes from registers at k_width 2
@@ -69,10 +66,14 @@ def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
 
 @gluon.jit
 def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_descriptor, chunk_states_descriptor,
-                       state_descriptor, decay_ptr, state_ptr, length, chunks,
+                       state_descriptor, decay_ptr, state_ptr, ready_ptr, length, chunks, stride_ready,
                        V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-                       STAGES: gl.constexpr, HALVES: gl.constexpr):
-    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks."""
+                       STAGES: gl.constexpr, SIGNAL: gl.constexpr):
+    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks. SIGNAL:
+    publishes each chunk on ready[h * stride_ready + c] (module docstring) and lets the next kernel launch."""
+    if SIGNAL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     dtype: gl.constexpr = w_descriptor.dtype
     BLOCK: gl.constexpr = u_descriptor.block_type.shape[1]
     head = gl.program_id(0)
@@ -96,9 +97,10 @@ def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_d
     fence_async_shared()
 
     gl.warp_specialize([
-        (_carry_state_in_halves if HALVES else _carry_state, (w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
-                        first_value, first_row, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS, BLOCK, STAGES)),
+        (_carry_state, (w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
+                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr,
+                        ready_ptr + head * stride_ready, head, first_value, first_row, length, chunks, V_HEADS,
+                        K_DIM, V_DIM, CHUNK_ROWS, BLOCK, STAGES, SIGNAL)),
         (_load_tiles, (w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
                        first_value, first_row, chunks, CHUNK_ROWS, STAGES)),
     ], [1], [LOADER_REGISTERS])
@@ -128,9 +130,10 @@ def _load_tiles(w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, k
 
 @gluon.jit
 def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
-                 first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr,
-                 CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, ready_ptr,
+                 head, first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr,
+                 V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                 SIGNAL: gl.constexpr):
     """The computing warpgroup: S^T in registers through the chunks (module docstring)."""
     dtype: gl.constexpr = w_tiles.dtype
     # accumulators: S^T [BLOCK, Dk] of the second product, V'^T [BLOCK, C] of the first; each product's left
@@ -161,6 +164,9 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
         # and G_C of the next chunk (this chunk's again on the last)
         state = state * gl.exp(decay_last)
         tma.store_wait(pendings=0)  # the previous step's stores have left the tiles
+        if SIGNAL:
+            if chunk >= 2:  # chunk c - 2's stores have landed by now: publish it
+                _publish(ready_ptr + chunk - 2, 2)
         chunk_state_view.store(carried)
         fence_async_shared()
         tma.async_copy_shared_to_global(chunk_states_descriptor, [(chunk * V_HEADS + head) * K_DIM, first_value],
@@ -177,6 +183,10 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
         tma.async_copy_shared_to_global(new_values_descriptor, [head, start, first_value], new_values_tile)
         state, left = warpgroup_mma_wait(num_outstanding=0, deps=(state, left))
         mbarrier.arrive(consumed.index(stage))
+    if SIGNAL:
+        if chunks >= 2:
+            _publish(ready_ptr + chunks - 2, 0)
+        _publish(ready_ptr + chunks - 1, 0)
     # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a pointer
     # store would stay live in registers through the loop, the initial load's being the same
     final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
@@ -187,81 +197,27 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
 
 
 @gluon.jit
-def _carry_state_in_halves(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                           new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr,
-                           head, first_value, first_row, length, chunks, V_HEADS: gl.constexpr,
-                           K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr,
-                           STAGES: gl.constexpr):
-    """_carry_state with S^T as two halves [BLOCK, Dk / 2] (STATE_IN_HALVES)."""
-    dtype: gl.constexpr = w_tiles.dtype
-    HALF: gl.constexpr = K_DIM // 2
-    state_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HALF, 16])
-    values_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, CHUNK_ROWS, 16])
-    state_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=values_layout, k_width=2)
-    values_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_layout, k_width=2)
-
-    first = gl.load(state_ptr + _state_offsets(head, first_value, K_DIM, V_DIM, BLOCK, state_layout, 0, HALF))
-    second = gl.load(state_ptr + _state_offsets(head, first_value, K_DIM, V_DIM, BLOCK, state_layout, HALF, HALF))
-    tokens = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(0, values_layout))
-    new_values_view = new_values_tile.reshape([CHUNK_ROWS, BLOCK]).permute((1, 0))
-    first_view = chunk_state_tile.slice(0, HALF, dim=0).permute((1, 0))
-    second_view = chunk_state_tile.slice(HALF, HALF, dim=0).permute((1, 0))
-    zeros = gl.zeros([BLOCK, CHUNK_ROWS], gl.float32, values_layout)
-
-    decay_base = decay_ptr + first_row
-    decay_last = gl.load(decay_base + gl.minimum(CHUNK_ROWS, length) - 1)
-    for chunk in range(chunks):
-        stage = chunk % STAGES
-        start = chunk * CHUNK_ROWS
-        mbarrier.wait(loaded.index(stage), (chunk // STAGES) & 1)
-        u = u_tiles.index(stage).permute((1, 0)).load(values_layout).to(gl.float32)
-        w_tile = w_tiles.index(stage)
-        first_carried = first.to(dtype)
-        second_carried = second.to(dtype)
-        first_left = gl.convert_layout(-first_carried, state_operand)
-        second_left = gl.convert_layout(-second_carried, state_operand)
-        first_values = warpgroup_mma(first_left, w_tile.slice(0, HALF, dim=1).permute((1, 0)), u, is_async=True)
-        second_values = warpgroup_mma(second_left, w_tile.slice(HALF, HALF, dim=1).permute((1, 0)), zeros,
-                                      is_async=True)
-        decay = gl.exp(decay_last)
-        first = first * decay
-        second = second * decay
-        tma.store_wait(pendings=0)
-        first_view.store(first_carried)
-        second_view.store(second_carried)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(chunk_states_descriptor, [(chunk * V_HEADS + head) * K_DIM, first_value],
-                                        chunk_state_tile)
-        decay_last = gl.load(decay_base + gl.minimum(start + 2 * CHUNK_ROWS, length) - 1)
-        first_values, second_values, first_left, second_left = warpgroup_mma_wait(
-            num_outstanding=0, deps=(first_values, second_values, first_left, second_left))
-        new_values = gl.where(tokens[None, :] < length - start, first_values + second_values, 0.0).to(dtype)
-        left = gl.convert_layout(new_values, values_operand)
-        key_tile = key_tiles.index(stage)
-        first = warpgroup_mma(left, key_tile.slice(0, HALF, dim=1), first, is_async=True)
-        second = warpgroup_mma(left, key_tile.slice(HALF, HALF, dim=1), second, is_async=True)
-        new_values_view.store(new_values)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(new_values_descriptor, [head, start, first_value], new_values_tile)
-        first, second, left = warpgroup_mma_wait(num_outstanding=0, deps=(first, second, left))
-        mbarrier.arrive(consumed.index(stage))
-    final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
-    final_tile.slice(0, HALF, dim=0).permute((1, 0)).store(first)
-    final_tile.slice(HALF, HALF, dim=0).permute((1, 0)).store(second)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(state_descriptor, [head * K_DIM, first_value], final_tile)
-    tma.store_wait(pendings=0)
+def _publish(flag_ptr, PENDING: gl.constexpr):
+    """Count this program on a chunk's flag once the chunk's TMA stores have landed in global memory: every bulk
+    store but the PENDING latest complete (the issuing thread waits; the warpgroup's barrier orders the release
+    after it), the async proxy's writes fenced before the generic proxy's release."""
+    if PENDING == 2:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; fence.proxy.async.global; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.static_assert(PENDING == 0)
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
 def _state_offsets(head, first_value, K_DIM: gl.constexpr, V_DIM: gl.constexpr, BLOCK: gl.constexpr,
-                   layout: gl.constexpr, FIRST_KEY: gl.constexpr = 0, KEYS: gl.constexpr = None):
-    """Offsets of S^T [BLOCK, Dk] (or of its KEYS columns from FIRST_KEY) in the state [Hv, Dk, Dv]:
-    S^T[v, k] = state[head, k, first_value + v]."""
+                   layout: gl.constexpr):
+    """Offsets of S^T [BLOCK, Dk] in the state [Hv, Dk, Dv]: S^T[v, k] = state[head, k, first_value + v]."""
     values = first_value + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    keys = FIRST_KEY + gl.arange(0, K_DIM if KEYS is None else KEYS, layout=gl.SliceLayout(0, layout))
+    keys = gl.arange(0, K_DIM, layout=gl.SliceLayout(0, layout))
     return head * (K_DIM * V_DIM) + keys[None, :] * V_DIM + values[:, None]
 
 
@@ -271,10 +227,12 @@ def descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
 
 
-def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int) -> None:
+def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int, ready=None) -> None:
     """The state pass on the scratch of chunk.py (w, u, decayed_keys [Hv, T, D] in the operand dtype; decay [Hv, T]
     float32; new_values [Hv, T, Dv] and chunk_states [chunks, Hv, Dk, Dv] written; state [Hv, Dk, Dv] float32
-    carried in place). The caller checks `applies`."""
+    carried in place). ready: int32 [Hv, >= chunks] flags, zero, for an output kernel launched beside it
+    (each program adds one to ready[h, c] once chunk c's stores have landed); None: none. The caller checks
+    `applies`."""
     value_heads, key_dim, value_dim = state.shape
     length = decay.shape[1]
     rows = value_heads * length
@@ -283,7 +241,7 @@ def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: in
         descriptor(decayed_keys.view(rows, key_dim), [chunk, key_dim]), descriptor(new_values, [1, chunk, BLOCK_V]),
         descriptor(chunk_states.view(-1, value_dim), [key_dim, BLOCK_V]),
         descriptor(state.view(-1, value_dim), [key_dim, BLOCK_V]), decay, state,
-        length, triton.cdiv(length, chunk),
+        decay if ready is None else ready, length, triton.cdiv(length, chunk), 0 if ready is None else ready.stride(0),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES,
-        HALVES=STATE_IN_HALVES, num_warps=WARPS,
+        SIGNAL=ready is not None, num_warps=WARPS,
     )
