@@ -494,9 +494,9 @@ def _chunk_prepare_kernel(
         _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
-# Prompts of more than SPLIT_PREPARE_TOKENS tokens (those in chunks of 64) run kernel 1 as two kernels (below),
-# each of shorter programs. See the module docstring for what was measured.
-SPLIT_PREPARE_TOKENS = SHORT_CHUNK_TOKENS
+# Prompts of more than SPLIT_PREPARE_TOKENS tokens (in chunks of 64) run kernel 1 as two kernels (below), each of
+# shorter programs. See the module docstring for what was measured.
+SPLIT_PREPARE_TOKENS = 2048
 
 INVERSE_CONFIGS = [
     triton.Config({}, num_warps=4),
