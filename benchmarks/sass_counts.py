@@ -38,7 +38,6 @@ from triton.compiler.compiler import ASTSource
 from qwen_triton.operators.gated_delta_rule import chunk
 
 FLOAT32_POINTERS = {"decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
-INT32_POINTERS = {"ready_ptr"}
 INTEGERS = {"length", "chunks", "chunk_bucket"}
 
 
@@ -74,8 +73,7 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
         if name.endswith("_ptr"):
-            signature[name] = ("*fp32" if name in FLOAT32_POINTERS else "*i32" if name in INT32_POINTERS
-                               else "*bf16")
+            signature[name] = "*fp32" if name in FLOAT32_POINTERS else "*bf16"
         elif name in ("scale", "eps"):
             signature[name] = "fp32"
         elif name in INTEGERS or name.startswith("stride"):
@@ -120,7 +118,7 @@ def main() -> None:
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
-                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True, READY_SIGNALS=0)  # the output kernel as the engine runs it
+                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
     for item in args.constant:
         name, value = item.split("=", 1)
         if name not in kernel.arg_names:

@@ -39,7 +39,7 @@ from qwen_triton.operators.gated_delta_rule import (
     gating,
 )
 from qwen_triton.reference import functional as fn
-from tests.support import graph_replays_as_eager, run_without_interpreter
+from tests.support import run_without_interpreter
 
 # the interpreter converts one-element arrays to scalars in runtime-bounded loops (numpy deprecation)
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -599,30 +599,6 @@ def test_argument_errors(device):
         gating(inputs["a"], inputs["b"][:3], inputs["A_log"], inputs["dt_bias"])
 
 
-def test_output_kernel_beside_reads_ready_chunks(device):
-    """Kernel 3 in its mode beside the Gluon state pass (READY_SIGNALS, launched by `_launch_output` with flags):
-    with every chunk's flag at the count it waits for (as the state pass leaves them before kernel 3 is done),
-    the same output as the plain launch, every flag set back to zero for the next call, no wait given up. (The
-    interpreter runs no Gluon: the state pass here is the Triton kernel, which sets no flags.)"""
-    heads, key_dim, value_dim, length = 2, 32, 128, 100
-    inputs = make_inputs(length, 1, heads, key_dim, value_dim, torch.float32, device, seed=3)
-    q, k, v, a, b, A_log, dt_bias = kernel_arguments(inputs)
-    norm = (inputs["z"], torch.linspace(0.5, 1.5, value_dim, device=device), 1e-6)
-    scratch = chunk_module._scratch(q, v, None, 32)
-    chunk_module._launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    chunk_module._launch_state_pass(random_state((heads, key_dim, value_dim), device), scratch)
-    plain = torch.empty(length, heads, value_dim, device=device)
-    chunk_module._launch_output(q, plain, scratch, norm)
-    chunks = triton.cdiv(length, 32)
-    ready = chunk_module.ready_flags(device, heads, chunks)
-    ready[:, :chunks] = value_dim // state_pass.BLOCK_V
-    beside = torch.empty_like(plain)
-    chunk_module._launch_output(q, beside, scratch, norm, ready)
-    torch.testing.assert_close(beside, plain, rtol=1e-6, atol=1e-6)
-    flags = chunk_module._ready_flags[(torch.device(device), heads, ready.shape[1])]
-    assert not flags.any()  # re-armed, and the count of waits given up (last) zero
-
-
 STATE_PASS_FOR_HOPPER = """
 import json, os, re, subprocess, tempfile
 import torch, triton
@@ -634,7 +610,7 @@ heads, length, dim, block = 16, 4096, 128, state_pass.BLOCK_V
 rows = torch.zeros(heads * length, dim, dtype=torch.bfloat16)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 results = {}
-for chunk, signal in ((32, False), (32, True), (64, False), (64, True)):
+for chunk in (32, 64):
     descriptors = dict(w_descriptor=state_pass.descriptor(rows, [chunk, dim]),
                        keys_descriptor=state_pass.descriptor(rows, [chunk, dim]),
                        u_descriptor=state_pass.descriptor(rows, [chunk, block]),
@@ -642,19 +618,17 @@ for chunk, signal in ((32, False), (32, True), (64, False), (64, True)):
                        chunk_states_descriptor=state_pass.descriptor(rows, [dim, block]),
                        state_descriptor=state_pass.descriptor(torch.zeros(heads * dim, dim), [dim, block]))
     kernel = state_pass._state_pass_kernel
-    pointers = dict(decay_ptr="*fp32", state_ptr="*fp32", ready_ptr="*i32", length="i32", chunks="i32",
-                    stride_ready="i32")
+    pointers = dict(decay_ptr="*fp32", state_ptr="*fp32", length="i32", chunks="i32")
     signature = {name: mangle_type(descriptors[name]) if name in descriptors else pointers.get(name, "constexpr")
                  for name in kernel.arg_names}
-    constants = dict(V_HEADS=heads, K_DIM=dim, V_DIM=dim, CHUNK_ROWS=chunk, STAGES=state_pass.STAGES,
-                     SIGNAL=signal)
+    constants = dict(V_HEADS=heads, K_DIM=dim, V_DIM=dim, CHUNK_ROWS=chunk, STAGES=state_pass.STAGES)
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=state_pass.WARPS))
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     products = [line for line in compiled.asm["ptx"].splitlines() if "wgmma.mma_async" in line]
-    results[f"{chunk}, signal {signal}"] = dict(shared=compiled.metadata.shared, stack=int(usage.split("STACK:")[1].split()[0]),
+    results[chunk] = dict(shared=compiled.metadata.shared, stack=int(usage.split("STACK:")[1].split()[0]),
                           products=len(products),
                           left_from_registers=sum(bool(re.search(r"\\}, \\{", line)) for line in products))
 print(json.dumps(results))
@@ -662,10 +636,9 @@ print(json.dumps(results))
 
 
 def test_state_pass_compiles_for_hopper():
-    """The Gluon state pass compiled for sm_90 on the CPU (the interpreter runs no Gluon), chunks of 32 and 64,
-    with and without the chunk flags of the output kernel beside it: no spills, within the shared memory of an
-    H100/H200 program, and every tensor-core product takes its left operand from registers, the kernel's premise
-    (state_pass.py: no shared-memory round trip in the step's chain)."""
+    """The Gluon state pass compiled for sm_90 on the CPU (the interpreter runs no Gluon): no spills, within the
+    shared memory of an H100/H200 program, and every tensor-core product takes its left operand from registers,
+    the kernel's premise (state_pass.py: no shared-memory round trip in the step's chain)."""
     results = run_without_interpreter(STATE_PASS_FOR_HOPPER)
     for chunk, result in results.items():
         assert result["stack"] == 0, (chunk, result)
@@ -836,38 +809,6 @@ def test_gpu_chunked_long_memory(length):
     out = gated_delta_rule_chunked(*kernel_arguments(inputs), state)
     assert frobenius_error(out, ref_out) < 1.5e-2
     assert frobenius_error(state, ref_state) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("length, chunk_size", [(1, 32), (65, 32), (200, 64), (2048, None), (4096, None)])
-def test_gpu_output_beside_state_pass(length, chunk_size, monkeypatch):
-    """Kernel 3 launched beside the Gluon state pass (the engine's path: the output norm) against the two one
-    after the other: the same output within the output kernel's configs' rounding, every flag re-armed, no wait
-    given up, and a CUDA graph's replays equal to the eager call."""
-    inputs, initial, _, _ = long_memory_case(length, seed=27)
-    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
-    norm = (inputs["z"], weight, 1e-6)
-    results = {}
-    for beside in (False, True):
-        monkeypatch.setattr(chunk_module, "OUTPUT_BESIDE_STATE_PASS", beside)
-        state = initial.clone()
-        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, output_norm=norm, chunk_size=chunk_size)
-        torch.cuda.synchronize()
-        results[beside] = (out, state)
-    assert frobenius_error(results[True][0], results[False][0]) < 1e-3
-    assert torch.equal(results[True][1], results[False][1])
-    flags = [f for key, f in chunk_module._ready_flags.items() if key[1] == HEADS]
-    assert flags and not any(f.any() for f in flags)
-    state = initial.clone()
-    out = torch.empty(length, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        state.copy_(initial)
-        gated_delta_rule_chunked(*kernel_arguments(inputs), state, output_norm=norm, chunk_size=chunk_size, out=out)
-
-    eager = graph_replays_as_eager(step, out)
-    assert torch.equal(eager, results[True][0])
-    assert not any(f.any() for f in flags)
 
 
 @pytest.mark.gpu

@@ -194,11 +194,6 @@ PREPARE_IN_ACTIVATION_DTYPE = True
 # Kernel 2 in Gluon on the transposed state (state_pass.py) where it applies (Hopper, 16-bit operands); False: the
 # Triton kernel everywhere (for A/B measurements; the float32 options and other GPUs always take it).
 STATE_PASS_IN_GLUON = True
-# With the Gluon state pass and the output norm (the engine's prefill), kernel 3 runs beside the state pass: launched
-# with PDL while the state pass runs, each program waiting for its chunk's flag (`_launch_output`'s ready), on the
-# SMs the state pass leaves free (32 programs at the real shape). False: one after the other.
-OUTPUT_BESIDE_STATE_PASS = True
-OUTPUT_BESIDE_CONFIG = dict(BLOCK_V=128, num_warps=4, num_stages=3)  # untuned there: the output kernel's pick
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -648,25 +643,6 @@ def _chunk_state_kernel(
     tl.store(slab, state, mask=slab_mask)
 
 
-SPIN_LIMIT = tl.constexpr(1 << 20)  # polls of a chunk's flag (~100 ns apart) before the output kernel gives up (counted)
-
-
-@triton.jit
-def _wait_for_chunk(flag_ptr, error_ptr, SIGNALS: tl.constexpr):
-    """Spin until SIGNALS programs have published the chunk on its flag (acquire: their stores are visible
-    after), then set the flag back to zero for the next call. A wait past SPIN_LIMIT polls (a broken protocol;
-    never seen) is counted at error_ptr, which the tests read, instead of hanging the GPU."""
-    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (ready < SIGNALS) & (spins < SPIN_LIMIT):
-        tl.inline_asm_elementwise("nanosleep.u32 100; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if spins >= SPIN_LIMIT:
-        tl.atomic_add(error_ptr, 1, sem="relaxed", scope="gpu")
-    tl.atomic_xchg(flag_ptr, 0, sem="relaxed", scope="gpu")
-
-
 OUTPUT_CONFIGS = [
     triton.Config({"BLOCK_V": 32}, num_warps=4),
     triton.Config({"BLOCK_V": 64}, num_warps=4),
@@ -691,29 +667,19 @@ def _prune_output(configs, named_args, **kwargs):
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, ready_ptr,
+    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
     length, chunk_bucket, scale, eps,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_zt, stride_ready,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-    READY_SIGNALS: tl.constexpr = 0,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
     O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
-    instead, O rounded to the output dtype first, as the norm kernel reads it.
-    READY_SIGNALS > 0 (with NORM; launched beside the Gluon state pass, `_launch_output_beside`): grid (Hv,
-    chunks, 1), so that programs start in the order the state pass finishes chunks; program (h, c) first waits
-    until the state pass's READY_SIGNALS programs of head h have published chunk c on its flag
-    ready[h * stride_ready + c] (state_pass.py), re-arms the flag, and reads V' and the start state from L2."""
-    if READY_SIGNALS:
-        head = tl.program_id(0)
-        chunk = tl.program_id(1)
-        _wait_for_chunk(ready_ptr + head * stride_ready + chunk, ready_ptr + V_HEADS * stride_ready, READY_SIGNALS)
-    else:
-        chunk = tl.program_id(0)
-        head = tl.program_id(1)
+    instead, O rounded to the output dtype first, as the norm kernel reads it."""
+    chunk = tl.program_id(0)
+    head = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
     if NORM:
         values = tl.arange(0, BLOCK_D)
@@ -723,14 +689,8 @@ def _chunk_output_kernel(
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
     start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    new_values_base = new_values_ptr + head * length * V_DIM
-    if READY_SIGNALS:  # the state pass's stores of this kernel's lifetime: from L2, never an older L1 line
-        state = tl.load(start_slab, mask=slab_mask, other=0.0, cache_modifier=".cg")
-        new_values = tl.load(new_values_base + rows[:, None] * V_DIM + values[None, :],
-                             mask=(rows[:, None] < length) & (values[None, :] < V_DIM), other=0.0, cache_modifier=".cg")
-    else:
-        state = tl.load(start_slab, mask=slab_mask, other=0.0)
-        new_values = _load_rows(new_values_base, rows, length, V_DIM, values, V_DIM, False)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
                  mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
@@ -795,28 +755,9 @@ def gated_delta_rule_chunked(
 
     scratch = _scratch(q, v, dot_precision, chunk_size)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    ready = None
-    if (OUTPUT_BESIDE_STATE_PASS and output_norm is not None and STATE_PASS_IN_GLUON
-            and state_pass.applies(state, scratch.dot_dtype, scratch.chunk)):
-        ready = ready_flags(state.device, value_heads, triton.cdiv(length, scratch.chunk))
-    _launch_state_pass(state, scratch, ready)
-    _launch_output(q, out, scratch, output_norm, ready)
+    _launch_state_pass(state, scratch)
+    _launch_output(q, out, scratch, output_norm)
     return out
-
-
-_ready_flags: dict[tuple, torch.Tensor] = {}
-
-
-def ready_flags(device, heads: int, chunks: int) -> torch.Tensor:
-    """The chunk flags [heads, capacity >= chunks] int32 of kernel 3 beside the state pass, one set per (device,
-    heads, power of two of chunks), kept for the process (CUDA graphs hold their address): zero between calls
-    (the output kernel re-arms each), and one int32 after them counting waits that gave up (SPIN_LIMIT; the
-    tests read it). Calls on one stream may share them, calls on concurrent streams must not."""
-    capacity = triton.next_power_of_2(chunks)
-    key = (torch.device(device), heads, capacity)
-    if key not in _ready_flags:
-        _ready_flags[key] = torch.zeros(heads * capacity + 1, dtype=torch.int32, device=device)
-    return _ready_flags[key][:-1].view(heads, capacity)
 
 
 class _Scratch(NamedTuple):
@@ -891,13 +832,12 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
             length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
 
 
-def _launch_state_pass(state, scratch: _Scratch, ready=None) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written. ready: the
-    flags of kernel 3 beside it (Gluon state pass only)."""
+def _launch_state_pass(state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
     (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     if STATE_PASS_IN_GLUON and state_pass.applies(state, scratch.dot_dtype, scratch.chunk):
         state_pass.launch(state, scratch.w, scratch.u, scratch.decayed_keys, scratch.decay, scratch.new_values,
-                          scratch.chunk_states, scratch.chunk, ready)
+                          scratch.chunk_states, scratch.chunk)
         return
     chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
@@ -910,17 +850,19 @@ def _launch_state_pass(state, scratch: _Scratch, ready=None) -> None:
     )
 
 
-def _launch_output(q, out, scratch: _Scratch, output_norm=None, ready=None) -> None:
-    """Kernel 3: o (or its gated norm, with output_norm) written into out. ready (with output_norm): the flags
-    of the state pass launched just before with them: this launch goes beside it (PDL, OUTPUT_BESIDE_CONFIG)."""
+def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
+    """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
     z, weight, eps = output_norm if output_norm is not None else (out, out, 0.0)  # unused stand-ins without it
-    arguments = (q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
-                 out if ready is None else ready, length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
-                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
-                 0 if ready is None else ready.stride(0))
-    shapes = dict(
+
+    def grid(meta):
+        return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
+
+    _chunk_output_kernel[grid](
+        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
+        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
@@ -929,17 +871,6 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None, ready=None) -> N
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
     )
-    if ready is not None:
-        # (not autotuned: the tuning would run it apart from the state pass)
-        _chunk_output_kernel.fn[(value_heads, chunks, 1)](
-            *arguments, **shapes, READY_SIGNALS=value_dim // state_pass.BLOCK_V, launch_pdl=True,
-            **OUTPUT_BESIDE_CONFIG)
-        return
-
-    def grid(meta):
-        return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
-
-    _chunk_output_kernel[grid](*arguments, **shapes)
 
 
 def gated_delta_rule_chunked_cost(length, key_heads, value_heads, key_dim, value_dim, element_size=2,

@@ -66,14 +66,10 @@ def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
 
 @gluon.jit
 def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_descriptor, chunk_states_descriptor,
-                       state_descriptor, decay_ptr, state_ptr, ready_ptr, length, chunks, stride_ready,
+                       state_descriptor, decay_ptr, state_ptr, length, chunks,
                        V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-                       STAGES: gl.constexpr, SIGNAL: gl.constexpr):
-    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks. SIGNAL:
-    publishes each chunk on ready[h * stride_ready + c] (module docstring) and lets the next kernel launch."""
-    if SIGNAL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+                       STAGES: gl.constexpr):
+    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks."""
     dtype: gl.constexpr = w_descriptor.dtype
     BLOCK: gl.constexpr = u_descriptor.block_type.shape[1]
     head = gl.program_id(0)
@@ -98,9 +94,8 @@ def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_d
 
     gl.warp_specialize([
         (_carry_state, (w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr,
-                        ready_ptr + head * stride_ready, head, first_value, first_row, length, chunks, V_HEADS,
-                        K_DIM, V_DIM, CHUNK_ROWS, BLOCK, STAGES, SIGNAL)),
+                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
+                        first_value, first_row, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS, BLOCK, STAGES)),
         (_load_tiles, (w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
                        first_value, first_row, chunks, CHUNK_ROWS, STAGES)),
     ], [1], [LOADER_REGISTERS])
@@ -130,10 +125,9 @@ def _load_tiles(w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, k
 
 @gluon.jit
 def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, ready_ptr,
-                 head, first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr,
-                 V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                 SIGNAL: gl.constexpr):
+                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
+                 first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr,
+                 CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
     """The computing warpgroup: S^T in registers through the chunks (module docstring)."""
     dtype: gl.constexpr = w_tiles.dtype
     # accumulators: S^T [BLOCK, Dk] of the second product, V'^T [BLOCK, C] of the first; each product's left
@@ -164,9 +158,6 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
         # and G_C of the next chunk (this chunk's again on the last)
         state = state * gl.exp(decay_last)
         tma.store_wait(pendings=0)  # the previous step's stores have left the tiles
-        if SIGNAL:
-            if chunk >= 2:  # chunk c - 2's stores have landed by now: publish it
-                _publish(ready_ptr + chunk - 2, 2)
         chunk_state_view.store(carried)
         fence_async_shared()
         tma.async_copy_shared_to_global(chunk_states_descriptor, [(chunk * V_HEADS + head) * K_DIM, first_value],
@@ -183,10 +174,6 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
         tma.async_copy_shared_to_global(new_values_descriptor, [head, start, first_value], new_values_tile)
         state, left = warpgroup_mma_wait(num_outstanding=0, deps=(state, left))
         mbarrier.arrive(consumed.index(stage))
-    if SIGNAL:
-        if chunks >= 2:
-            _publish(ready_ptr + chunks - 2, 0)
-        _publish(ready_ptr + chunks - 1, 0)
     # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a pointer
     # store would stay live in registers through the loop, the initial load's being the same
     final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
@@ -194,22 +181,6 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
     fence_async_shared()
     tma.async_copy_shared_to_global(state_descriptor, [head * K_DIM, first_value], final_tile)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _publish(flag_ptr, PENDING: gl.constexpr):
-    """Count this program on a chunk's flag once the chunk's TMA stores have landed in global memory: every bulk
-    store but the PENDING latest complete (the issuing thread waits; the warpgroup's barrier orders the release
-    after it), the async proxy's writes fenced before the generic proxy's release."""
-    if PENDING == 2:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 2; fence.proxy.async.global; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.static_assert(PENDING == 0)
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-    gl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -227,12 +198,10 @@ def descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
 
 
-def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int, ready=None) -> None:
+def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int) -> None:
     """The state pass on the scratch of chunk.py (w, u, decayed_keys [Hv, T, D] in the operand dtype; decay [Hv, T]
     float32; new_values [Hv, T, Dv] and chunk_states [chunks, Hv, Dk, Dv] written; state [Hv, Dk, Dv] float32
-    carried in place). ready: int32 [Hv, >= chunks] flags, zero, for an output kernel launched beside it
-    (each program adds one to ready[h, c] once chunk c's stores have landed); None: none. The caller checks
-    `applies`."""
+    carried in place). The caller checks `applies`."""
     value_heads, key_dim, value_dim = state.shape
     length = decay.shape[1]
     rows = value_heads * length
@@ -241,7 +210,6 @@ def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: in
         descriptor(decayed_keys.view(rows, key_dim), [chunk, key_dim]), descriptor(new_values, [1, chunk, BLOCK_V]),
         descriptor(chunk_states.view(-1, value_dim), [key_dim, BLOCK_V]),
         descriptor(state.view(-1, value_dim), [key_dim, BLOCK_V]), decay, state,
-        decay if ready is None else ready, length, triton.cdiv(length, chunk), 0 if ready is None else ready.stride(0),
-        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES,
-        SIGNAL=ready is not None, num_warps=WARPS,
+        length, triton.cdiv(length, chunk),
+        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES, num_warps=WARPS,
     )
