@@ -83,10 +83,12 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("24", "gated delta rule",
              ("memory.zero:_zero_kernel", "gated_delta_rule.chunk:_chunk_prepare_kernel",
               "gated_delta_rule.chunk:_chunk_inverse_kernel", "gated_delta_rule.chunk:_chunk_products_kernel",
-              "gated_delta_rule.chunk:_chunk_state_kernel", "gated_delta_rule.chunk:_chunk_output_kernel"),
+              "gated_delta_rule.state_pass:_state_pass_kernel", "gated_delta_rule.chunk:_chunk_state_kernel",
+              "gated_delta_rule.chunk:_chunk_output_kernel"),
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
-             "prefill: chunks of 32 tokens up to 2048, else 64, UT form, fp32 state (the chunk's preparation one "
-             "kernel up to 256 tokens, else two); decode: one recurrent step on the fp32 state in place, "
+             "prefill: chunks of 32 tokens up to 1024, else 64, UT form, fp32 state (the chunk's preparation one "
+             "kernel up to 2048 tokens, else two; the sequential state pass in Gluon on Hopper with 16-bit "
+             "operands, else in Triton); decode: one recurrent step on the fp32 state in place, "
              "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step; "
              "a new prompt's conv and recurrent states zeroed first, every layer's in one launch (reset)"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",

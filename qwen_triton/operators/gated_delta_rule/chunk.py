@@ -15,7 +15,7 @@ float32 [Hv]; state [Hv, Dk, Dv] float32: the initial state in, the final state 
 o [T, Hv, Dv] in v's dtype.
 
 The chunk size. The fully parallel kernels' work per token grows with C (the [C, C] products, the inverse), the
-sequential state pass's steps with T / C. Prompts of up to SHORT_CHUNK_TOKENS (2048) tokens run chunks of 32,
+sequential state pass's steps with T / C. Prompts of up to SHORT_CHUNK_TOKENS (1024) tokens run chunks of 32,
 longer ones of 64 (`chunk_size_for`; gated_delta_rule_chunked(chunk_size=32 or 64) forces one). Measured on the
 H200 (docs/perf-notes.md, eighteenth session): at T = 128, back to back in a CUDA graph (benchmarks/chunk_sweep.py
 --chunk-sizes 32,64, commit e5c4a2d), the call 28.6 us in chunks of 64 (prepare 18.8, state pass 6.9, output 5.9)
@@ -23,7 +23,10 @@ against 18.1 in chunks of 32 (9.3, 9.4, 4.8): twice the programs and a 32 x 32 i
 steps. In the engine's prefill (benchmarks/prefill_options.py, chunks of 32 against SHORT_CHUNK_TOKENS=0, us):
 64 tokens 1,497.4 against 1,671.2, 128 tokens 1,594.4 against 1,759.8, 256 tokens 2,029.3 against 2,131.3
 (e5c4a2d), 512 tokens 2,809.7 against 2,912.5, 1024 tokens 4,201.2 against 4,213.9 (7e98561), 2048 tokens
-7,281.2 against 7,350.0, and 4096 tokens 13,605.7 against 13,533.8 (e03104f): chunks of 64 from there.
+7,281.2 against 7,350.0, and 4096 tokens 13,605.7 against 13,533.8 (e03104f): chunks of 64 from there. With the
+state pass in Gluon (below; twenty-second session) its steps cost less, and chunks of 64 won at 2048 tokens: 6,597.2
+against 6,720.3 and 6,706.8 us replayed (1f4aaed, `prefill-options-halves-chunks-2026-12-01-NVIDIA-H200-1f4aaed.json`),
+at 4096 tokens chunks of 32 lost by 0.35-0.45 ms; at 1024 tokens not separated: chunks of 64 from 1025 tokens.
 
 Three kernels (four for long prompts: kernel 1 in two parts):
 1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one stores
@@ -69,7 +72,13 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    3,240.6 against 3,203.6 at 512 (tf32; `prefill-options-split-2026-12-01-NVIDIA-H200-8550a07.json`). At 4096
    tokens alone in a CUDA graph (chunk_sweep.py, 0f920e6) the first part takes 54.8 us, the second 63.4, the
    two together 115.5 (one kernel 117.3); in the engine's profile at 9362a54 47.9 and 53.2 us a layer.
-2. `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V): the sequential part, and only the state's part of it. A
+2. The sequential part, and only the state's part of it. On Hopper with 16-bit operands (the engine's prefill) it
+   runs in Gluon on the transposed state, `state_pass.py` (STATE_PASS_IN_GLUON): both products of a step take the
+   carried operand from registers, no shared-memory round trip in the step's chain; at 4096 tokens 102.1 -> 64-67
+   us a layer (profiles efe5bcb -> 9626aa2, 4be166c, c0e27c0), the engine's prefill 12,717 -> 12,063 and 12,784 ->
+   12,278 us replayed in one process (benchmarks/prefill_options.py, commits 9626aa2 and 4be166c; 128 tokens
+   within 7 us either way). Elsewhere (the float32 options, other GPUs, the interpreter) the Triton kernel:
+   `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V). A
    program carries the [Dk, BLOCK_V] slab of one head's state through the chunks in registers (float32);
    per chunk it stores the slab as the chunk's start state, forms V' = U - W S and stores it, and steps
    S = exp(G_C) S + K~^T V' with the decayed keys K~ = diag(exp(G_C - G)) K that kernel 1 stores. Its
@@ -107,7 +116,10 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    O rounded to the output dtype first), in place of the norm kernel's launch and its read and write of O:
    measured 33.7 + 21.3 (norm kernel) -> 39.7 us per layer at 4096 tokens (profiles 4ca1bd6 -> fb3e19c),
    4.0 + 1.8 -> 6.2 us at 128 (501113a -> fb3e19c; there the launch it saves is the gain).
-The kernels run one after the other. Side by side, waiting on per-chunk ready flags, both pairs were measured
+The kernels run one after the other. Kernel 3 beside the Gluon state pass on the SMs it leaves free (PDL, a flag
+per chunk and head that the state pass releases once the chunk's TMA stores land; commit 804aee0) was correct and no
+faster: 12,262 against 12,245 us at 4096 tokens, 4,050 against 3,913 at 1024 (prefill_options.py, twenty-second
+session). Side by side, waiting on per-chunk ready flags, both pairs were measured
 slower in the prefill of 4096 tokens (docs/perf-notes.md, eleventh session): the state pass beside kernel 1
 on a second stream (15.26-15.36 against 13.94-14.28 ms; it started only in kernel 1's last wave, and kernel 1
 had to run at 8 warps to leave it room), and kernel 3 beside the state pass through PDL (14.30-14.36 against

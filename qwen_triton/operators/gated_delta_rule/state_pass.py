@@ -30,9 +30,16 @@ Rounding as the Triton kernel's: S and V' rounded to the operand dtype for the p
 accumulation; U - W S accumulates W S onto U in the tensor core's order instead of subtracting the finished
 product (a float32 rounding apart).
 
-Floor (the real shape, 4096 tokens, per layer): reads W, U, K~ (8 + 4 + 8 KiB a token: 84 MB) and writes V' and
-the chunk states (4 + 8 KiB a token: 50 MB): 134 MB, 33 us at 4.0 TB/s; FLOPs 2 x 2 x 64 x 128 x 128 a chunk and
-head, 8.6 GFLOP in all. As a chain: 64 steps of two dependent wgmma groups (m64 n64 k128, then m64 n128 k64).
+Floor (the real shape, 4096 tokens, per layer): reads W, U, K~ (4 + 4 + 4 KiB a token in bf16: 50 MB) and writes
+V' and the chunk states (4 + 8 KiB a token: 50 MB): 101 MB, 25 us at 4.0 TB/s; FLOPs 2 x 2 x 64 x 128 x 128 a chunk
+and head, 4.3 GFLOP in all. As a chain: 64 steps of two dependent wgmma groups (m64 n64 k128, then m64 n128 k64),
+2.1 MFLOP a step and program, about 0.28 us of tensor-core work on one SM at the H200's dense rate (989 TFLOP/s).
+Measured on the H200 (docs/perf-notes.md, twenty-second session): 64.2-67.2 us a layer at 4096 tokens in the engine's
+profile (102.1 for the Triton kernel), about 1.0 us a step; the engine's prefill of 4096 tokens 0.5-0.65 ms faster
+replayed (benchmarks/prefill_options.py, commits 9626aa2, 4be166c), of 128 tokens within 7 us. The step's stores
+issued before the first product instead of beside it (9626aa2): the same within the machines' spread. The state as
+two halves of its keys, four independent chains of four wgmma instead of chains of eight and four (1f4aaed): no
+faster. What the rest of a step's 1.0 us is was not separated.
 """
 
 from __future__ import annotations
