@@ -780,7 +780,12 @@ def test_gpu_state_pass_in_gluon_equals_triton(length, chunk_size, monkeypatch):
     """Kernel 2 in Gluon (state_pass.py) against the Triton kernel on the same scratch: V', the chunk start
     states and the final state, partial last chunks included (the Gluon kernel reads the next head's rows there
     and zeroes what they feed); long memory, so every chunk's state counts."""
-    assert state_pass.applies(torch.empty(HEADS, DIM, DIM, device="cuda"), torch.bfloat16, chunk_size)
+    real_state = torch.empty(HEADS, DIM, DIM, device="cuda")
+    assert state_pass.applies(real_state, torch.bfloat16, chunk_size)
+    # float32 operands (the "tf32" and "ieee" options) and chunks whose W tiles cannot hold the final state's tile
+    # take the Triton kernel
+    assert not state_pass.applies(real_state, torch.float32, chunk_size)
+    assert not state_pass.applies(real_state, torch.bfloat16, 16)
     inputs, initial, _, ref_state = long_memory_case(length, seed=25)
     q, k, v, a, b, A_log, dt_bias = kernel_arguments(inputs)
     scratch = chunk_module._scratch(q, v, None, chunk_size)

@@ -185,10 +185,10 @@ import triton
 import triton.language as tl
 
 from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
+from . import state_pass
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
 from .recurrent import state_slab
-from . import state_pass
 
 CHUNK = 64
 # Prompts of up to SHORT_CHUNK_TOKENS tokens run in chunks of SHORT_CHUNK tokens (gated_delta_rule_chunked's

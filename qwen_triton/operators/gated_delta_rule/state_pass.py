@@ -65,10 +65,12 @@ GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.fl
 
 def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
     """Whether this kernel serves the call: a Hopper GPU (not the interpreter, which runs no Gluon), 16-bit
-    operands, Dv a multiple of BLOCK_V, Dk a multiple of 16 up to 256, chunks of a multiple of 16 rows."""
+    operands, Dv a multiple of BLOCK_V, Dk a multiple of 16 up to 256, chunks of a multiple of 16 rows whose W
+    tiles hold the final state's float32 tile (STAGES x C >= 2 x BLOCK_V: chunks of 32 or more)."""
     _, key_dim, value_dim = state.shape
     return (not interpreting() and hopper_or_later(state.device) and dot_dtype in OPERAND_DTYPES
-            and value_dim % BLOCK_V == 0 and key_dim % 16 == 0 and key_dim <= 256 and chunk % 16 == 0)
+            and value_dim % BLOCK_V == 0 and key_dim % 16 == 0 and key_dim <= 256 and chunk % 16 == 0
+            and STAGES * chunk >= 2 * BLOCK_V)
 
 
 @gluon.jit
@@ -183,6 +185,8 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
         mbarrier.arrive(consumed.index(stage))
     # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a pointer
     # store would stay live in registers through the loop, the initial load's being the same
+    gl.static_assert(STAGES * CHUNK_ROWS * dtype.primitive_bitwidth >= BLOCK * 32,
+                     "the W tiles must hold the final state's float32 tile")
     final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
     final_tile.permute((1, 0)).store(state)
     fence_async_shared()
