@@ -606,17 +606,14 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from qwen_triton.operators.gated_delta_rule import state_pass
-heads, length, dim, block = 16, 4096, 128, state_pass.BLOCK_V
-rows = torch.zeros(heads * length, dim, dtype=torch.bfloat16)
+heads, length, dim = 16, 4096, 128
+rows = torch.zeros(heads, length, dim, dtype=torch.bfloat16)  # the scratch's W, U, K~ and V' at the real shape
+state = torch.zeros(heads, dim, dim)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 results = {}
 for chunk in (32, 64):
-    descriptors = dict(w_descriptor=state_pass.descriptor(rows, [chunk, dim]),
-                       keys_descriptor=state_pass.descriptor(rows, [chunk, dim]),
-                       u_descriptor=state_pass.descriptor(rows, [chunk, block]),
-                       new_values_descriptor=state_pass.descriptor(rows.view(heads, length, dim), [1, chunk, block]),
-                       chunk_states_descriptor=state_pass.descriptor(rows, [dim, block]),
-                       state_descriptor=state_pass.descriptor(torch.zeros(heads * dim, dim), [dim, block]))
+    chunk_states = torch.zeros(length // chunk, heads, dim, dim, dtype=torch.bfloat16)
+    descriptors = state_pass.descriptors(state, rows, rows, rows, rows, chunk_states, chunk)
     kernel = state_pass._state_pass_kernel
     pointers = dict(decay_ptr="*fp32", state_ptr="*fp32", length="i32", chunks="i32")
     signature = {name: mangle_type(descriptors[name]) if name in descriptors else pointers.get(name, "constexpr")

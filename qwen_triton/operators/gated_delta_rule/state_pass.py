@@ -33,7 +33,8 @@ product (a float32 rounding apart).
 Floor (the real shape, 4096 tokens, per layer): reads W, U, K~ (4 + 4 + 4 KiB a token in bf16: 50 MB) and writes
 V' and the chunk states (4 + 8 KiB a token: 50 MB): 101 MB, 25 us at 4.0 TB/s; FLOPs 2 x 2 x 64 x 128 x 128 a chunk
 and head, 4.3 GFLOP in all. As a chain: 64 steps of two dependent wgmma groups (m64 n64 k128, then m64 n128 k64),
-2.1 MFLOP a step and program, about 0.28 us of tensor-core work on one SM at the H200's dense rate (989 TFLOP/s).
+2.1 MFLOP a step and program, about 0.36 us of tensor-core work on one SM at the bf16 matmul rate measured beside
+the profile (766 TFLOP/s over 132 SMs, `profile-4096-2026-12-01-NVIDIA-H200-c0e27c0.json`).
 Measured on the H200 (docs/perf-notes.md, twenty-second session): 64.2-67.2 us a layer at 4096 tokens in the engine's
 profile (102.1 for the Triton kernel), about 1.0 us a step; the engine's prefill of 4096 tokens 0.5-0.65 ms faster
 replayed (benchmarks/prefill_options.py, commits 9626aa2, 4be166c), of 128 tokens within 7 us. The step's stores
@@ -209,18 +210,28 @@ def descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
 
 
+def descriptors(state, w, u, decayed_keys, new_values, chunk_states, chunk: int) -> dict[str, TensorDescriptor]:
+    """The kernel's TMA descriptors, by argument name, over chunk.py's scratch (see `launch`)."""
+    value_heads, key_dim, value_dim = state.shape
+    rows = w.shape[0] * w.shape[1]
+    return dict(
+        w_descriptor=descriptor(w.view(rows, key_dim), [chunk, key_dim]),
+        u_descriptor=descriptor(u.view(rows, value_dim), [chunk, BLOCK_V]),
+        keys_descriptor=descriptor(decayed_keys.view(rows, key_dim), [chunk, key_dim]),
+        new_values_descriptor=descriptor(new_values, [1, chunk, BLOCK_V]),
+        chunk_states_descriptor=descriptor(chunk_states.view(-1, value_dim), [key_dim, BLOCK_V]),
+        state_descriptor=descriptor(state.view(-1, value_dim), [key_dim, BLOCK_V]),
+    )
+
+
 def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int) -> None:
     """The state pass on the scratch of chunk.py (w, u, decayed_keys [Hv, T, D] in the operand dtype; decay [Hv, T]
     float32; new_values [Hv, T, Dv] and chunk_states [chunks, Hv, Dk, Dv] written; state [Hv, Dk, Dv] float32
     carried in place). The caller checks `applies`."""
     value_heads, key_dim, value_dim = state.shape
     length = decay.shape[1]
-    rows = value_heads * length
     _state_pass_kernel[(value_heads, value_dim // BLOCK_V)](
-        descriptor(w.view(rows, key_dim), [chunk, key_dim]), descriptor(u.view(rows, value_dim), [chunk, BLOCK_V]),
-        descriptor(decayed_keys.view(rows, key_dim), [chunk, key_dim]), descriptor(new_values, [1, chunk, BLOCK_V]),
-        descriptor(chunk_states.view(-1, value_dim), [key_dim, BLOCK_V]),
-        descriptor(state.view(-1, value_dim), [key_dim, BLOCK_V]), decay, state,
-        length, triton.cdiv(length, chunk),
+        **descriptors(state, w, u, decayed_keys, new_values, chunk_states, chunk), decay_ptr=decay, state_ptr=state,
+        length=length, chunks=triton.cdiv(length, chunk),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES, num_warps=WARPS,
     )
