@@ -7,8 +7,11 @@ phase is the table in `qwen_triton.operators.table` (`qwen-triton ops`).
 At load, weights that are read by one projection are concatenated so each layer reads its input once:
 attention [gate | q | k | v] (the q_proj rows of transformers' per-head [q, gate] layout regrouped so the
 gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [qkv | z | b | a], MLP
-[gate | up]. The pre-projection RMSNorms are fused into the projections' prologues, the residual adds into
-their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue;
+[gate | up]. The pre-projection RMSNorms' weights are folded into the projections' weights (fold_norms: W * (1 +
+w), rounded to bf16 once; the norms' weights the kernels see are then zeros), so a prefill's projection applies its
+norm as a scale of its output rows in its epilogue, from the rows' sums of squares that the projection before it
+left (linear's norm_squares, squares_out); a decode step's projections normalise x in their prologues. The
+residual adds are fused into their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue;
 in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
 layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode), and on Hopper a
 layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp).
@@ -56,8 +59,10 @@ from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.lm_head.screened import build_screen, lm_head_argmax_screened, screened_lm_head_bytes
 from ..operators.linear import linear, out_projection_mlp, out_projection_mlp_cost
 from ..operators.linear import staged_out_projection_mlp as staged
+from ..operators.linear.fusion import SQUARES_COLUMNS
 from ..operators.linear.gemv import MAX_ROWS
 from ..operators.memory import ZeroPlan
+from ..operators.norm import row_squares
 from ..operators.sampling import feed_back, sample
 from ..state import ModelState
 from ..progress import progress_printer
@@ -110,6 +115,16 @@ PREFILL_PDL_TOKENS = 256
 # The decode attention's autotuning on a call over the whole cache (TritonModel._tune_decode_attention)
 TUNE_DECODE_ATTENTION_AT_FULL_LENGTH = True
 SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 copy serves up to 16 rows
+# Fold the pre-projection norms' (1 + w) into the projections' weights at load (TritonModel(fold_norms=None)):
+# a prefill of more than 16 tokens then has no prologue pass before its in-projections and gate/up (see
+# linear.py, "The folded norm"; measured in docs/perf-notes.md, twenty-third session).
+FOLD_NORMS = True
+
+
+def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] * (1 + norm_weight [K]) over its columns, in float32, rounded once to weight's dtype: the
+    projection of a zero-centred RMSNorm's output with the norm's weight folded in (linear.py)."""
+    return (weight.float() * (1.0 + norm_weight.float())).to(weight.dtype)
 
 
 def bucket(batch: int) -> int:
@@ -139,6 +154,7 @@ class TritonModel:
         screened_lm_head: bool = True,
         pdl: bool | None = None,
         progress: bool = False,
+        fold_norms: bool | None = None,
     ):
         self.config = c = config
         self.device = torch.device(device)
@@ -161,6 +177,14 @@ class TritonModel:
         self.pdl = pdl_available(self.device) if pdl is None else bool(pdl)
         if self.pdl and not pdl_available(self.device):
             raise ValueError(f"pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer, not {self.device}")
+        # the pre-projection norms' weights in the projections' (FOLD_NORMS; their own weights then zeros)
+        self.fold_norms = FOLD_NORMS if fold_norms is None else bool(fold_norms)
+
+        def norm_and_weight(norm_weight, weight):
+            if not self.fold_norms:
+                return norm_weight, weight
+            return torch.zeros_like(norm_weight), fold_norm(weight, norm_weight).contiguous()
+
         self.embed = weights["embed_tokens.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else weights["lm_head.weight"]
         self.final_norm = weights["norm.weight"]
@@ -178,29 +202,37 @@ class TritonModel:
                     per_head = q_rows.view(c.num_attention_heads, 2, c.head_dim, c.hidden_size)
                     q_rows = torch.cat([per_head[:, 1].reshape(-1, c.hidden_size),
                                         per_head[:, 0].reshape(-1, c.hidden_size)])
+                input_norm, qkv = norm_and_weight(
+                    weights[p + "input_layernorm.weight"],
+                    torch.cat([q_rows, weights[a + "k_proj.weight"], weights[a + "v_proj.weight"]]).contiguous())
                 self.layers.append(AttentionWeights(
-                    input_norm=weights[p + "input_layernorm.weight"],
-                    qkv=torch.cat([q_rows, weights[a + "k_proj.weight"], weights[a + "v_proj.weight"]]).contiguous(),
+                    input_norm=input_norm,
+                    qkv=qkv,
                     q_norm=weights[a + "q_norm.weight"],
                     k_norm=weights[a + "k_norm.weight"],
                     out=weights[a + "o_proj.weight"],
                 ))
             else:
                 a = p + "linear_attn."
+                input_norm, projection = norm_and_weight(
+                    weights[p + "input_layernorm.weight"],
+                    torch.cat([weights[a + "in_proj_qkv.weight"], weights[a + "in_proj_z.weight"],
+                               weights[a + "in_proj_b.weight"], weights[a + "in_proj_a.weight"]]).contiguous())
                 self.layers.append(DeltaNetWeights(
-                    input_norm=weights[p + "input_layernorm.weight"],
-                    projection=torch.cat([weights[a + "in_proj_qkv.weight"], weights[a + "in_proj_z.weight"],
-                                          weights[a + "in_proj_b.weight"], weights[a + "in_proj_a.weight"]]
-                                         ).contiguous(),
+                    input_norm=input_norm,
+                    projection=projection,
                     conv=weights[a + "conv1d.weight"][:, 0, :].contiguous(),
                     A_log=weights[a + "A_log"].float().contiguous(),
                     dt_bias=weights[a + "dt_bias"].float().contiguous(),
                     norm=weights[a + "norm.weight"],
                     out=weights[a + "out_proj.weight"],
                 ))
+            input_norm, gate_up = norm_and_weight(
+                weights[p + "post_attention_layernorm.weight"],
+                torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]).contiguous())
             self.mlps.append(MLPWeights(
-                input_norm=weights[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]).contiguous(),
+                input_norm=input_norm,
+                gate_up=gate_up,
                 down=weights[p + "mlp.down_proj.weight"],
             ))
         self._staged_descriptors: list = []
@@ -259,10 +291,17 @@ class TritonModel:
             return linear(x, weight, out=out, split_k=self.split_k, pdl=pdl, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
+    def _norm(self, norm_weight, squares) -> dict:
+        """A projection's norm options: its weight in the prologue, or with squares (a prefill's rows' sums of
+        squares) the folded norm in the epilogue (see the module docstring)."""
+        if squares is None:
+            return dict(norm_weight=norm_weight, eps=self.config.rms_norm_eps)
+        return dict(norm_squares=squares, eps=self.config.rms_norm_eps)
+
     def _attention(self, i, w: AttentionWeights, mlp: MLPWeights, x, positions, slots, attend, scratch=None,
-                   pdl=False):
+                   pdl=False, squares=None):
         c = self.config
-        qkv = self._linear("attention in-projection", i, x, w.qkv, norm_weight=w.input_norm, eps=c.rms_norm_eps,
+        qkv = self._linear("attention in-projection", i, x, w.qkv, **self._norm(w.input_norm, squares),
                            out=None if scratch is None else scratch["attention_qkv"], pdl=pdl)
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
         rows, heads = x.shape[0], c.num_attention_heads + 2 * c.num_key_value_heads
@@ -277,7 +316,7 @@ class TritonModel:
         attended = attend(i, q, self.state.key[i], self.state.value[i])
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
         return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
-                                x, mlp, scratch, gate=gate, pdl=pdl)
+                                x, mlp, scratch, gate=gate, pdl=pdl, squares=squares)
 
     def _split_projection(self, projection):
         c = self.config
@@ -322,10 +361,11 @@ class TritonModel:
                 and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
 
     def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, scratch=None, gate=None,
-                    pdl=False, head_norm=None):
+                    pdl=False, head_norm=None, squares=None):
         """x + out-projection(attended) (+ residual), then + MLP: `out_projection_mlp` (one program per SM per
         phase) where _fused_tail, else the three `linear` projections. head_norm (z, weight): attended is the
-        delta rule's output, normed by out_projection_mlp's prologue (the fused path only)."""
+        delta rule's output, normed by out_projection_mlp's prologue (the fused path only). squares: the prefill's
+        rows' sums of squares, which each residual add rewrites for the norm folded into the next projection."""
         c = self.config
         if self._fused_tail(x.shape[0], scratch):
             def cost():
@@ -344,15 +384,14 @@ class TritonModel:
         if head_norm is not None:
             raise ValueError("head_norm needs out_projection_mlp (a decode step of up to 16 rows)")
         x = self._linear(kind + (" + residual" if gate is None else ""), i, attended, out_weight, gate=gate,
-                         residual=x, out=x, pdl=pdl)
-        return self._mlp(i, mlp, x, scratch, pdl=pdl)
+                         residual=x, out=x, pdl=pdl, squares_out=squares)
+        return self._mlp(i, mlp, x, scratch, pdl=pdl, squares=squares)
 
-    def _mlp(self, i, w: MLPWeights, x, scratch=None, pdl=False):
-        c = self.config
-        hidden = self._linear("mlp norm + gate/up + swiglu", i, x, w.gate_up, norm_weight=w.input_norm,
-                              eps=c.rms_norm_eps, activation="swiglu",
-                              out=None if scratch is None else scratch["mlp_hidden"], pdl=pdl)
-        return self._linear("mlp down-projection + residual", i, hidden, w.down, residual=x, out=x, pdl=pdl)
+    def _mlp(self, i, w: MLPWeights, x, scratch=None, pdl=False, squares=None):
+        hidden = self._linear("mlp norm + gate/up + swiglu", i, x, w.gate_up, **self._norm(w.input_norm, squares),
+                              activation="swiglu", out=None if scratch is None else scratch["mlp_hidden"], pdl=pdl)
+        return self._linear("mlp down-projection + residual", i, hidden, w.down, residual=x, out=x, pdl=pdl,
+                            squares_out=squares)
 
     def _lm_head_cost(self, rows: int, logits: bool, screened: bool = False):
         weight = self.lm_head.numel() * self.lm_head.element_size()
@@ -403,6 +442,12 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * tokens * c.hidden_size * element, 0)):
             x = embedding(token_ids, self.embed)
         pdl = self.pdl and PREFILL_PDL and tokens <= PREFILL_PDL_TOKENS  # not for the delta rule (above)
+        squares = None  # the rows' sums of squares, for the folded norms of a prompt the GEMM serves
+        if self.fold_norms and tokens > MAX_ROWS:
+            squares = torch.empty(tokens, -(-c.hidden_size // SQUARES_COLUMNS), device=self.device,
+                                  dtype=torch.float32)
+            with self._operator("embedding's sums of squares", None, lambda: (tokens * c.hidden_size * element, 0)):
+                row_squares(x, out=squares)
 
         def attend(i, q, key_cache, value_cache):
             def cost():
@@ -417,10 +462,10 @@ class TritonModel:
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
-                x = self._attention(i, w, mlp, x, positions, slots, attend, pdl=pdl)
+                x = self._attention(i, w, mlp, x, positions, slots, attend, pdl=pdl, squares=squares)
             else:
-                projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
-                                          eps=c.rms_norm_eps, pdl=pdl)
+                projection = self._linear("deltanet in-projection", i, x, w.projection,
+                                          **self._norm(w.input_norm, squares), pdl=pdl)
                 mixed, z, b, a = self._split_projection(projection)
                 with self._operator("deltanet conv + silu", i,
                                     lambda: (2 * tokens * c.linear_conv_dim * element,
@@ -439,7 +484,8 @@ class TritonModel:
                 with self._operator("gated delta rule (chunked) + gated norm", i, delta_cost):
                     out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][slot],
                                                    output_norm=(z, w.norm, c.rms_norm_eps))
-                x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, pdl=pdl)
+                x = self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, pdl=pdl,
+                                     squares=squares)
             if self._layer_done is not None:
                 self._layer_done(i + 1, len(self.layers))
         self._layer_done = None

@@ -21,7 +21,9 @@ class Operator:
 
 LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
 LINEAR_DECODE = "linear.gemv:_gemv_kernel"
-PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's norm or gate, a row pass before it
+PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's gate or final norm, a row pass before it
+# the rows' sums of squares of the embedding's output, for the first layer's folded norm (prefill)
+ROW_SQUARES_PREFILL = "norm.rms_norm:_row_squares_kernel"
 # a one-sequence decode step's DeltaNet in-projection, conv, gating and delta rule (engine option
 # projected_delta_decode); several sequences run the GEMV, then the fused step
 PROJECTED_STEP_DECODE = "gated_delta_rule.projected_decode:_projected_step_kernel"
@@ -33,11 +35,13 @@ STAGED_TAIL_DECODE = "linear.staged_out_projection_mlp:_staged_kernel"
 LAYER_TAIL_DECODE = "linear.out_projection_mlp:_out_projection_mlp_kernel"
 
 OPERATORS: tuple[Operator, ...] = (
-    Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel",),
-             ("embedding.embedding:_embedding_kernel",)),
+    Operator("1", "embedding lookup", ("embedding.embedding:_embedding_kernel", ROW_SQUARES_PREFILL),
+             ("embedding.embedding:_embedding_kernel",),
+             "prefill: then the rows' sums of squares for the first layer's folded norm"),
     Operator("2", "fused input projections (attention gate|q|k|v; DeltaNet qkv|z|b|a)",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, PROJECTED_STEP_DECODE),
-             "weights concatenated at load; input RMSNorm: the GEMV's prologue (decode), a row pass (prefill); "
+             (LINEAR_PREFILL,), (LINEAR_DECODE, PROJECTED_STEP_DECODE),
+             "weights concatenated at load, the input RMSNorm's (1 + w) folded into them; the norm's 1/rms: the "
+             "GEMV's prologue (decode), the GEMM's epilogue from the sums of squares the kernel before left (prefill); "
              "a one-sequence decode step's DeltaNet projection is the tiles of the projected step kernel"),
     Operator("3-4", "per-head q/k RMSNorm + partial RoPE, k and v written to the KV cache",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
@@ -49,15 +53,20 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
              (PROLOGUE_PREFILL, LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "gate: a prologue (decode, phase 1 of the layer's tail kernel: staged for one sequence on Hopper, "
-             "else out_projection_mlp), a row pass (prefill); residual in the epilogue"),
+             "else out_projection_mlp), a row pass (prefill); residual (and, prefill, the rows' sums of squares) "
+             "in the epilogue"),
     Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
-             "norm: a prologue (decode, phase 2 of the tail kernel), a row pass (prefill); SwiGLU in the epilogue"),
+             (LINEAR_PREFILL,), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
+             "norm: (1 + w) folded into the weights; 1/rms in a prologue (decode, phase 2 of the tail kernel), "
+             "in the epilogue (prefill); SwiGLU in the epilogue"),
     Operator("12-13", "down projection, residual add", (LINEAR_PREFILL,), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
-             "residual in the epilogue (decode: phase 3 of the tail kernel)"),
+             "residual (and, prefill, the rows' sums of squares) in the epilogue (decode: phase 3 of the tail "
+             "kernel)"),
     Operator("14-15", "RMSNorm with (1 + w) weights, fused with the residual add",
-             (PROLOGUE_PREFILL, LINEAR_PREFILL), (LINEAR_DECODE, STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
-             "the add is the previous projection's epilogue, the norm the next projection's prologue"),
+             (LINEAR_PREFILL,), (LINEAR_DECODE, STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
+             "the add is the previous projection's epilogue; the norm's (1 + w) folded into the next projection's "
+             "weights, its 1/rms that projection's prologue (decode) or epilogue, from the sums of squares the "
+             "add's epilogue wrote (prefill)"),
     Operator("16-17", "LM head (tied embedding) and argmax",
              (LINEAR_PREFILL, LINEAR_DECODE),
              ("lm_head.screened:_quantize_kernel", "lm_head.screened:_screen_kernel", "lm_head.screened:_check_kernel",

@@ -44,6 +44,20 @@ def test_score_matches_transformers(checkpoints, layout, length, prefill):
     assert relative_error(llm.score(token_ids, prefill=prefill), expected) <= TOLERANCE
 
 
+def test_norms_folded_into_the_projections_or_not(checkpoints):
+    """By default the pre-projection norms' (1 + w) are folded into the projections' weights (the kernels see zero
+    norm weights); with fold_norms=False the weights are the checkpoint's and the prefill's norms run as the GEMM's
+    prologue pass: both match transformers over a prefill the GEMM serves (20 tokens) and decode steps."""
+    directory = checkpoints["causal"]
+    token_ids = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(12)).tolist()
+    expected = transformers_score(_oracle(directory), token_ids, 20)
+    for fold in (True, False):
+        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=40, fold_norms=fold)
+        norms = [w.input_norm for w in llm.model.layers] + [m.input_norm for m in llm.model.mlps]
+        assert llm.model.fold_norms == fold and all(bool((n == 0).all()) == fold for n in norms)
+        assert relative_error(llm.score(token_ids, prefill=20), expected) <= TOLERANCE
+
+
 def test_decode_with_the_three_projections_matches_transformers(checkpoints):
     # out_projection_mlp=False: each layer's out-projection and MLP as three `linear` calls, as before it
     directory = checkpoints["causal"]

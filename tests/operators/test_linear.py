@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from qwen_triton.operators.linear import benchmark_cases, linear
+from qwen_triton.operators.linear.gemv import MAX_ROWS
 from qwen_triton.reference import functional as fn
 
 EPS = 1e-6
@@ -183,6 +184,124 @@ def test_linear_rejects_overlapping_out():
     residual = torch.zeros(3, 34, dtype=torch.float16)
     with pytest.raises(ValueError, match="residual overlaps out"):
         linear(x, weight, residual=residual[:, 1:], out=residual[:, :33])
+
+
+# ---- the folded norm: the norm's (1 + w) in the weight, 1/rms from the rows' sums of squares -------------
+
+def folded_reference(x, weight, norm_weight, *, residual=None, activation=None):
+    """rms_norm(x) * (1 + w) @ W.T computed as the folded norm does, in float64: the weight folded and rounded to
+    x's dtype (as the engine folds it at load), each row's accumulators times 1/rms (the GEMV, for up to 16
+    rows, scales x in its prologue and rounds it to x's dtype, as for an unfolded norm)."""
+    folded = (weight.double() * (1 + norm_weight.double())).to(weight.dtype)
+    rstd = torch.rsqrt(x.double().pow(2).mean(dim=1, keepdim=True) + EPS)
+    if x.shape[0] <= MAX_ROWS:
+        y = (x.double() * rstd).to(x.dtype).double() @ folded.double().T
+    else:
+        y = rstd * (x.double() @ folded.double().T)
+    if activation == "swiglu":
+        gate_part, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate_part) * up
+    if residual is not None:
+        y = y + residual.double()
+    return folded, y
+
+
+def split_squares(x, parts):
+    """x's rows' sums of squares in `parts` columns of unequal spans (any split sums to the row's)."""
+    bounds = torch.linspace(0, x.shape[1], parts + 1).round().long().tolist()
+    return torch.stack([x[:, a:b].double().pow(2).sum(dim=1) for a, b in zip(bounds, bounds[1:])], dim=1).float()
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 40])
+@pytest.mark.parametrize("options, parts, split_k", [
+    (("swiglu",), 1, True), (("residual",), 3, True), (("swiglu", "residual"), 4, False), ((), 32, True),
+])
+def test_linear_folded_norm(device, M, options, parts, split_k):
+    """norm_squares: the accumulators' rows scaled by the rows' 1/rms, from sums of squares in any number of
+    parts, on both sides of M = 16 (the GEMV keeps its prologue with a unit weight)."""
+    x, weight, kwargs = inputs(M, 100, 70, torch.float16, device, options + ("norm",), seed=M)
+    norm_weight = kwargs.pop("norm_weight")
+    folded, ref = folded_reference(x, weight, norm_weight, **kwargs)
+    squares = split_squares(x, parts)
+    out = linear(x, folded, norm_squares=squares, split_k=split_k, **kwargs)
+    assert_close(out, ref, torch.float16)
+    # the same as the norm in the prologue with the unfolded weight, to the roundings of x and of the weight
+    prologue = linear(x, weight, norm_weight=norm_weight, split_k=split_k, **kwargs)
+    assert (out.double() - prologue.double()).abs().max() <= 0.02 * prologue.double().abs().max()
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 40])
+@pytest.mark.parametrize("N, options, split_k", [(70, ("inplace",), True), (96, ("swiglu",), True),
+                                                 (33, ("residual",), False)])
+def test_linear_writes_the_output_rows_sums_of_squares(device, M, N, options, split_k):
+    """squares_out: every one of its cdiv(N, 32) columns written (NaN before), their sum over a row that row's
+    sum of squares of the output as stored (rounded to its dtype)."""
+    x, weight, kwargs = inputs(M, 100, N, torch.float16, device, options, seed=M + N)
+    squares = torch.full((M, -(-N // 32)), float("nan"), device=device)
+    ref = reference(x, weight, **kwargs)
+    if "inplace" in options:
+        out = linear(x, weight, out=kwargs["residual"], squares_out=squares, split_k=split_k, **kwargs)
+    else:
+        out = linear(x, weight, squares_out=squares, split_k=split_k, **kwargs)
+    assert_close(out, ref, torch.float16)
+    assert not squares.isnan().any()
+    expected = out.double().pow(2).sum(dim=1)
+    torch.testing.assert_close(squares.double().sum(dim=1), expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("M", [3, 40])
+def test_folded_norms_chain_like_the_prologue(device, M):
+    """A residual add that writes the rows' sums of squares, then a projection with its norm folded: the
+    pre-projection RMSNorm of a layer, as the engine's prefill runs it."""
+    attended, out_weight, kwargs = inputs(M, 64, 48, torch.float16, device, ("residual",), seed=7)
+    hidden = kwargs["residual"]
+    norm_weight = make((48,), torch.float16, device, 8, scale=0.3)
+    up = make((40, 48), torch.float16, device, 9, scale=48 ** -0.5)
+    squares = torch.empty(M, 2, device=device)
+    expected_hidden = linear(attended, out_weight, residual=hidden.clone())
+    linear(attended, out_weight, residual=hidden, out=hidden, squares_out=squares)
+    assert torch.equal(hidden, expected_hidden)
+    folded, ref = folded_reference(hidden, up, norm_weight)
+    assert_close(linear(hidden, folded, norm_squares=squares), ref, torch.float16)
+
+
+def test_gemm_folded_norm_through_tensor_descriptors(device):
+    """The TMA loads' kernel with both epilogues (the interpreter emulates the descriptors)."""
+    from qwen_triton.operators.linear import gemm
+
+    x, weight, kwargs = inputs(40, 64, 48, torch.float16, device, ("norm", "residual"), seed=3)
+    x = x.contiguous()
+    folded, ref = folded_reference(x, weight, kwargs["norm_weight"], residual=kwargs["residual"])
+    out = torch.empty(40, 48, dtype=x.dtype, device=device)
+    squares = torch.full((40, 2), float("nan"), device=device)
+    gemm.gemm(x, folded, out, residual=kwargs["residual"], norm_squares=split_squares(x, 2), squares_out=squares,
+              tma=True)
+    assert_close(out, ref, torch.float16)
+    torch.testing.assert_close(squares.double().sum(dim=1), out.double().pow(2).sum(dim=1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: linear(x, w, norm_squares=torch.ones(3, 1, dtype=torch.float16)), "norm_squares has dtype"),
+    (lambda x, w: linear(x, w, norm_squares=torch.ones(2, 1)), "norm_squares has shape"),
+    (lambda x, w: linear(x, w, norm_squares=torch.ones(3, 0)), "norm_squares has no columns"),
+    (lambda x, w: linear(x, w, norm_squares=torch.ones(3, 1), norm_weight=torch.zeros(40)), "takes neither"),
+    (lambda x, w: linear(x, w, norm_squares=torch.ones(3, 1), gate=x), "takes neither"),
+    (lambda x, w: linear(x, w, squares_out=torch.ones(3, 2)), "squares_out has shape"),
+    (lambda x, w: linear(x, w, squares_out=torch.ones(3, 3, dtype=torch.float16)), "squares_out has dtype"),
+])
+def test_linear_rejects_bad_folded_norm_arguments(call, message):
+    x = torch.zeros(3, 40, dtype=torch.float16)
+    weight = torch.zeros(66, 40, dtype=torch.float16)
+    with pytest.raises(ValueError, match=message):
+        call(x, weight)
+
+
+def test_linear_rejects_squares_out_over_its_inputs():
+    x = torch.zeros(3, 40, dtype=torch.float16)
+    weight = torch.zeros(66, 40, dtype=torch.float16)
+    squares = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="squares_out overlaps norm_squares"):
+        linear(x, weight, norm_squares=squares[:, 5:], squares_out=squares[:, :3])
 
 
 # The GEMM's tiles through tensor descriptors (gemm(tma=True); the interpreter emulates TMA): K and the
@@ -372,6 +491,69 @@ def test_gpu_prefill_projections_with_pdl(name, rows, K, options, M):
         out = linear(x, weight, pdl=True, **kwargs)
     for _ in range(3):
         x.zero_()
+        graph.replay()
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options", [p for p in PROJECTIONS if "norm" in p[3]],
+                         ids=[p[0] for p in PROJECTIONS if "norm" in p[3]])
+@pytest.mark.parametrize("M", [100, 320, 1000, 4096])
+def test_gpu_prefill_projections_with_folded_norm(name, rows, K, options, M):
+    """The normed projections with the norm folded (norm_squares from `row_squares`), bf16: split-K GEMMs (100),
+    the TMA loads (320 on), the pinned tiles of 1024 and 4096."""
+    from qwen_triton.operators.norm import row_squares
+
+    x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
+    norm_weight = kwargs.pop("norm_weight")
+    folded, ref = folded_reference(x, weight, norm_weight, **kwargs)
+    squares = row_squares(x)
+    out = linear(x, folded, norm_squares=squares, **kwargs)
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    assert torch.equal(linear(x, folded, norm_squares=squares, **kwargs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, K, gate", [(100, 3584, False), (128, 2048, True), (320, 2048, False), (4096, 3584, False),
+                                        (4096, 2048, True)])
+def test_gpu_residual_add_writes_sums_of_squares(M, K, gate):
+    """The N = 1024 projections with the residual in place and squares_out (what the engine's prefill runs): the
+    output against the reference, the rows' sums of squares of the stored output."""
+    x, weight, kwargs = gpu_inputs(M, HIDDEN, K, ("residual", "gate") if gate else ("residual",), seed=K)
+    ref = reference(x, weight, **kwargs)
+    hidden = kwargs.pop("residual")
+    squares = torch.full((M, HIDDEN // 32), float("nan"), device="cuda")
+    linear(x, weight, residual=hidden, out=hidden, squares_out=squares, **kwargs)
+    assert relative_norm_error(hidden, ref) < GPU_BOUND
+    torch.testing.assert_close(squares.double().sum(dim=1), hidden.double().pow(2).sum(dim=1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [100, 128, 320])
+def test_gpu_folded_norm_chain_with_pdl(M):
+    """A residual add writing the sums of squares, then gate/up with its norm folded, in a CUDA graph with PDL
+    behind a kernel that writes the inputs: the bits of the launches without PDL."""
+    from qwen_triton.operators.common import pdl_available
+
+    if not pdl_available("cuda"):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    attended, out_weight, kwargs = gpu_inputs(M, HIDDEN, 2048, ("residual",), seed=M)
+    source = kwargs["residual"]
+    _, gate_up, _ = gpu_inputs(M, 7168, HIDDEN, (), seed=M + 1)
+    hidden, squares = source.clone(), torch.empty(M, HIDDEN // 32, device="cuda")
+
+    def chain(pdl):
+        hidden.copy_(source)
+        linear(attended, out_weight, residual=hidden, out=hidden, squares_out=squares, pdl=pdl)
+        return linear(hidden, gate_up, activation="swiglu", norm_squares=squares, pdl=pdl)
+
+    expected = chain(False).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        hidden.zero_()
+        squares.zero_()
         graph.replay()
         assert torch.equal(out, expected)
 

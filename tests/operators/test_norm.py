@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_triton.operators.norm import benchmark_cases, rms_norm
+from qwen_triton.operators.norm import benchmark_cases, rms_norm, row_squares
 from qwen_triton.reference import functional as fn
 
 EPS = 1e-6
@@ -68,6 +68,30 @@ def test_rms_norm_deterministic(device):
 def test_rms_norm_rejects_bad_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call(torch.zeros(3, 40), torch.zeros(40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M, N, parts", [(1, 33, 1), (3, 100, 4), (2, 9000, 32)])
+def test_row_squares(device, dtype, M, N, parts):
+    """Each row's sum of squares in float32 in the first column, zeros in the others; strided rows."""
+    wide = make((M, N + 5), dtype, device, M + N)
+    x = wide[:, 2:2 + N]
+    out = torch.full((M, parts), float("nan"), device=device)
+    assert row_squares(x, out=out) is out
+    expected = x.double().pow(2).sum(dim=1)
+    torch.testing.assert_close(out[:, 0].double(), expected, rtol=1e-5, atol=0)
+    assert (out[:, 1:] == 0).all()
+    torch.testing.assert_close(row_squares(x)[:, 0].double(), expected, rtol=1e-5, atol=0)
+
+
+def test_row_squares_rejects_bad_arguments():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="out has no columns"):
+        row_squares(x, out=torch.zeros(3, 0))
+    with pytest.raises(ValueError, match="out has dtype"):
+        row_squares(x, out=torch.zeros(3, 1, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out has shape"):
+        row_squares(x, out=torch.zeros(2, 1))
 
 
 @pytest.mark.gpu

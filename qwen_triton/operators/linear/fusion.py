@@ -8,9 +8,15 @@ goes to memory; the GEMM applies them in a pass of their own before its main loo
 - gate: x <- x * sigmoid(gate), float32, rounded to x's dtype (the attention output gate before o_proj).
 
 Epilogues (applied to the float32 accumulators before the one store):
+- folded norm: acc *= rstd of each row, from the row's sums of squares that the kernel which wrote x left
+  (`folded_rstd`): the zero-centred RMSNorm of x with its (1 + w) folded into the weight's columns, so no
+  pass over x is needed (the GEMM; see linear.py);
 - swiglu: out = silu(acc_gate) * acc_up, the gate and up rows of one [2I, K] weight accumulated side by side;
 - residual: out = acc + residual (residual may be the output itself: an in-place add, safe because each
-  output element is read and then written by the same program).
+  output element is read and then written by the same program);
+- squares: after the store, each tile writes the sum over its columns of the squares of its rounded outputs,
+  one float32 a row per SQUARES_COLUMNS columns of the output (the tile's sum in its first such slot, zeros
+  in the others), the row sums a folded norm of this output needs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import triton.language as tl
 
 NO_ACTIVATION = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
+# the squares epilogue's slots: one float32 a row per this many output columns; a tile writing them spans a
+# multiple of it (BLOCK_N >= SQUARES_COLUMNS, both powers of two)
+SQUARES_COLUMNS = 32
 
 
 @triton.jit
@@ -45,6 +54,16 @@ def row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K
         x = tl.load(x_ptr + rows[:, None] + offs_k[None, :], mask=mask, other=0.0,
                     cache_modifier=CACHE).to(tl.float32)
         squares += x * x
+    return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
+@triton.jit
+def folded_rstd(squares_ptr, stride_sm, offs_m, M, PARTS, K, eps, BLOCK_PARTS: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of rows offs_m of an x [M, K] whose sums of squares are PARTS float32 a row in
+    squares [M, PARTS] (the squares epilogue's, or `rms_norm.row_squares`'s), in float32: [BLOCK_M]."""
+    parts = tl.arange(0, BLOCK_PARTS)
+    mask = (offs_m < M)[:, None] & (parts < PARTS)[None, :]
+    squares = tl.load(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + parts[None, :], mask=mask, other=0.0)
     return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
 
 
@@ -153,8 +172,15 @@ def accumulate_row(
 
 @triton.jit
 def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                 ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """Activation, residual add, rounding to out's dtype and the masked store of one [BLOCK_M, BLOCK_N] tile."""
+                 ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 rstd=None, squares_ptr=None, stride_sm=0,
+                 FOLDED_NORM: tl.constexpr = False, WRITE_SQUARES: tl.constexpr = False):
+    """Folded norm (acc and acc_up times rstd [BLOCK_M]), activation, residual add, rounding to out's dtype, the
+    masked store of one [BLOCK_M, BLOCK_N] tile, and with WRITE_SQUARES the sums of squares of its rows to
+    squares [M, cdiv(N, SQUARES_COLUMNS)] (row stride stride_sm; see the module docstring)."""
+    if FOLDED_NORM:
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
     if ACTIVATION == SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -163,13 +189,24 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         residual = tl.load(residual_ptr + residual_rows[:, None] + offs_n[None, :], mask=mask, other=0.0)
         acc = acc + residual.to(tl.float32)
     out_rows = offs_m.to(tl.int64) * stride_om
-    tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    rounded = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], rounded, mask=mask)
+    if WRITE_SQUARES:
+        value = tl.where(mask, rounded.to(tl.float32), 0.0)
+        row_sums = tl.sum(value * value, axis=1)
+        first = tl.min(offs_n, axis=0)  # the tile's first column: its sum goes to that column's slot
+        slot = offs_n // SQUARES_COLUMNS
+        sums = tl.where((offs_n == first)[None, :], row_sums[:, None], 0.0)
+        slot_mask = mask & (offs_n % SQUARES_COLUMNS == 0)[None, :]
+        tl.store(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + slot[None, :], sums, mask=slot_mask)
 
 
 @triton.jit
 def store_split_output(acc, acc_up, partial_ptr, counter_ptr, split_index, out_ptr, stride_om, residual_ptr,
                        stride_rm, offs_m, offs_n, M, N,
-                       SPLIT_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                       SPLIT_K: tl.constexpr, ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       rstd=None, squares_ptr=None, stride_sm=0,
+                       FOLDED_NORM: tl.constexpr = False, WRITE_SQUARES: tl.constexpr = False):
     """`store_output` for a tile whose K is split over SPLIT_K programs (GEMV and GEMM): this program's
     float32 partials go to partial_ptr [MAX_SPLIT_K, 2, M, N] (gate and up accumulators with swiglu, else
     the first), it counts its arrival on the tile's int32 counter, and the last of the tile's programs to
@@ -194,7 +231,7 @@ def store_split_output(acc, acc_up, partial_ptr, counter_ptr, split_index, out_p
                 total_up += tl.load(partial_ptr + (2 * split + 1) * M * N + tile_offsets, mask=mask, other=0.0,
                                     cache_modifier=".cg")
         store_output(total, total_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                     ACTIVATION, HAS_RESIDUAL)
+                     ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 

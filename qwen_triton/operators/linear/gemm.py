@@ -71,7 +71,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, wait_for_previous_kernel)
-from .fusion import SWIGLU, accumulate, dot, prologue, row_rstd, split_workspace, store_output, store_split_output
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, prologue, row_rstd, split_workspace,
+                     store_output, store_split_output)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -181,6 +182,7 @@ def _prune(configs, named_args, **kwargs):
         if c.kwargs["BLOCK_M"] <= max(bucket, 64)
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
+        and (c.kwargs["BLOCK_N"] >= SQUARES_COLUMNS or not kwargs.get("WRITE_SQUARES"))
     ]
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
@@ -250,15 +252,18 @@ def _tile_coordinates(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr,
-    M, N, K, M_BUCKET,
-    stride_xm, stride_wn, stride_om, stride_rm,
+    x_ptr, w_ptr, out_ptr, residual_ptr, partial_ptr, counter_ptr, norm_squares_ptr, squares_ptr,
+    M, N, K, M_BUCKET, PARTS,
+    stride_xm, stride_wn, stride_om, stride_rm, stride_nm, stride_sm, eps,
     ACTIVATION: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLIT_ALLOWED: tl.constexpr,
+    FOLDED_NORM: tl.constexpr, WRITE_SQUARES: tl.constexpr, BLOCK_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
+    # FOLDED_NORM: the rows' sums of squares in norm_squares [M, PARTS] scale the accumulators (fusion.py);
+    # WRITE_SQUARES: the output rows' sums of squares to squares (fusion.store_output).
     # USE_PDL: launched with PDL (everything after the wait)
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -276,15 +281,20 @@ def _gemm_kernel(
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
                                  k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+    if FOLDED_NORM:
+        rstd = folded_rstd(norm_squares_ptr, stride_nm, offs_m, M, PARTS, K, eps, BLOCK_PARTS)
+    else:
+        rstd = None
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                     ACTIVATION, HAS_RESIDUAL)
+                     ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
     else:
         store_split_output(acc, acc_up, partial_ptr, counter_ptr + pid, pid_k, out_ptr, stride_om, residual_ptr,
-                           stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL)
+                           stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL,
+                           rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
 
 
-_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED"]
+_KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED", "FOLDED_NORM", "WRITE_SQUARES"]
 # (a single config, as under the interpreter, is not pruned: the split list's first config then splits K
 # at any M, and the launcher gives it a workspace)
 _gemm_split = triton.autotune(configs=SPLIT_CONFIGS, key=_KEY, prune_configs_by={"early_config_prune": _prune},
@@ -342,12 +352,14 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False):
+         tma=None, pdl=False, norm_squares=None, squares_out=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
-    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py)."""
+    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
+    norm_squares [M, P] float32: x's rows' sums of squares, for the folded norm (no prologue pass);
+    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
@@ -371,11 +383,16 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
+    parts = 1 if norm_squares is None else norm_squares.shape[1]
     kernel[grid](
         x_operand, w_operand, out, out if residual is None else residual, partial, counters,
-        M, N, K, bucket,
+        out if norm_squares is None else norm_squares, out if squares_out is None else squares_out,
+        M, N, K, bucket, parts,
         x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed, TMA=tma,
-        USE_PDL=pdl, **launch_options(pdl),
+        0 if norm_squares is None else norm_squares.stride(0), 0 if squares_out is None else squares_out.stride(0),
+        eps,
+        ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
+        FOLDED_NORM=norm_squares is not None, WRITE_SQUARES=squares_out is not None,
+        BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl, **launch_options(pdl),
     )
     return out

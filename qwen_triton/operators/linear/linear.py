@@ -4,8 +4,19 @@
 
     prologue:  norm_weight -> rms_norm(x) * (1 + norm_weight)   (the pre-projection zero-centred RMSNorm)
                gate        -> x * sigmoid(gate)                  (the attention output gate before o_proj)
-    epilogue:  activation="swiglu" -> silu(x @ Wg.T) * (x @ Wu.T), weight = [Wg; Wu] of [2I, K], out [M, I]
+    epilogue:  norm_squares -> * rstd of each row               (the same norm, folded: see below)
+               activation="swiglu" -> silu(x @ Wg.T) * (x @ Wu.T), weight = [Wg; Wu] of [2I, K], out [M, I]
                residual    -> + residual                         (out may be residual itself: in place)
+               squares_out <- the output rows' sums of squares  (what the next projection's folded norm reads)
+
+The folded norm. rms_norm(x) * (1 + w) @ W.T = rstd * (x @ (W * (1 + w)).T) for each row, rstd = 1 /
+sqrt(mean(x^2) + eps): with the norm's weight folded into the projection's (the engine does it at load,
+TritonModel.fold_norms), only each row's rstd is left, a scale of the accumulators' rows in the epilogue. The
+rows' sums of squares come in norm_squares [M, P] float32 (their sum over P is the row's), written by the kernel
+that wrote x: the epilogue of the projection before it (squares_out, one float32 a row per SQUARES_COLUMNS of its
+output columns), or `norm.row_squares`. So a prefill's GEMMs need no prologue pass for their norms (gemm.py).
+The GEMV (M <= 16) keeps its prologue, with a unit weight for a folded norm, and writes squares_out with
+`row_squares` after it.
 
 Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py), whose
 tiles come through TMA descriptors from 257 tokens on (Hopper).
@@ -29,6 +40,8 @@ from __future__ import annotations
 import torch
 
 from ..common import check_same_device, check_tensor
+from ..norm import row_squares
+from .fusion import SQUARES_COLUMNS
 from .gemm import gemm
 from .gemv import MAX_ROWS, gemv
 
@@ -41,6 +54,17 @@ def _memory_range(t: torch.Tensor) -> tuple[int, int]:
         return (t.data_ptr(), t.data_ptr())
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+_unit_norms: dict[tuple, torch.Tensor] = {}
+
+
+def _unit_norm(x: torch.Tensor) -> torch.Tensor:
+    """A zero norm weight for x's rows (the norm's (1 + w) = 1): the GEMV's prologue for a folded norm."""
+    key = (x.device, x.dtype, x.shape[1])
+    if key not in _unit_norms:
+        _unit_norms[key] = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
+    return _unit_norms[key]
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -62,6 +86,8 @@ def linear(
     split_k: bool = True,
     out_dtype: torch.dtype | None = None,
     pdl: bool = False,
+    norm_squares: torch.Tensor | None = None,
+    squares_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -70,6 +96,9 @@ def linear(
     out [M, N] (rows may be strided); out_dtype: x's dtype (default) or torch.float32.
     split_k: let the GEMV split K across programs (autotuned); False keeps one program per output tile.
     pdl: launch the kernels with programmatic dependent launch (Hopper; see operators/common.py).
+    norm_squares [M, P] float32: x's rows' sums of squares (summed over P) for the folded norm (the weight holds
+    the norm's (1 + w); see the module docstring); squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: filled with
+    the output rows' sums of squares (each row's over its columns: what the next folded norm reads).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -94,14 +123,29 @@ def linear(
         check_tensor("norm_weight", norm_weight, shape=(K,), dtype=FLOAT_DTYPES)
     if gate is not None and norm_weight is not None:
         raise ValueError("gate and norm_weight are two different prologues: pass one of them")
+    if norm_squares is not None:
+        check_tensor("norm_squares", norm_squares, shape=(M, None), dtype=torch.float32)
+        if norm_squares.shape[1] == 0:
+            raise ValueError("norm_squares has no columns: it needs at least one, the rows' sums of squares")
+        if norm_weight is not None or gate is not None:
+            raise ValueError("norm_squares (the folded norm) takes neither norm_weight nor gate: pass one of them")
+    if squares_out is not None:
+        check_tensor("squares_out", squares_out, shape=(M, -(-N // SQUARES_COLUMNS)), dtype=torch.float32)
     if out is None:
         out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     else:
         check_tensor("out", out, shape=(M, N), dtype=out_dtype)
     check_same_device(x=x, weight=weight, residual=residual, gate=gate, norm_weight=norm_weight, out=out)
-    for name, other in (("x", x), ("weight", weight), ("gate", gate)):
+    check_same_device(x=x, norm_squares=norm_squares, squares_out=squares_out)
+    for name, other in (("x", x), ("weight", weight), ("gate", gate), ("norm_squares", norm_squares)):
         if other is not None and overlaps(out, other):
             raise ValueError(f"out overlaps {name}: the kernel reads {name} while other programs write out")
+        if other is not None and squares_out is not None and overlaps(squares_out, other):
+            raise ValueError(f"squares_out overlaps {name}: the kernel reads {name} while other programs write "
+                             "squares_out")
+    if squares_out is not None and (overlaps(squares_out, out) or (residual is not None
+                                                                    and overlaps(squares_out, residual))):
+        raise ValueError("squares_out overlaps out or residual")
     if residual is not None and overlaps(out, residual) and (
         out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()
     ):
@@ -110,5 +154,11 @@ def linear(
         return out
     options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
     if M <= MAX_ROWS:
-        return gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
-    return gemm(x, weight, out, split_k=split_k, pdl=pdl, **options)
+        if norm_squares is not None:
+            options["norm_weight"] = _unit_norm(x)
+        gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
+        if squares_out is not None:
+            row_squares(out, out=squares_out)
+        return out
+    return gemm(x, weight, out, split_k=split_k, pdl=pdl, norm_squares=norm_squares, squares_out=squares_out,
+                **options)
