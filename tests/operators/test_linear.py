@@ -29,6 +29,7 @@ import torch
 
 from qwen_triton.operators.linear import benchmark_cases, linear
 from qwen_triton.operators.linear.gemv import MAX_ROWS
+from tests.support import run_without_interpreter
 from qwen_triton.reference import functional as fn
 
 EPS = 1e-6
@@ -302,6 +303,64 @@ def test_linear_rejects_squares_out_over_its_inputs():
     squares = torch.zeros(3, 8)
     with pytest.raises(ValueError, match="squares_out overlaps norm_squares"):
         linear(x, weight, norm_squares=squares[:, 5:], squares_out=squares[:, :3])
+
+
+# The GEMM with the folded norm's epilogues compiled for sm_90 on the CPU: the interpreter runs what the compiler
+# rejects (a kernel reading a global that is no constexpr, the twenty-third session's call 2), so this compiles
+# the configs the engine runs them with.
+GEMM_EPILOGUES_FOR_HOPPER = """
+import json, os, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
+from qwen_triton.operators.linear import gemm
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+kernel = gemm._gemm_kernel
+x = torch.zeros(4096, 1024, dtype=torch.bfloat16)
+results = {}
+# (the pinned tiles of 4096 tokens: gate/up 128 x 128 with its folded norm; a residual add of N = 1024, 128 x 256,
+# writing the sums of squares), each through TMA and through pointers, and split in four (a short prompt's down)
+for name, activation, residual, folded, squares, block_n, split_k in (
+        ("gate_up", 1, False, True, False, 128, 1), ("down", 0, True, False, True, 256, 1),
+        ("down_split", 0, True, False, True, 64, 4)):
+    for tma in (False, True) if split_k == 1 else (False,):
+        block_m = 128 if split_k == 1 else 64
+        signature = {name_: "*bf16" for name_ in ("x_ptr", "w_ptr", "out_ptr", "residual_ptr")}
+        if tma:
+            signature["x_ptr"] = mangle_type(TensorDescriptor(x, [4096, 1024], [1024, 1], [block_m, 64]))
+            signature["w_ptr"] = mangle_type(TensorDescriptor(x, [4096, 1024], [1024, 1], [block_n, 64]))
+        signature.update(partial_ptr="*fp32", counter_ptr="*i32", norm_squares_ptr="*fp32", squares_ptr="*fp32",
+                         eps="fp32")
+        for arg in ("M", "N", "K", "M_BUCKET", "PARTS", "stride_xm", "stride_wn", "stride_om", "stride_rm",
+                    "stride_nm", "stride_sm"):
+            signature[arg] = "i32"
+        constants = dict(ACTIVATION=activation, HAS_RESIDUAL=residual, SPLIT_ALLOWED=split_k > 1, FOLDED_NORM=folded,
+                         WRITE_SQUARES=squares, BLOCK_PARTS=32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                         GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=False)
+        for arg in kernel.arg_names:
+            signature.setdefault(arg, "constexpr")
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8 if split_k == 1 else 4,
+                                                                                 num_stages=3))
+        path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
+        open(path, "wb").write(compiled.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        results[f"{name}{' tma' if tma else ''}"] = dict(stack=int(usage.split("STACK:")[1].split()[0]),
+                                                        wgmma="wgmma.mma_async" in compiled.asm["ptx"])
+print(json.dumps(results))
+"""
+
+
+def test_gemm_folded_norm_epilogues_compile_for_hopper():
+    """gate/up with its folded norm and the residual adds writing sums of squares, at the tiles the prefill pins
+    (TMA and pointer loads, split K for short prompts), compile for sm_90 with tensor-core products; gate/up's
+    TMA kernel (a prefill of 4096 tokens) without spills."""
+    results = run_without_interpreter(GEMM_EPILOGUES_FOR_HOPPER)
+    assert sorted(results) == ["down", "down tma", "down_split", "gate_up", "gate_up tma"]
+    assert all(result["wgmma"] for result in results.values()), results
+    assert results["gate_up tma"]["stack"] == 0, results
 
 
 # The GEMM's tiles through tensor descriptors (gemm(tma=True); the interpreter emulates TMA): K and the

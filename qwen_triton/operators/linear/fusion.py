@@ -28,8 +28,10 @@ import triton.language as tl
 NO_ACTIVATION = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
 # the squares epilogue's slots: one float32 a row per this many output columns; a tile writing them spans a
-# multiple of it (BLOCK_N >= SQUARES_COLUMNS, both powers of two)
+# multiple of it (BLOCK_N >= SQUARES_COLUMNS, both powers of two). SQUARES_SLOT_COLUMNS: the same number for the
+# kernels (a global a kernel reads must be a constexpr; the compiler rejects a plain int, the interpreter not)
 SQUARES_COLUMNS = 32
+SQUARES_SLOT_COLUMNS = tl.constexpr(SQUARES_COLUMNS)
 
 
 @triton.jit
@@ -195,9 +197,9 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         value = tl.where(mask, rounded.to(tl.float32), 0.0)
         row_sums = tl.sum(value * value, axis=1)
         first = tl.min(offs_n, axis=0)  # the tile's first column: its sum goes to that column's slot
-        slot = offs_n // SQUARES_COLUMNS
+        slot = offs_n // SQUARES_SLOT_COLUMNS
         sums = tl.where((offs_n == first)[None, :], row_sums[:, None], 0.0)
-        slot_mask = mask & (offs_n % SQUARES_COLUMNS == 0)[None, :]
+        slot_mask = mask & (offs_n % SQUARES_SLOT_COLUMNS == 0)[None, :]
         tl.store(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + slot[None, :], sums, mask=slot_mask)
 
 

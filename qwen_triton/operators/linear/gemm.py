@@ -8,6 +8,10 @@ accumulators, residual add) run on the float32 accumulators before the single st
 The prologues (zero-centred RMSNorm of x, attention output gate) run first as a pass of their own,
 `_prologue_kernel`: one program per row writes prologue(x) (fusion.prologue, the same rounding as the
 GEMV's fused prologue) to a workspace, 2*M*K*2 bytes more (1 MB at M = 256, 17 MB at M = 4096: 4 us).
+The engine's norms need no pass: their weights folded into the projections' (linear.py, "The folded norm"), the
+GEMM scales its accumulators' rows by 1/rms in the epilogue (FOLDED_NORM, from norm_squares [M, P]: P floats a
+row from L2), and the residual adds write the rows' sums of squares there for the next norm (WRITE_SQUARES: each
+tile its rows' sums, one float a row per SQUARES_COLUMNS output columns; needs BLOCK_N >= SQUARES_COLUMNS).
 Applied inside the main loop instead, the transform takes every x tile through registers and the
 projections ran 1.6-2.6x slower on the H200 (benchmarks/gemm_sweep.py, 2026-11-29: the DeltaNet
 in-projection at M = 4096 in 262 us fused against 132 us for the same tiles without it).
