@@ -194,13 +194,18 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
     rounded = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + out_rows[:, None] + offs_n[None, :], rounded, mask=mask)
     if WRITE_SQUARES:
-        value = tl.where(mask, rounded.to(tl.float32), 0.0)
+        # rows past M and columns past N hold zeros here (their x rows, weight rows and residual load as zeros)
+        value = rounded.to(tl.float32)
         row_sums = tl.sum(value * value, axis=1)
-        first = tl.min(offs_n, axis=0)  # the tile's first column: its sum goes to that column's slot
-        slot = offs_n // SQUARES_SLOT_COLUMNS
-        sums = tl.where((offs_n == first)[None, :], row_sums[:, None], 0.0)
-        slot_mask = mask & (offs_n % SQUARES_SLOT_COLUMNS == 0)[None, :]
-        tl.store(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + slot[None, :], sums, mask=slot_mask)
+        # the tile's sums in the slot of its first column, zeros in the tile's other slots: one [BLOCK_M] vector
+        # store each (not a masked store of the whole tile)
+        first_slot = tl.min(offs_n, axis=0) // SQUARES_SLOT_COLUMNS
+        squares_rows = squares_ptr + offs_m.to(tl.int64) * stride_sm
+        row_mask = offs_m < M
+        tl.store(squares_rows + first_slot, row_sums, mask=row_mask)
+        for slot in tl.static_range(1, offs_n.shape[0] // SQUARES_SLOT_COLUMNS):
+            tl.store(squares_rows + first_slot + slot, tl.zeros_like(row_sums),
+                     mask=row_mask & ((first_slot + slot) * SQUARES_SLOT_COLUMNS < N))
 
 
 @triton.jit

@@ -279,16 +279,18 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    # the folded norm's 1/rms of the rows: loaded before the main loop, so that its latency (P floats a row from
+    # L2) does not delay the epilogue
+    if FOLDED_NORM:
+        rstd = folded_rstd(norm_squares_ptr, stride_nm, offs_m, M, PARTS, K, eps, BLOCK_PARTS)
+    else:
+        rstd = None
     if TMA:
         acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
                                  k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
-    if FOLDED_NORM:
-        rstd = folded_rstd(norm_squares_ptr, stride_nm, offs_m, M, PARTS, K, eps, BLOCK_PARTS)
-    else:
-        rstd = None
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
