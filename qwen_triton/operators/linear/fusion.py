@@ -197,15 +197,15 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         # rows past M and columns past N hold zeros here (their x rows, weight rows and residual load as zeros)
         value = rounded.to(tl.float32)
         row_sums = tl.sum(value * value, axis=1)
-        # the tile's sums in the slot of its first column, zeros in the tile's other slots: one [BLOCK_M] vector
-        # store each (not a masked store of the whole tile)
+        # the tile's sums in the slot of its first column, zeros in its other slots: one [BLOCK_M, BLOCK_N /
+        # SQUARES_COLUMNS] store (a store per slot, each of a [BLOCK_M] vector, took the values through shared
+        # memory once per slot: 198 shared-memory stores against 36 in the sm_90 code of a 128 x 256 tile)
+        slots = tl.arange(0, offs_n.shape[0] // SQUARES_SLOT_COLUMNS)
         first_slot = tl.min(offs_n, axis=0) // SQUARES_SLOT_COLUMNS
-        squares_rows = squares_ptr + offs_m.to(tl.int64) * stride_sm
-        row_mask = offs_m < M
-        tl.store(squares_rows + first_slot, row_sums, mask=row_mask)
-        for slot in tl.static_range(1, offs_n.shape[0] // SQUARES_SLOT_COLUMNS):
-            tl.store(squares_rows + first_slot + slot, tl.zeros_like(row_sums),
-                     mask=row_mask & ((first_slot + slot) * SQUARES_SLOT_COLUMNS < N))
+        sums = tl.where((slots == 0)[None, :], row_sums[:, None], 0.0)
+        slot_mask = (offs_m < M)[:, None] & ((first_slot + slots) * SQUARES_SLOT_COLUMNS < N)[None, :]
+        tl.store(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + (first_slot + slots)[None, :], sums,
+                 mask=slot_mask)
 
 
 @triton.jit
