@@ -11,10 +11,11 @@ gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [
 w), rounded to bf16 once; the norms' weights the kernels see are then zeros), so a prefill's projection applies its
 norm as a scale of its output rows in its epilogue, from the rows' sums of squares that the projection before it
 left (linear's norm_squares, squares_out); a decode step's projections normalise x in their prologues. The
-residual adds are fused into their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into the o_proj prologue;
-in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one sequence a DeltaNet
-layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode), and on Hopper a
-layer's out-projection and MLP as one launch with every weight in shared memory (staged_out_projection_mlp).
+residual adds are fused into their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into
+the o_proj prologue; in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one
+sequence a DeltaNet layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode),
+and on Hopper a layer's out-projection and MLP as one launch with every weight in shared memory
+(staged_out_projection_mlp).
 A greedy step's LM head (up to 16 sequences) reads an int8 copy of the head (made at load) and computes exactly only
 the rows whose bound leaves them a chance (screened_lm_head; the exact argmax).
 

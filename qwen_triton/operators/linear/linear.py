@@ -15,8 +15,8 @@ TritonModel.fold_norms), only each row's rstd is left, a scale of the accumulato
 rows' sums of squares come in norm_squares [M, P] float32 (their sum over P is the row's), written by the kernel
 that wrote x: the epilogue of the projection before it (squares_out, one float32 a row per SQUARES_COLUMNS of its
 output columns), or `norm.row_squares`. So a prefill's GEMMs need no prologue pass for their norms (gemm.py).
-The GEMV (M <= 16) keeps its prologue, with a unit weight for a folded norm, and writes squares_out with
-`row_squares` after it.
+The GEMV (M <= 16) keeps its prologue for a folded norm, with a zero norm weight (the scale 1 + 0), and writes
+squares_out with `row_squares` after it.
 
 Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py), whose
 tiles come through TMA descriptors from 257 tokens on (Hopper).
