@@ -69,10 +69,18 @@ def operation_sequence(ptx: str) -> str:
     return " ".join(f"{name} x{count}" if count > 1 else name for name, count in runs)
 
 
-def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: bool = False) -> dict:
+def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: bool = False,
+                   types: dict | None = None) -> dict:
+    """The kernel compiled for sm_90 with `constants` (its constexprs): registers, stack, shared memory, SASS opcode
+    counts (and with `sequence` the PTX's, see operation_sequence). Argument types follow the names (pointers bf16
+    but FLOAT32_POINTERS, INTEGERS and strides i32) unless `types` names them (e.g. a tensor descriptor's
+    `mangle_type`)."""
+    types = types or {}
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
-        if name.endswith("_ptr"):
+        if name in types:
+            signature[name] = types[name]
+        elif name.endswith("_ptr"):
             signature[name] = "*fp32" if name in FLOAT32_POINTERS else "*bf16"
         elif name in ("scale", "eps"):
             signature[name] = "fp32"
@@ -81,7 +89,7 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
         else:
             signature[name], constexprs[name] = "constexpr", constants[name]
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                 if name.endswith("_ptr") or name.startswith("stride")}
+                 if (name.endswith("_ptr") and signature[name].startswith("*")) or name.startswith("stride")}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -97,7 +105,8 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
         (re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line) for line in sass.splitlines()) if match)
     registers, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     counts = dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
-                  instructions=sum(opcodes.values()),
+                  instructions=sum(opcodes.values()), shared_stores=opcodes["STS"], shared_loads=opcodes["LDS"],
+                  barriers=opcodes["BAR"],
                   tensor_core={name: opcodes[name] for name in ("HGMMA", "HMMA")}, top=dict(opcodes.most_common(8)))
     if sequence:
         counts["sequence"] = operation_sequence(compiled.asm["ptx"])

@@ -198,8 +198,8 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         value = rounded.to(tl.float32)
         row_sums = tl.sum(value * value, axis=1)
         # the tile's sums in the slot of its first column, zeros in its other slots: one [BLOCK_M, BLOCK_N /
-        # SQUARES_COLUMNS] store (a store per slot, each of a [BLOCK_M] vector, took the values through shared
-        # memory once per slot: 198 shared-memory stores against 36 in the sm_90 code of a 128 x 256 tile)
+        # SQUARES_COLUMNS] store (measured faster than a [BLOCK_M] store per slot: docs/perf-notes.md, twenty-third
+        # session)
         slots = tl.arange(0, offs_n.shape[0] // SQUARES_SLOT_COLUMNS)
         first_slot = tl.min(offs_n, axis=0) // SQUARES_SLOT_COLUMNS
         sums = tl.where((slots == 0)[None, :], row_sums[:, None], 0.0)

@@ -135,8 +135,8 @@ def linear(
         out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     else:
         check_tensor("out", out, shape=(M, N), dtype=out_dtype)
-    check_same_device(x=x, weight=weight, residual=residual, gate=gate, norm_weight=norm_weight, out=out)
-    check_same_device(x=x, norm_squares=norm_squares, squares_out=squares_out)
+    check_same_device(x=x, weight=weight, residual=residual, gate=gate, norm_weight=norm_weight, out=out,
+                      norm_squares=norm_squares, squares_out=squares_out)
     for name, other in (("x", x), ("weight", weight), ("gate", gate), ("norm_squares", norm_squares)):
         if other is not None and overlaps(out, other):
             raise ValueError(f"out overlaps {name}: the kernel reads {name} while other programs write out")
