@@ -70,11 +70,12 @@ def operation_sequence(ptx: str) -> str:
 
 
 def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: bool = False,
-                   types: dict | None = None) -> dict:
+                   types: dict | None = None, divisible: tuple = ()) -> dict:
     """The kernel compiled for sm_90 with `constants` (its constexprs): registers, stack, shared memory, SASS opcode
     counts (and with `sequence` the PTX's, see operation_sequence). Argument types follow the names (pointers bf16
     but FLOAT32_POINTERS, INTEGERS and strides i32) unless `types` names them (e.g. a tensor descriptor's
-    `mangle_type`)."""
+    `mangle_type`). Pointers named *_ptr and strides are specialised as divisible by 16, as Triton specialises the
+    engine's; `divisible` names more arguments so (pointers named otherwise, sizes that are multiples of 16)."""
     types = types or {}
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
@@ -89,7 +90,8 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
         else:
             signature[name], constexprs[name] = "constexpr", constants[name]
     divisible = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-                 if (name.endswith("_ptr") and signature[name].startswith("*")) or name.startswith("stride")}
+                 if (name.endswith("_ptr") and signature[name].startswith("*")) or name.startswith("stride")
+                 or name in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

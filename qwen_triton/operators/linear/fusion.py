@@ -9,7 +9,7 @@ goes to memory; the GEMM applies them in a pass of their own before its main loo
 
 Epilogues (applied to the float32 accumulators before the one store):
 - folded norm: acc *= rstd of each row, from the row's sums of squares that the kernel which wrote x left
-  (`folded_rstd`): the zero-centred RMSNorm of x with its (1 + w) folded into the weight's columns, so no
+  (`load_row_squares`, `folded_rstd`): the zero-centred RMSNorm of x with its (1 + w) folded into the weight's columns, so no
   pass over x is needed (the GEMM; see linear.py);
 - swiglu: out = silu(acc_gate) * acc_up, the gate and up rows of one [2I, K] weight accumulated side by side;
 - residual: out = acc + residual (residual may be the output itself: an in-place add, safe because each
@@ -60,13 +60,21 @@ def row_rstd(x_ptr, stride_xm, offs_m, M, K, eps, BLOCK_M: tl.constexpr, BLOCK_K
 
 
 @triton.jit
-def folded_rstd(squares_ptr, stride_sm, offs_m, M, PARTS, K, eps, BLOCK_PARTS: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of rows offs_m of an x [M, K] whose sums of squares are PARTS float32 a row in
-    squares [M, PARTS] (the squares epilogue's, or `rms_norm.row_squares`'s), in float32: [BLOCK_M]."""
+def load_row_squares(squares_ptr, stride_sm, offs_m, M, PARTS, BLOCK_PARTS: tl.constexpr):
+    """The sums of squares of rows offs_m of an x whose squares [M, PARTS] hold PARTS float32 a row (the squares
+    epilogue's, or `rms_norm.row_squares`'s): [BLOCK_M, BLOCK_PARTS], zeros past PARTS and M. The GEMM issues this
+    load before its main loop and reduces it after (`folded_rstd`), so that the load's latency hides behind the
+    loop instead of delaying either end of it."""
     parts = tl.arange(0, BLOCK_PARTS)
     mask = (offs_m < M)[:, None] & (parts < PARTS)[None, :]
-    squares = tl.load(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + parts[None, :], mask=mask, other=0.0)
-    return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
+    return tl.load(squares_ptr + offs_m.to(tl.int64)[:, None] * stride_sm + parts[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def folded_rstd(row_squares, K, eps):
+    """1 / sqrt(mean(x^2) + eps) of rows of an x [M, K] from their partial sums of squares [BLOCK_M, BLOCK_PARTS]
+    (`load_row_squares`), in float32: [BLOCK_M]."""
+    return tl.math.rsqrt(tl.sum(row_squares, axis=1) / K + eps)
 
 
 @triton.jit

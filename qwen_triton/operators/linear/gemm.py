@@ -79,8 +79,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, wait_for_previous_kernel)
-from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, prologue, row_rstd, split_workspace,
-                     store_output, store_split_output)
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, prologue, row_rstd,
+                     split_workspace, store_output, store_split_output)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -283,18 +283,20 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # the folded norm's 1/rms of the rows: loaded before the main loop, so that its latency (P floats a row from
-    # L2) does not delay the epilogue
+    # the folded norm's sums of squares of the rows (P floats a row from L2): loaded before the main loop and
+    # reduced after it, so that the main loop waits for neither the load nor the reduction
     if FOLDED_NORM:
-        rstd = folded_rstd(norm_squares_ptr, stride_nm, offs_m, M, PARTS, K, eps, BLOCK_PARTS)
-    else:
-        rstd = None
+        row_squares = load_row_squares(norm_squares_ptr, stride_nm, offs_m, M, PARTS, BLOCK_PARTS)
     if TMA:
         acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
                                  k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+    if FOLDED_NORM:
+        rstd = folded_rstd(row_squares, K, eps)
+    else:
+        rstd = None
     if SPLIT_K == 1:
         store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
                      ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
