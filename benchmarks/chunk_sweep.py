@@ -72,7 +72,8 @@ def initial_state(seed: int = 1) -> torch.Tensor:
 
 def short(config) -> str:
     meta = " ".join(f"{key}={value}" for key, value in config.kwargs.items())
-    return f"{meta} warps={config.num_warps} stages={config.num_stages}".strip()
+    registers = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
+    return f"{meta} warps={config.num_warps} stages={config.num_stages}{registers}".strip()
 
 
 def tuned_picks(module) -> str:

@@ -11,8 +11,8 @@ gate and the q/k/v part are plain column slices of the output), Gated DeltaNet [
 w), rounded to bf16 once; the norms' weights the kernels see are then zeros), so a prefill's projection applies its
 norm as a scale of its output rows in its epilogue, from the rows' sums of squares that the projection before it
 left (linear's norm_squares, squares_out); a decode step's projections normalise x in their prologues. The
-residual adds are fused into their epilogues, SwiGLU into the gate/up epilogue, and the attention output gate into
-a prefill's flash attention epilogue (GATE_IN_ATTENTION) and a decode step's o_proj prologue; in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one
+residual adds are fused into their epilogues, SwiGLU into the gate/up epilogue and the attention output gate into
+the o_proj prologue; in a decode step the DeltaNet output norm too (output_norm_in_projection), and for one
 sequence a DeltaNet layer's in-projection, conv, gates and delta rule run as one kernel (projected_delta_decode),
 and on Hopper a layer's out-projection and MLP as one launch with every weight in shared memory
 (staged_out_projection_mlp).
@@ -43,8 +43,7 @@ import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
 from ..operators.common import hopper_or_later, interpreting, pdl_available, sm_count
-from ..operators.attention import (attention_decode, attention_prefill, attention_prefill_cost, decode_splits,
-                                   qk_norm_rotary, rotary_table)
+from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
 from ..operators.conv import causal_conv1d, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
@@ -121,10 +120,6 @@ SCREENED_ROWS = 16  # the screened head's batch limit: one pass over its int8 co
 # a prefill of more than 16 tokens then has no prologue pass before its in-projections and gate/up (see
 # linear.py, "The folded norm"; measured in docs/perf-notes.md, twenty-third session).
 FOLD_NORMS = True
-# A prefill's attention output gate in the flash attention's epilogue (attention_prefill(gate=...)) instead of a
-# row pass before the out-projection's GEMM (linear's gate prologue; a decode step's GEMV or out_projection_mlp
-# applies it in its prologue, with no pass). Measured in docs/perf-notes.md, twenty-fourth session.
-GATE_IN_ATTENTION = True
 
 
 def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -319,12 +314,10 @@ class TritonModel:
                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                 gated=False, eps=c.rms_norm_eps, out=None if scratch is None else scratch["attention_q"], pdl=pdl,
             )
-        gate = qkv[:, :gate_width].view(rows, c.num_attention_heads, c.head_dim) if c.attn_output_gate else None
-        # attend applies the gate itself where it can (a prefill's flash attention) and returns what it left
-        attended, gate = attend(i, q, self.state.key[i], self.state.value[i], gate)
-        kind = "attention out-projection" if gate is None else "attention gate + out-projection"
-        return self._layer_tail(i, kind, attended.view(rows, -1), w.out, x, mlp, scratch,
-                                gate=None if gate is None else gate.view(rows, -1), pdl=pdl, squares=squares)
+        attended = attend(i, q, self.state.key[i], self.state.value[i])
+        gate = qkv[:, :gate_width] if c.attn_output_gate else None
+        return self._layer_tail(i, "attention gate + out-projection", attended.view(attended.shape[0], -1), w.out,
+                                x, mlp, scratch, gate=gate, pdl=pdl, squares=squares)
 
     def _split_projection(self, projection):
         c = self.config
@@ -457,17 +450,16 @@ class TritonModel:
             with self._operator("embedding's sums of squares", None, lambda: (tokens * c.hidden_size * element, 0)):
                 row_squares(x, out=squares)
 
-        def attend(i, q, key_cache, value_cache, gate):
-            gated = gate is not None and GATE_IN_ATTENTION
-
+        def attend(i, q, key_cache, value_cache):
             def cost():
-                return attention_prefill_cost(tokens, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                              start, element, gate=gated)
+                keys = start + tokens
+                visible = tokens * start + tokens * (tokens + 1) // 2
+                moved = (2 * tokens * c.num_attention_heads * c.head_dim
+                         + 2 * keys * c.num_key_value_heads * c.head_dim) * element
+                return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
-            with self._operator("attention (flash prefill)" + (" + output gate" if gated else ""), i, cost):
-                attended = attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl,
-                                             gate=gate if gated else None)
-            return attended, None if gated else gate
+            with self._operator("attention (flash prefill)", i, cost):
+                return attention_prefill(q, key_cache, value_cache, slot=slot, start=start, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
@@ -547,17 +539,15 @@ class TritonModel:
         with self._operator("embedding", None, lambda: (2 * size * c.hidden_size * element, 0)):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
 
-        def attend(i, q, key_cache, value_cache, gate):
-            """The attention and the gate left to the out-projection (its GEMV's or out_projection_mlp's prologue)."""
+        def attend(i, q, key_cache, value_cache):
             def cost():  # the KV cache at the traced context, q and the output
                 keys = self.trace_context + 1
                 moved = size * (2 * keys * c.num_key_value_heads + 2 * c.num_attention_heads) * c.head_dim * element
                 return moved, 4 * size * c.num_attention_heads * c.head_dim * keys
 
             with self._operator("attention (split-KV decode + merge)", i, cost):
-                attended = attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
-                                            num_splits=self.decode_splits, pdl=pdl)
-            return attended, gate
+                return attention_decode(q, key_cache, value_cache, buffers.lengths, out=buffers.attention_out,
+                                        num_splits=self.decode_splits, pdl=pdl)
 
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):

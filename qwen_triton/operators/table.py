@@ -21,7 +21,7 @@ class Operator:
 
 LINEAR_PREFILL = "linear.gemm:_gemm_kernel"
 LINEAR_DECODE = "linear.gemv:_gemv_kernel"
-PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's final norm, a row pass before it
+PROLOGUE_PREFILL = "linear.gemm:_prologue_kernel"  # the GEMM's gate or final norm, a row pass before it
 # the rows' sums of squares of the embedding's output, for the first layer's folded norm (prefill)
 ROW_SQUARES_PREFILL = "norm.rms_norm:_row_squares_kernel"
 # a one-sequence decode step's DeltaNet in-projection, conv, gating and delta rule (engine option
@@ -51,10 +51,10 @@ OPERATORS: tuple[Operator, ...] = (
              ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
              "prefill: flash (online softmax); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
-             ("attention.prefill:_prefill_kernel", LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
+             (PROLOGUE_PREFILL, LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "gate: a prologue (decode, phase 1 of the layer's tail kernel: staged for one sequence on Hopper, "
-             "else out_projection_mlp), the flash attention's epilogue (prefill); residual (and, prefill, the rows' "
-             "sums of squares) in the epilogue"),
+             "else out_projection_mlp), a row pass (prefill); residual (and, prefill, the rows' sums of squares) "
+             "in the epilogue"),
     Operator("10-11", "RMSNorm, gate/up projection, SiLU x up",
              (LINEAR_PREFILL,), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "norm: (1 + w) folded into the weights; 1/rms in a prologue (decode, phase 2 of the tail kernel), "

@@ -58,24 +58,6 @@ def test_norms_folded_into_the_projections_or_not(checkpoints):
         assert relative_error(llm.score(token_ids, prefill=20), expected) <= TOLERANCE
 
 
-def test_prefill_output_gate_in_the_attention_changes_no_bit(checkpoints, monkeypatch):
-    """A prefill's attention output gate in the flash attention's epilogue (GATE_IN_ATTENTION, the default) or as
-    the out-projection GEMM's prologue pass: the same logits and states (both round alike; the default against
-    transformers: test_score_matches_transformers)."""
-    directory = checkpoints["conditional"]
-    token_ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(13)).tolist()
-    results = {}
-    for in_attention in (True, False):
-        monkeypatch.setattr(triton_model, "GATE_IN_ATTENTION", in_attention)
-        llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=24)
-        assert llm.config.attn_output_gate
-        logits = llm.model.prefill(torch.tensor(token_ids), slot=0, all_logits=True)
-        results[in_attention] = (logits, llm.model.state.key[1][0].clone(), llm.model.state.recurrent[2][0].clone())
-    assert torch.isfinite(results[True][0]).all()
-    for got, want in zip(results[True], results[False]):
-        assert torch.equal(got, want)
-
-
 def test_decode_with_the_three_projections_matches_transformers(checkpoints):
     # out_projection_mlp=False: each layer's out-projection and MLP as three `linear` calls, as before it
     directory = checkpoints["causal"]

@@ -28,7 +28,6 @@ from qwen_triton.operators.attention import (
     rotary_table,
 )
 from qwen_triton.operators.attention import decode as decode_module
-from qwen_triton.operators.linear import gemm
 from qwen_triton.reference import functional as fn
 
 # the interpreter converts one-element arrays to scalars in runtime-bounded loops (numpy deprecation)
@@ -214,30 +213,6 @@ def test_attention_prefill_strided_q_and_out(device):
     ref = fn.attention(q, key_cache[0], value_cache[0], torch.arange(length, device=device), length)
     torch.testing.assert_close(out, ref, **tolerance(torch.float32))
     assert torch.equal(out_buffer[:, :, :dim], torch.zeros_like(q))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_attention_prefill_applies_the_output_gate(dtype, device):
-    """gate=...: the attention times sigmoid(gate), rounded as linear's gate prologue rounds it (the same bits as
-    the prologue pass over the ungated output), from a gate that is a strided slice of a wider projection output."""
-    torch.manual_seed(6)
-    heads, kv_heads, dim, length, start = 4, 2, 32, 37, 5
-    q = torch.randn(length, heads, dim, device=device, dtype=dtype)
-    key_cache = torch.randn(2, kv_heads, 64, dim, device=device, dtype=dtype)
-    value_cache = torch.randn_like(key_cache)
-    projection = torch.randn(length, 2 * heads * dim + 8, device=device, dtype=dtype) * 3
-    gate = projection[:, 8:8 + heads * dim].view(length, heads, dim)
-    gated = attention_prefill(q, key_cache, value_cache, 1, start, gate=gate)
-    plain = attention_prefill(q, key_cache, value_cache, 1, start)
-    prologue = gemm._apply_prologue(plain.view(length, -1), gate.reshape(length, -1), None, 1e-6)
-    assert torch.equal(gated, prologue.view(length, heads, dim))
-    positions = torch.arange(start, start + length, device=device)
-    ref = fn.attention(q.float(), key_cache[1].float(), value_cache[1].float(), positions, start + length)
-    torch.testing.assert_close(gated.float(), ref * torch.sigmoid(gate.float()), **tolerance(dtype))
-    with pytest.raises(ValueError, match="gate"):
-        attention_prefill(q, key_cache, value_cache, 1, start, gate=gate[:, :, 1:])
-    with pytest.raises(ValueError, match="gate"):
-        attention_prefill(q, key_cache, value_cache, 1, start, gate=gate.double())
 
 
 @pytest.mark.parametrize(
@@ -431,27 +406,6 @@ def test_gpu_attention_prefill(length, start):
     ref = fn.attention(q.double(), key_cache[1].double(), value_cache[1].double(), positions, start + length)
     assert_bf16_close(out, ref)
     assert torch.equal(out, attention_prefill(q, key_cache, value_cache, 1, start))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [128, 4096])
-def test_gpu_attention_prefill_output_gate(length):
-    """The gate in the flash attention's epilogue, at the real shape in bf16: the reference times sigmoid(gate),
-    and the bits of linear's gate prologue pass over the ungated output (what the engine ran before)."""
-    torch.manual_seed(13)
-    device, dtype = "cuda", torch.bfloat16
-    q = torch.randn(length, HEADS, DIM, device=device, dtype=dtype) * 2
-    key_cache = torch.randn(1, KV_HEADS, length, DIM, device=device, dtype=dtype)
-    value_cache = torch.randn_like(key_cache)
-    projection = torch.randn(length, 2 * HEADS * DIM, device=device, dtype=dtype) * 3
-    gate = projection[:, :HEADS * DIM].view(length, HEADS, DIM)
-    gated = attention_prefill(q, key_cache, value_cache, 0, 0, gate=gate)
-    plain = attention_prefill(q, key_cache, value_cache, 0, 0)
-    prologue = gemm._apply_prologue(plain.view(length, -1), gate.reshape(length, -1), None, 1e-6)
-    assert torch.equal(gated, prologue.view(length, HEADS, DIM))
-    positions = torch.arange(length, device=device)
-    ref = fn.attention(q.double(), key_cache[0].double(), value_cache[0].double(), positions, length)
-    assert_bf16_close(gated, ref * torch.sigmoid(gate.double()))
 
 
 @pytest.mark.gpu

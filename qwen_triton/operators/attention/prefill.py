@@ -8,11 +8,6 @@ Softmax is computed online in fp32 (running max m, running sum l, fp32 accumulat
 exp2(m_old - m_new)), in the log2 domain (scores scaled by log2(e) / sqrt(D)); probabilities are rounded
 to the value dtype before the P.V product, as the reference (transformers' eager attention) does.
 
-With a gate [T, Hq, D] (Qwen3.5's attention output gate, the first Hq*D columns of the in-projection's output) the
-epilogue returns out * sigmoid(gate) instead, rounded as the reference rounds it (out to its dtype first, then
-the product): the gate's row pass before o_proj (11.6 us a layer at 4096 tokens, docs/perf-notes.md
-twenty-third session) folded into the store, T Hq D 2 bytes of gate read where the pass read and wrote 3 times that.
-
 Blocking: a program owns BLOCK_M rows = BLOCK_M / G tokens x the G query heads of one KV head, so a
 group's heads share each K/V tile they load (one tensor-core product covers all G heads). It walks the
 keys in BLOCK_N tiles: first the tiles wholly before its first query position (no mask), then the tiles
@@ -20,8 +15,8 @@ on the causal diagonal (masked). Grid (token blocks, Hkv), the latest (longest) 
 
 Floor at the real shapes (Hq 8, Hkv 2, D 256, bf16, start 0):
     FLOPs  = 4 Hq D T(T+1)/2             T=128: 67.6 MFLOP     T=4096: 68.7 GFLOP (~70 us at ~1 PFLOP/s)
-    bytes  = 2 T Hq D 2 (q, out) + 2 T Hkv D 2 (K, V) (+ T Hq D 2 of gate)
-                                         T=128: 1.25 MiB       T=4096: 40 MiB (56 MiB gated)
+    bytes  = 2 T Hq D 2 (q, out) + 2 T Hkv D 2 (K, V)
+                                         T=128: 1.25 MiB       T=4096: 40 MiB
 Prefill of a long prompt is compute-bound; a short one is launch/latency-bound.
 """
 
@@ -78,17 +73,17 @@ def _configs():
     ])
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket", "context_bucket", "HAS_GATE"], cache_results=True)
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket", "context_bucket"], cache_results=True)
 @triton.jit
 def _prefill_kernel(
-    q, key, value, out, gate,
+    q, key, value, out,
     length, start, scale_log2,
     stride_q_token, stride_q_head,
     stride_k_head, stride_k_position, stride_v_head, stride_v_position,
-    stride_out_token, stride_out_head, stride_gate_token, stride_gate_head,
+    stride_out_token, stride_out_head,
     length_bucket, context_bucket,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -132,16 +127,11 @@ def _prefill_kernel(
         m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, visible, True, IEEE)
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    result = (acc / l_i[:, None]).to(out.dtype.element_ty)
-    stored = row_valid[:, None] & in_head[None, :]
-    if HAS_GATE:
-        # the output gate as the reference applies it to the rounded attention output (and as linear's gate
-        # prologue does): in float32, rounded once more
-        gate_tile = tl.load(gate + token[:, None] * stride_gate_token + head[:, None] * stride_gate_head
-                            + lanes[None, :], mask=stored, other=0.0).to(tl.float32)
-        result = (result.to(tl.float32) * tl.sigmoid(gate_tile)).to(out.dtype.element_ty)
-    tl.store(out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + lanes[None, :], result,
-             mask=stored)
+    result = acc / l_i[:, None]
+    tl.store(
+        out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + lanes[None, :],
+        result.to(out.dtype.element_ty), mask=row_valid[:, None] & in_head[None, :],
+    )
 
 
 def attention_prefill(
@@ -152,15 +142,13 @@ def attention_prefill(
     start: int,
     out: torch.Tensor | None = None,
     pdl: bool = False,
-    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA of q [T, Hq, D] (positions start .. start+T-1) against keys 0 .. start+T-1 of `slot`.
 
     key_cache, value_cache [max_batch, Hkv, max_length, D] in q's dtype (keys of this chunk already
     written, e.g. by qk_norm_rotary). q and out may have strided tokens/heads (unit last stride).
     Returns out [T, Hq, D] in q's dtype. pdl: launch with programmatic dependent launch (Hopper;
-    operators/common.py). gate [T, Hq, D] in q's dtype (strided tokens/heads, unit last stride): return
-    attention * sigmoid(gate) instead (the attention output gate).
+    operators/common.py).
     """
     check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
     length, num_heads, head_dim = q.shape
@@ -179,9 +167,6 @@ def attention_prefill(
     if out is None:
         out = torch.empty(length, num_heads, head_dim, device=q.device, dtype=q.dtype)
     check_tensor("out", out, shape=(length, num_heads, head_dim), dtype=q.dtype)
-    if gate is not None:
-        check_tensor("gate", gate, shape=(length, num_heads, head_dim), dtype=q.dtype)
-        check_same_device(q=q, gate=gate)
     check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, out=out)
     if length == 0:
         return out
@@ -189,25 +174,24 @@ def attention_prefill(
     key, value = key_cache[slot], value_cache[slot]
     grid = lambda meta: (triton.cdiv(length, meta["BLOCK_M"] // group), num_kv_heads)  # noqa: E731
     _prefill_kernel[grid](
-        q, key, value, out, out if gate is None else gate,
+        q, key, value, out,
         length, start, LOG2_E / math.sqrt(head_dim),
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1), 0 if gate is None else gate.stride(0), 0 if gate is None else gate.stride(1),
+        out.stride(0), out.stride(1),
         triton.next_power_of_2(length), triton.next_power_of_2(start + length),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        IEEE=q.dtype == torch.float32, HAS_GATE=gate is not None, USE_PDL=pdl, **launch_options(pdl),
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 
 
 def attention_prefill_cost(length: int, num_heads: int, num_kv_heads: int, head_dim: int, start: int = 0,
-                           element_bytes: int = 2, gate: bool = False):
-    """(bytes, FLOPs) floor: q and out (and the gate) once, K and V of the whole context once; causal QK^T and
-    PV."""
+                           element_bytes: int = 2):
+    """(bytes, FLOPs) floor: q and out once, K and V of the whole context once; causal QK^T and PV."""
     visible_pairs = length * start + length * (length + 1) // 2
     flops = 4 * num_heads * head_dim * visible_pairs
-    data = ((2 + gate) * length * num_heads + 2 * (start + length) * num_kv_heads) * head_dim * element_bytes
+    data = (2 * length * num_heads + 2 * (start + length) * num_kv_heads) * head_dim * element_bytes
     return data, flops
 
 

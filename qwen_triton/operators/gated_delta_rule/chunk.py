@@ -505,9 +505,17 @@ def _chunk_prepare_kernel(
 # shorter programs. See the module docstring for what was measured.
 SPLIT_PREPARE_TOKENS = 2048
 
+# The inverse's programs are chains of small dependent products (latency-bound): the register caps (maxnreg) put more
+# programs on an SM (for sm_90, benchmarks/sass_counts.py: 4 warps at 182 registers, two programs an SM; capped at 168,
+# three, no spills; at 128, four, 264 bytes of spills; 8 warps at 108, two; capped at 80, three, 64 bytes; at 64,
+# four, 256 bytes)
 INVERSE_CONFIGS = [
     triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=8),
+    triton.Config({}, num_warps=4, maxnreg=168),
+    triton.Config({}, num_warps=4, maxnreg=128),
+    triton.Config({}, num_warps=8, maxnreg=80),
+    triton.Config({}, num_warps=8, maxnreg=64),
 ]
 
 
@@ -535,9 +543,11 @@ def _chunk_inverse_kernel(
                  V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
+# (8 warps at 76 registers for sm_90, three programs an SM; capped at 64, four, 56 bytes of spills)
 PRODUCTS_CONFIGS = [
     triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=8),
+    triton.Config({}, num_warps=8, maxnreg=64),
 ]
 
 
