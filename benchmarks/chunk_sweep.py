@@ -188,10 +188,14 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
     def prepare_only(i):
         chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
 
+    whole_scratches = {}  # the one kernel's, with room for the scores it stores (chunk.SCORES_IN_OUTPUT)
+
     def one_kernel_prepare(i):
         saved, chunk.SPLIT_PREPARE_TOKENS = chunk.SPLIT_PREPARE_TOKENS, length
         try:
-            chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
+            if i not in whole_scratches:
+                whole_scratches[i] = chunk._scratch(sets[i]["q"], sets[i]["v"], None, size)
+            chunk._launch_prepare(*kernel_arguments(sets[i]), whole_scratches[i])
         finally:
             chunk.SPLIT_PREPARE_TOKENS = saved
 
@@ -199,7 +203,7 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
         chunk._launch_state_pass(states[i], scratches[i])
 
     def output_only(i):
-        chunk._launch_output(sets[i]["q"], outs[i], scratches[i])
+        chunk._launch_output(sets[i]["q"], sets[i]["k"], outs[i], scratches[i])
 
     swept = [("state", state_only), ("output", output_only)]
     if split:

@@ -48,14 +48,15 @@ def autotune_configs(configs: list) -> list:
 
 
 def keep_preferred(configs: list, preferred: dict | None) -> list:
-    """The configs whose kwargs, num_warps and num_stages match every entry of `preferred` (an
+    """The configs whose kwargs, num_warps, num_stages and maxnreg match every entry of `preferred` (an
     `early_config_prune` helper: where an in-graph sweep found a winner the autotuner's own timing misses);
     all of them when none matches (e.g. the interpreter's single config) or `preferred` is None."""
     if preferred is None:
         return configs
 
     def matches(config):
-        settings = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        settings = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+                        maxnreg=config.maxnreg)
         return all(settings.get(name) == value for name, value in preferred.items())
 
     return [c for c in configs if matches(c)] or configs

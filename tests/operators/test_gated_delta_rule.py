@@ -234,6 +234,7 @@ def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, ch
     through the two parts against the reference."""
     inputs = make_inputs(length, 1, 2, 24, 40, dtype, device, seed=length)
     scratches = {}
+    monkeypatch.setattr(chunk_module, "SCORES_IN_OUTPUT", False)  # the products kernel's scores, compared here
     for split in (False, True):
         monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else length)
         scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size)
@@ -260,6 +261,38 @@ def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, ch
         torch.testing.assert_close(state, ref_state, **TOLERANCE[torch.float32])
     else:  # test_chunked_float16's bound
         assert frobenius_error(state, ref_state) < 5e-3
+
+
+@pytest.mark.parametrize("length, chunk_size", [(17, 32), (130, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", [False, True])
+def test_chunked_scores_in_the_output_kernel(device, monkeypatch, length, chunk_size, dtype, norm):
+    """Where kernel 1 is split, kernel 3 forms the chunks' scores itself (SCORES_IN_OUTPUT; the products kernel
+    then has no score programs and the scratch no scores): the output, its gated norm and the state as when kernel 3
+    reads the products kernel's scores, bit for bit under the interpreter (the same arithmetic), within float32
+    roundings on the GPU; and the output against the reference."""
+    inputs = make_inputs(length, 1, 2, 24, 40, dtype, device, seed=length + 1)
+    initial = random_state((2, 24, 40), device)
+    weight = torch.linspace(0.5, 1.5, 40, device=device, dtype=dtype)
+    output_norm = (inputs["z"], weight, 1e-6) if norm else None
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1)
+    results = {}
+    for here in (True, False):
+        monkeypatch.setattr(chunk_module, "SCORES_IN_OUTPUT", here)
+        scores = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size).qk
+        assert scores.numel() == (0 if here else 2 * -(-length // chunk_size) * chunk_size**2)
+        state = initial.clone()
+        out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size,
+                                       output_norm=output_norm)
+        results[here] = (out, state)
+    for got, want in zip(results[True], results[False]):
+        if device == "cpu":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-4)
+    if not norm:  # (the norm against norming after: test_chunked_output_norm_equals_norming_after)
+        ref_out, _ = reference_chunked(inputs, initial.clone())
+        torch.testing.assert_close(results[True][0].float(), ref_out.float(), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
@@ -967,6 +1000,14 @@ for name in ("prepare", "inverse", "products", "state", "output"):
     float32[name].append(len(kernel.early_config_prune(kernel.configs, dict(chunk_bucket=64), PRECISION="tf32",
                                                        CHUNK_ROWS=64, DOT_DTYPE=tl.bfloat16)))
 picks["float32"] = float32
+long = {}
+for name in ("inverse", "products"):
+    kernel = getattr(chunk, f"_chunk_{name}_kernel")
+    long[name] = [[[c.num_warps, c.num_stages, c.maxnreg] for c in kernel.early_config_prune(
+                       kernel.configs, dict(chunk_bucket=bucket), PRECISION="tf32", CHUNK_ROWS=64,
+                       DOT_DTYPE=tl.bfloat16)] for bucket in (32, 64, 128)]
+picks["long"] = [long, {name: [pick[key] for key in ("num_warps", "num_stages", "maxnreg")]
+                        for name, pick in chunk.LONG_PROMPT_PICKS.items()}]
 kernel = conv._causal_conv1d_kernel
 kept = [kernel.early_config_prune(kernel.configs, dict(length_bucket=n)) for n in (128, 256, 512, 4096)]
 picks["conv"] = [[[(c.kwargs["BLOCK_T"], c.kwargs["BLOCK_C"], c.kwargs["WALK_BLOCKS"], c.num_warps) for c in configs]
@@ -982,9 +1023,14 @@ def test_short_prompts_run_the_swept_configs():
     # one pinned config at every length: the tile up to 512 tokens, the walk beyond
     picks = run_without_interpreter(SHORT_PROMPT_PICKS, timeout=300)
     # float32 operands (the "tf32" and "ieee" options): every chunk kernel its first config alone, untuned (their
-    # tuning at 4096 tokens faulted on the H200); 16-bit operands: all configs at 64 chunks (kernel 1's parts: 2)
+    # tuning at 4096 tokens faulted on the H200); 16-bit operands: all configs at 64 chunks but kernel 1's parts,
+    # whose pins (LONG_PROMPT_PICKS) serve 4096 tokens and more (64 chunks of 64 and more), the whole space below
     for name, (tf32, ieee, sixteen_bit) in picks.pop("float32").items():
-        assert tf32 == ieee == [True] and sixteen_bit > 1, (name, tf32, ieee, sixteen_bit)
+        assert tf32 == ieee == [True] and sixteen_bit >= 1, (name, tf32, ieee, sixteen_bit)
+        assert (sixteen_bit == 1) == (name in ("inverse", "products")), (name, sixteen_bit)
+    long, pinned = picks.pop("long")
+    for name, (below, at, above) in long.items():
+        assert len(below) > 1 and at == above == [pinned[name]], (name, below, at, above)
     conv_kept, conv_every = picks.pop("conv")
     assert conv_every > 1 and conv_kept == [[[16, 128, 0, 4]]] * 3 + [[[8, 512, 4, 4]]], conv_kept
     for name, (kept, every) in picks.items():

@@ -362,11 +362,32 @@ SHORT_PROMPT_PICKS = {
 }
 
 
+# Prompts of LONG_PROMPT_TOKENS tokens or more (chunks of 64, kernel 1 split): kernel 1's two parts at the configs
+# fastest at T = 4096 in the same setting (benchmarks/chunk_sweep.py, twenty-fourth session, call 2 at commit
+# d437362, `chunk-sweep-4096-maxnreg-...-d437362.json`; the two parts together, us): the inverse at 4 warps capped
+# at 168 registers 106.5 (110.9 uncapped, 113.6 at 8 warps), the products at 4 warps 106.6 (115.0 at 8 warps, the
+# engine's profile's pick at d1b830a: the autotuner's one-launch timings pick either).
+LONG_PROMPT_TOKENS = 4096
+LONG_PROMPT_PICKS = {
+    "inverse": dict(num_warps=4, num_stages=3, maxnreg=168),
+    "products": dict(num_warps=4, num_stages=3, maxnreg=None),
+}
+
+
 def _short_prompt_pick(kernel: str):
     def prune(configs, named_args, **kwargs):
         chunk, bucket = kwargs.get("CHUNK_ROWS", CHUNK), named_args.get("chunk_bucket")
         if bucket is not None and bucket * chunk <= SHORT_PROMPT_TOKENS:
             return keep_preferred(configs, SHORT_PROMPT_PICKS.get(chunk, {}).get(kernel))
+        return configs
+    return prune
+
+
+def _long_prompt_pick(kernel: str):
+    def prune(configs, named_args, **kwargs):
+        chunk, bucket = kwargs.get("CHUNK_ROWS", CHUNK), named_args.get("chunk_bucket")
+        if bucket is not None and bucket * chunk >= LONG_PROMPT_TOKENS:
+            return keep_preferred(configs, LONG_PROMPT_PICKS.get(kernel))
         return configs
     return prune
 
@@ -386,10 +407,6 @@ def _first_for_float32_operands(prune):
             return configs[:1]
         return prune(configs, named_args, **kwargs)
     return pruned
-
-
-def _every_config(configs, named_args, **kwargs):
-    return configs
 
 
 @triton.jit
@@ -504,24 +521,28 @@ def _chunk_prepare_kernel(
 # Prompts of more than SPLIT_PREPARE_TOKENS tokens (in chunks of 64) run kernel 1 as two kernels (below), each of
 # shorter programs. See the module docstring for what was measured.
 SPLIT_PREPARE_TOKENS = 2048
+# Where kernel 1 is split, kernel 3 forms each chunk's Q K^T * exp(G_i - G_j) itself (from q and k, which it reads
+# beside the chunk's V' and start state) instead of reading what a third of the products kernel's programs stored:
+# those programs, their reads of q and k and the scores' round trip through memory go. Measured in
+# docs/perf-notes.md, twenty-fourth session.
+SCORES_IN_OUTPUT = True
 
-# The inverse's programs are chains of small dependent products (latency-bound): the register caps (maxnreg) put more
+# The inverse's programs are chains of small dependent products (latency-bound): a register cap (maxnreg) puts more
 # programs on an SM (for sm_90, benchmarks/sass_counts.py: 4 warps at 182 registers, two programs an SM; capped at 168,
-# three, no spills; at 128, four, 264 bytes of spills; 8 warps at 108, two; capped at 80, three, 64 bytes; at 64,
-# four, 256 bytes)
+# three, no spills; at 128, four, 264 bytes of spills). At T = 4096 (benchmarks/chunk_sweep.py, twenty-fourth
+# session, with the products at their pick, us): 106.5 capped at 168, 110.5 at 128, 110.9 uncapped; 8 warps (108
+# registers, two programs an SM) 113.6, capped at 80 113.8 and at 64 120.9 (three and four programs): those dropped.
 INVERSE_CONFIGS = [
     triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=8),
     triton.Config({}, num_warps=4, maxnreg=168),
     triton.Config({}, num_warps=4, maxnreg=128),
-    triton.Config({}, num_warps=8, maxnreg=80),
-    triton.Config({}, num_warps=8, maxnreg=64),
 ]
 
 
 @triton.autotune(configs=autotune_configs(INVERSE_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_every_config)},
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_long_prompt_pick("inverse"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_inverse_kernel(
@@ -543,17 +564,17 @@ def _chunk_inverse_kernel(
                  V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
-# (8 warps at 76 registers for sm_90, three programs an SM; capped at 64, four, 56 bytes of spills)
+# (8 warps capped at 64 registers, four programs an SM for sm_90 where 76 give three, measured 116.8 against 115.0
+# us at T = 4096 in the same sweep: not kept)
 PRODUCTS_CONFIGS = [
     triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=8),
-    triton.Config({}, num_warps=8, maxnreg=64),
 ]
 
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_every_config)},
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "SCORES"],
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_long_prompt_pick("products"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
@@ -562,15 +583,16 @@ def _chunk_products_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SCORES: tl.constexpr = True,
 ):
     """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 3): program (c, h, 0)
     writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] and
     program (c, h, 2) its U [C, Dv], from the inverse in system_ptr; G and beta recomputed from a, b (the
-    same arithmetic as the first part's, so the same values)."""
+    same arithmetic as the first part's, so the same values). Without SCORES (kernel 3 forms them: grid
+    (chunks, Hv, 2)) only W and U."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
-    part = tl.program_id(2)
+    part = tl.program_id(2) + (0 if SCORES else 1)
     if part == 0:
         _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
@@ -684,22 +706,25 @@ def _prune_output(configs, named_args, **kwargs):
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
-                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM"],
+                 key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "NORM", "SCORES_HERE"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_prune_output)},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
+    q_ptr, k_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
     length, chunk_bucket, scale, eps,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_zt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
+    SCORES_HERE: tl.constexpr = False, SCORES_DTYPE: tl.constexpr = tl.float32,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
     O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
     1), each program the whole head rows (BLOCK_D >= Dv columns), and it writes gated_rms_norm(O, z)
-    instead, O rounded to the output dtype first, as the norm kernel reads it."""
+    instead, O rounded to the output dtype first, as the norm kernel reads it. SCORES_HERE: the program forms
+    the chunk's Q K^T * exp(G_i - G_j) itself from q and k (as `_store_scores` does, its operands in
+    SCORES_DTYPE, rounded to the scratch's dtype as its store rounds them) instead of reading kernel 1's."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
     keys = tl.arange(0, BLOCK_K)
@@ -710,14 +735,19 @@ def _chunk_output_kernel(
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
-    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    state = tl.load(start_slab, mask=slab_mask, other=0.0)
-    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
-    qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
-                 mask=offsets[:, None] >= offsets[None, :], other=0.0)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
     q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
                           scale)
+    if SCORES_HERE:  # (before the state's and V''s loads: k's tile is gone before theirs are live)
+        k = l2_normalize_rows(
+            _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, keys, K_DIM), 1.0)
+        qk = _decayed_scores(q, k, decay, SCORES_DTYPE, PRECISION, False).to(new_values_ptr.dtype.element_ty)
+    else:
+        qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
+                     mask=offsets[:, None] >= offsets[None, :], other=0.0)
+    start_slab, slab_mask = state_slab(chunk_states_ptr + block * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
+    state = tl.load(start_slab, mask=slab_mask, other=0.0)
+    new_values = _load_rows(new_values_ptr + head * length * V_DIM, rows, length, V_DIM, values, V_DIM, False)
     q = q * tl.exp(decay)[:, None]
     out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
     if NORM:
@@ -778,7 +808,7 @@ def gated_delta_rule_chunked(
     scratch = _scratch(q, v, dot_precision, chunk_size)
     _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
     _launch_state_pass(state, scratch)
-    _launch_output(q, out, scratch, output_norm)
+    _launch_output(q, k, out, scratch, output_norm)
     return out
 
 
@@ -791,7 +821,7 @@ class _Scratch(NamedTuple):
     product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
     u: torch.Tensor  # [Hv, T, Dv] in dot_dtype
-    qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written
+    qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written (empty where kernel 3 forms them)
     decay: torch.Tensor  # [Hv, T] float32, G
     decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
     system: torch.Tensor  # [chunks, Hv, C, C] float32: kernel 1's own, where it forms (I + A)^-1
@@ -802,6 +832,11 @@ class _Scratch(NamedTuple):
 def chunk_size_for(length: int) -> int:
     """The chunk size gated_delta_rule_chunked(chunk_size=None) takes for a prompt of `length` tokens."""
     return SHORT_CHUNK if length <= SHORT_CHUNK_TOKENS else CHUNK
+
+
+def _scores_in_output(length: int) -> bool:
+    """Whether kernel 3 forms the chunks' scores (SCORES_IN_OUTPUT, where kernel 1 is split)."""
+    return SCORES_IN_OUTPUT and length > SPLIT_PREPARE_TOKENS
 
 
 def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
@@ -819,7 +854,8 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
         chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
-        qk=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
+        qk=torch.empty(0 if _scores_in_output(length) else chunks, value_heads, chunk, chunk, device=device,
+                       dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=torch.float32),
@@ -849,9 +885,10 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
             k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
             length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
     if parts[1]:
-        _chunk_products_kernel[(chunks, value_heads, 3)](
+        scores = not _scores_in_output(length)
+        _chunk_products_kernel[(chunks, value_heads, 3 if scores else 2)](
             q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
-            length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
+            length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values, SCORES=scores)
 
 
 def _launch_state_pass(state, scratch: _Scratch) -> None:
@@ -872,7 +909,7 @@ def _launch_state_pass(state, scratch: _Scratch) -> None:
     )
 
 
-def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
+def _launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
     """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
@@ -882,9 +919,9 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
         return chunks, value_heads, 1 if output_norm is not None else triton.cdiv(value_dim, meta["BLOCK_V"])
 
     _chunk_output_kernel[grid](
-        q, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
+        q, k, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
         length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), z.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), z.stride(0),
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),
@@ -892,6 +929,7 @@ def _launch_output(q, out, scratch: _Scratch, output_norm=None) -> None:
         NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
+        SCORES_HERE=_scores_in_output(length), SCORES_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype],
     )
 
 
