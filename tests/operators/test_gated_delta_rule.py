@@ -263,6 +263,21 @@ def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, ch
         assert frobenius_error(state, ref_state) < 5e-3
 
 
+def test_output_kernel_forming_the_scores_takes_at_least_64_value_columns():
+    """Forming the scores without the norm, the output kernel's configs of BLOCK_V < MIN_SCORES_BLOCK_V are dropped
+    (BLOCK_V 32 faulted on the H200), the first widened when it is the only one (the interpreter's, untuned runs)."""
+    prune = chunk_module._chunk_output_kernel.early_config_prune
+    options = dict(PRECISION="tf32", CHUNK_ROWS=64, DOT_DTYPE=tl.bfloat16, NORM=False)
+    every = chunk_module.OUTPUT_CONFIGS
+    assert min(c.kwargs["BLOCK_V"] for c in every) < chunk_module.MIN_SCORES_BLOCK_V
+    kept = prune(every, dict(chunk_bucket=64), SCORES_HERE=True, **options)
+    assert kept == [c for c in every if c.kwargs["BLOCK_V"] >= chunk_module.MIN_SCORES_BLOCK_V]
+    assert prune(every, dict(chunk_bucket=64), SCORES_HERE=False, **options) == every
+    (widened,) = prune(every[:1], dict(chunk_bucket=64), SCORES_HERE=True, **options)
+    assert widened.kwargs["BLOCK_V"] == chunk_module.MIN_SCORES_BLOCK_V
+    assert (widened.num_warps, widened.num_stages) == (every[0].num_warps, every[0].num_stages)
+
+
 @pytest.mark.parametrize("length, chunk_size", [(17, 32), (130, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("norm", [False, True])
@@ -708,6 +723,37 @@ def real_shape_chunked_case(length, seed):
     float_inputs = dict(inputs, q=inputs["q"].float(), k=inputs["k"].float(), v=inputs["v"].float())
     ref_out, ref_state = reference_chunked(float_inputs, initial.clone())
     return inputs, initial, ref_out, ref_state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [200, 4096])
+def test_gpu_chunked_scores_in_output_every_config(length, monkeypatch):
+    """Kernel 1 split, chunks of 64: each output config pinned in turn (those of BLOCK_V < MIN_SCORES_BLOCK_V run
+    widened), with and without the norm: forming the scores in the output kernel (SCORES_IN_OUTPUT) against reading
+    the products kernel's, the same config: within one bf16 rounding (benchmarks/scores_probe.py found BLOCK_V 32 at
+    4 warps faulting, the others equal or a rounding apart)."""
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", 199)
+    inputs, initial, ref_out, _ = real_shape_chunked_case(length, seed=26)
+    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
+    kernel = chunk_module._chunk_output_kernel
+    configs = list(kernel.configs)
+    try:
+        for config in chunk_module.OUTPUT_CONFIGS:
+            for norm in (None, (inputs["z"], weight, 1e-6)):
+                outs = {}
+                for here in (True, False):
+                    monkeypatch.setattr(chunk_module, "SCORES_IN_OUTPUT", here)
+                    kernel.configs, kernel.cache = [config], {}
+                    outs[here] = gated_delta_rule_chunked(*kernel_arguments(inputs), initial.clone(), chunk_size=64,
+                                                          output_norm=norm)
+                    torch.cuda.synchronize()
+                case = (config.kwargs, config.num_warps, norm is not None)
+                assert frobenius_error(outs[True], outs[False]) < 1e-4, case
+                assert max_error(outs[True], outs[False]) < 4e-3, case
+                if norm is None:
+                    assert frobenius_error(outs[True], ref_out) < 1.5e-2, case
+    finally:
+        kernel.configs, kernel.cache = configs, {}
 
 
 @pytest.mark.gpu
