@@ -80,15 +80,18 @@ def test_the_profile_reports_the_autotuned_configs_that_ran(monkeypatch):
 
     from qwen_triton.benchmark.profile import format_profile
     from qwen_triton.operators.common import autotune_choices
+    from qwen_triton.operators.gated_delta_rule import chunk
     from qwen_triton.operators.linear import gemm
 
     config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 4}, num_warps=4,
                            num_stages=3)
+    capped = triton.Config({}, num_warps=4, num_stages=3, maxnreg=168)
     monkeypatch.setattr(gemm._gemm_split, "cache", {(128, 1024, 3584, "torch.bfloat16"): config})
+    monkeypatch.setattr(chunk._chunk_inverse_kernel, "cache", {(64, 128, 64, "tf32"): capped})
     choices = autotune_choices()
     expected = dict(kernel="linear.gemm:_gemm_split", key=["128", "1024", "3584", "torch.bfloat16"],
                     config=dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=4), num_warps=4,
-                    num_stages=3)
+                    num_stages=3, maxnreg=None)
     assert expected in choices
     assert sum(choice["kernel"] == "linear.gemm:_gemm_split" for choice in choices) == 1
     empty = dict(span_us=0.0, kernel_count=0, kernel_us=0.0, gap_us=0.0, floor_us=0.0, pct_of_floor=0.0, by_kind=[],
@@ -97,3 +100,5 @@ def test_the_profile_reports_the_autotuned_configs_that_ran(monkeypatch):
                   prefill=dict(empty, tokens=8), autotune_choices=choices)
     assert ("| linear.gemm:_gemm_split | 128, 1024, 3584, torch.bfloat16 | BLOCK_M 64, BLOCK_N 64, BLOCK_K 128, "
             "GROUP_M 8, SPLIT_K 4, 4 warps, 3 stages |") in format_profile(report)
+    assert ("| gated_delta_rule.chunk:_chunk_inverse_kernel | 64, 128, 64, tf32 | , 4 warps, 3 stages, at most 168 "
+            "registers |") in format_profile(report)

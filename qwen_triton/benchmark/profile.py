@@ -229,7 +229,8 @@ def format_profile(report: dict) -> str:
                   "| kernel | key | config |", "|---|---|---|"]
         for choice in choices:
             config = ", ".join(f"{name} {value}" for name, value in choice["config"].items())
+            registers = f", at most {choice['maxnreg']} registers" if choice.get("maxnreg") else ""
             lines.append(f"| {choice['kernel']} | {', '.join(choice['key'])} | {config}, "
-                         f"{choice['num_warps']} warps, {choice['num_stages']} stages |")
+                         f"{choice['num_warps']} warps, {choice['num_stages']} stages{registers} |")
     return "\n".join(lines)
 

@@ -165,7 +165,7 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
 
 def autotune_choices() -> list[dict]:
     """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
-    here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages}], so a
+    here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages, maxnreg}], so a
     profile can say which tiles ran. Empty under the interpreter, which tunes nothing."""
     import importlib
     import pkgutil
@@ -184,5 +184,6 @@ def autotune_choices() -> list[dict]:
             kernel = f"{info.name.removeprefix(operators.__name__ + '.')}:{name}"
             for key, config in value.cache.items():
                 choices.append(dict(kernel=kernel, key=[str(part) for part in key], config=dict(config.kwargs),
-                                    num_warps=config.num_warps, num_stages=config.num_stages))
+                                    num_warps=config.num_warps, num_stages=config.num_stages,
+                                    maxnreg=config.maxnreg))
     return choices

@@ -263,32 +263,18 @@ def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, ch
         assert frobenius_error(state, ref_state) < 5e-3
 
 
-def test_output_kernel_forming_the_scores_takes_at_least_64_value_columns():
-    """Forming the scores without the norm, the output kernel's configs of BLOCK_V < MIN_SCORES_BLOCK_V are dropped
-    (BLOCK_V 32 faulted on the H200), the first widened when it is the only one (the interpreter's, untuned runs)."""
-    prune = chunk_module._chunk_output_kernel.early_config_prune
-    options = dict(PRECISION="tf32", CHUNK_ROWS=64, DOT_DTYPE=tl.bfloat16, NORM=False)
-    every = chunk_module.OUTPUT_CONFIGS
-    assert min(c.kwargs["BLOCK_V"] for c in every) < chunk_module.MIN_SCORES_BLOCK_V
-    kept = prune(every, dict(chunk_bucket=64), SCORES_HERE=True, **options)
-    assert kept == [c for c in every if c.kwargs["BLOCK_V"] >= chunk_module.MIN_SCORES_BLOCK_V]
-    assert prune(every, dict(chunk_bucket=64), SCORES_HERE=False, **options) == every
-    (widened,) = prune(every[:1], dict(chunk_bucket=64), SCORES_HERE=True, **options)
-    assert widened.kwargs["BLOCK_V"] == chunk_module.MIN_SCORES_BLOCK_V
-    assert (widened.num_warps, widened.num_stages) == (every[0].num_warps, every[0].num_stages)
-
-
-@pytest.mark.parametrize("length, chunk_size", [(17, 32), (130, 64)])
+@pytest.mark.parametrize("length, chunk_size, value_dim", [(17, 32, 40), (130, 64, 40), (70, 64, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("norm", [False, True])
-def test_chunked_scores_in_the_output_kernel(device, monkeypatch, length, chunk_size, dtype, norm):
+def test_chunked_scores_in_the_output_kernel(device, monkeypatch, length, chunk_size, value_dim, dtype, norm):
     """Where kernel 1 is split, kernel 3 forms the chunks' scores itself (SCORES_IN_OUTPUT; the products kernel
     then has no score programs and the scratch no scores): the output, its gated norm and the state as when kernel 3
     reads the products kernel's scores, bit for bit under the interpreter (the same arithmetic), within float32
-    roundings on the GPU; and the output against the reference."""
-    inputs = make_inputs(length, 1, 2, 24, 40, dtype, device, seed=length + 1)
-    initial = random_state((2, 24, 40), device)
-    weight = torch.linspace(0.5, 1.5, 40, device=device, dtype=dtype)
+    roundings on the GPU; and the output against the reference. (80 value columns: two programs of 64 a chunk and
+    head without the norm.)"""
+    inputs = make_inputs(length, 1, 2, 24, value_dim, dtype, device, seed=length + 1)
+    initial = random_state((2, 24, value_dim), device)
+    weight = torch.linspace(0.5, 1.5, value_dim, device=device, dtype=dtype)
     output_norm = (inputs["z"], weight, 1e-6) if norm else None
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1)
     results = {}
@@ -728,10 +714,9 @@ def real_shape_chunked_case(length, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [200, 4096])
 def test_gpu_chunked_scores_in_output_every_config(length, monkeypatch):
-    """Kernel 1 split, chunks of 64: each output config pinned in turn (those of BLOCK_V < MIN_SCORES_BLOCK_V run
-    widened), with and without the norm: forming the scores in the output kernel (SCORES_IN_OUTPUT) against reading
-    the products kernel's, the same config: within one bf16 rounding (benchmarks/scores_probe.py found BLOCK_V 32 at
-    4 warps faulting, the others equal or a rounding apart)."""
+    """Kernel 1 split, chunks of 64: each output config pinned in turn, with and without the norm: forming the scores
+    in the output kernel (SCORES_IN_OUTPUT) against reading the products kernel's, the same config: within one bf16
+    rounding (benchmarks/scores_probe.py: equal or a rounding apart; BLOCK_V 32, since dropped, faulted)."""
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", 199)
     inputs, initial, ref_out, _ = real_shape_chunked_case(length, seed=26)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)

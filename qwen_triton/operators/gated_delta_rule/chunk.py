@@ -72,6 +72,13 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    3,240.6 against 3,203.6 at 512 (tf32; `prefill-options-split-2026-12-01-NVIDIA-H200-8550a07.json`). At 4096
    tokens alone in a CUDA graph (chunk_sweep.py, 0f920e6) the first part takes 54.8 us, the second 63.4, the
    two together 115.5 (one kernel 117.3); in the engine's profile at 9362a54 47.9 and 53.2 us a layer.
+   Where kernel 1 is split, kernel 3 forms the scores Q K^T itself (SCORES_IN_OUTPUT, below) and the products
+   kernel runs W and U alone, grid (chunks, Hv, 2). From 4096 tokens (LONG_PROMPT_PICKS) the two parts run the
+   configs fastest in chunk_sweep.py: the inverse at 4 warps capped at 168 registers (three programs an SM for
+   sm_90 instead of two), the products at 4 warps. Measured (twenty-fourth session, the engine's profile at 4096
+   tokens, medians a layer): inverse 47.9 -> 43.9 us, products 50.0 -> 31.2, kernel 3 40.1 -> 52.8, the chunked
+   rule 205.2 -> 196.3; in the prefill (prefill_options.py, one process, replayed) 12,037.0 us against 12,222.5
+   with kernel 3 reading the scores and 12,070.2 without the pins.
 2. The sequential part, and only the state's part of it. On Hopper with 16-bit operands (the engine's prefill) it
    runs in Gluon on the transposed state, `state_pass.py` (STATE_PASS_IN_GLUON): both products of a step take the
    carried operand from registers, no shared-memory round trip in the step's chain; at 4096 tokens 102.1 -> 64-67
@@ -107,7 +114,8 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    pipeline; at BLOCK_V = 64 (the smallest wgmma tile) 255 registers and spills. Not run on the GPU.
 3. `_chunk_output_kernel`, grid (chunks, Hv, Dv / BLOCK_V), fully parallel: a chunk's
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
-   its Q K^T (kernel 1's) and q, re-read and re-normalised. Folding this into the state pass for short
+   its Q K^T (kernel 1's; where kernel 1 is split, formed here from q and k, re-read and re-normalised, as
+   kernel 1 forms them) and q, re-read and re-normalised. Folding this into the state pass for short
    prompts (one launch fewer) was measured no faster in the prefill of 128 tokens (commit 4ca1bd6: the
    state pass 6.2 -> 9.8 us per layer against 4.0 us for this kernel; the prefill 2.126 / 2.243 ms without
    it, 2.280 / 2.449 ms with it, two rounds, benchmarks/prefill_configs.py --settings) and was removed.
@@ -687,8 +695,14 @@ def _chunk_state_kernel(
     tl.store(slab, state, mask=slab_mask)
 
 
+# No BLOCK_V of 32: forming the scores (SCORES_IN_OUTPUT) without the norm, the kernel at BLOCK_V 32 and 4 warps wrote
+# a wrong output and then faulted with an illegal address on the H200 (chunks of 64; twenty-fourth session, calls 3
+# and 4: benchmarks/scores_probe.py, `scores-probe-...-c5763f8.json`), where BLOCK_V 64 and 128 at 4 and 8 warps
+# matched the kernel reading the products kernel's scores (to the bit with the norm and at 128; within one bf16
+# rounding at 64). Not analysed further (its second product [64, 64] x [64, 32], the scores from the first product's
+# registers). It was never the pick either: at 4096 tokens 100.0 us against 35.7 at BLOCK_V 128 reading the scores
+# (chunk_sweep.py, call 2); short prompts pin 128. (A single config is not pruned, so it had to go from the list.)
 OUTPUT_CONFIGS = [
-    triton.Config({"BLOCK_V": 32}, num_warps=4),
     triton.Config({"BLOCK_V": 64}, num_warps=4),
     triton.Config({"BLOCK_V": 64}, num_warps=8),
     triton.Config({"BLOCK_V": 128}, num_warps=4),
@@ -696,26 +710,12 @@ OUTPUT_CONFIGS = [
 ]
 
 
-# Where the output kernel forms the scores (SCORES_HERE) without the norm, its value columns come MIN_SCORES_BLOCK_V
-# or more at a time: at BLOCK_V = 32 and 4 warps the kernel wrote a wrong output and then faulted with an illegal
-# address on the H200 (chunks of 64; twenty-fourth session, calls 3 and 4: benchmarks/scores_probe.py,
-# `scores-probe-...-c5763f8.json`), where BLOCK_V = 64 and 128 at 4 and 8 warps matched the kernel reading the
-# products kernel's scores (to the bit with the norm and at 128; within one bf16 rounding at 64). Not analysed further.
-MIN_SCORES_BLOCK_V = 64
-
-
 def _prune_output(configs, named_args, **kwargs):
     """With the output norm a program writes whole head rows whatever BLOCK_V: the configs of the largest
-    BLOCK_V stand for the warp counts. Forming the scores without it: BLOCK_V >= MIN_SCORES_BLOCK_V (the first
-    config widened if none is, as under the interpreter). Then the short-prompt pick."""
+    BLOCK_V stand for the warp counts. Then the short-prompt pick."""
     if kwargs.get("NORM"):
         widest = max(c.kwargs["BLOCK_V"] for c in configs)
         configs = [c for c in configs if c.kwargs["BLOCK_V"] == widest]
-    elif kwargs.get("SCORES_HERE"):
-        first = configs[0]
-        configs = [c for c in configs if c.kwargs["BLOCK_V"] >= MIN_SCORES_BLOCK_V] or [
-            triton.Config(dict(first.kwargs, BLOCK_V=MIN_SCORES_BLOCK_V), num_warps=first.num_warps,
-                          num_stages=first.num_stages)]
     return _short_prompt_pick("output")(configs, named_args, **kwargs)
 
 

@@ -15,7 +15,8 @@ tile its rows' sums, one float a row per SQUARES_COLUMNS output columns; needs B
 Measured on the H200 (docs/perf-notes.md, twenty-third session; the profile at 4096 tokens, kernel medians): the
 GEMMs that scale by 1/rms 3.1-4.6 us over the same tiles without it (the pass they replace took 5.2), those that
 write the sums 0.7-0.8 us; in the engine's prefill (benchmarks/prefill_options.py, one process) 24-45 us faster at
-128 tokens, 34-65 us at 4096 replayed.
+128 tokens, 34-65 us at 4096 replayed. The sums' load issued before the main loop and reduced after it (twenty-fourth
+session; the loop no longer waits for it): the scaling GEMMs 0.4-1.3 us a kernel faster at 4096 tokens.
 Applied inside the main loop instead, the transform takes every x tile through registers and the
 projections ran 1.6-2.6x slower on the H200 (benchmarks/gemm_sweep.py, 2026-11-29: the DeltaNet
 in-projection at M = 4096 in 262 us fused against 132 us for the same tiles without it).
