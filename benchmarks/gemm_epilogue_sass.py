@@ -5,13 +5,16 @@ with and without the folded norm's 1/rms), gate/up (the same), down (128 x 256, 
 sums of squares); and a short prompt's down, split in four over pointer loads (64 x 64, 4 warps), with the sums.
 Prints one line of JSON per variant's `sass_counts.compile_counts` (registers, stack, shared memory, shared-memory
 stores and loads, barriers, tensor-core instructions). The CPU test
-`tests/operators/test_linear.py::test_gemm_folded_norm_epilogues_compile_for_hopper` runs it.
+`tests/operators/test_linear.py::test_gemm_folded_norm_epilogues_compile_for_hopper` runs it. With --sequence NAME,
+that variant's PTX operations in order instead (`sass_counts.operation_sequence`: where the folded norm's loads of
+the sums sit against the main loop's label and branch).
 
-    TRITON_INTERPRET=0 python3 benchmarks/gemm_epilogue_sass.py
+    TRITON_INTERPRET=0 python3 benchmarks/gemm_epilogue_sass.py [--sequence "in-projection folded"]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -35,9 +38,15 @@ INTEGERS = ("M", "N", "K", "M_BUCKET", "PARTS")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sequence", metavar="NAME", choices=[variant[0] for variant in VARIANTS],
+                        help="print this variant's PTX operation sequence instead of the counts")
+    args = parser.parse_args()
     x = torch.zeros(4096, 1024, dtype=torch.bfloat16)
     results = {}
     for name, activation, residual, folded, squares, block_m, block_n, split_k, tma, warps in VARIANTS:
+        if args.sequence and name != args.sequence:
+            continue
         types = dict({pointer: "*fp32" for pointer in FLOAT32_POINTERS}, counter_ptr="*i32",
                      **{integer: "i32" for integer in INTEGERS})
         if tma:
@@ -46,7 +55,10 @@ def main() -> None:
         constants = dict(ACTIVATION=activation, HAS_RESIDUAL=residual, SPLIT_ALLOWED=split_k > 1, FOLDED_NORM=folded,
                          WRITE_SQUARES=squares, BLOCK_PARTS=32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
                          GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=False)
-        counts = compile_counts(gemm._gemm_kernel, constants, warps, 3, types=types)
+        counts = compile_counts(gemm._gemm_kernel, constants, warps, 3, sequence=bool(args.sequence), types=types)
+        if args.sequence:
+            print(counts["sequence"])
+            return
         results[name] = {key: counts[key] for key in ("registers", "stack_bytes", "shared_bytes", "shared_stores",
                                                       "shared_loads", "barriers", "tensor_core")}
     print(json.dumps(results))

@@ -8,9 +8,9 @@ not a timing: fewer instructions on a latency-bound kernel's critical path is a 
 GPU.
 
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py prepare [--warps 8 4] [--stages 3] [--chunk 64]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse  (or products: kernel 1 in two parts)
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py inverse [--maxnreg 168]  (or products: kernel 1 in two parts)
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 [--warps 8]
-    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4] [--constant SCORES_HERE=True]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 --warps 8 --stages 3 --sequence \
         [--constant NAME=VALUE]
 
@@ -70,12 +70,13 @@ def operation_sequence(ptx: str) -> str:
 
 
 def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: bool = False,
-                   types: dict | None = None, divisible: tuple = ()) -> dict:
+                   types: dict | None = None, divisible: tuple = (), maxnreg: int | None = None) -> dict:
     """The kernel compiled for sm_90 with `constants` (its constexprs): registers, stack, shared memory, SASS opcode
     counts (and with `sequence` the PTX's, see operation_sequence). Argument types follow the names (pointers bf16
     but FLOAT32_POINTERS, INTEGERS and strides i32) unless `types` names them (e.g. a tensor descriptor's
     `mangle_type`). Pointers named *_ptr and strides are specialised as divisible by 16, as Triton specialises the
-    engine's; `divisible` names more arguments so (pointers named otherwise, sizes that are multiples of 16)."""
+    engine's; `divisible` names more arguments so (pointers named otherwise, sizes that are multiples of 16).
+    maxnreg: a config's register cap."""
     types = types or {}
     signature, constexprs = {}, {}
     for name in kernel.arg_names:
@@ -93,7 +94,9 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
                  if (name.endswith("_ptr") and signature[name].startswith("*")) or name.startswith("stride")
                  or name in divisible}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages,
+                                           **({"maxnreg": maxnreg} if maxnreg else {})))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     with open(path, "wb") as f:
@@ -120,6 +123,7 @@ def main() -> None:
     parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output"])
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--maxnreg", type=int, help="a register cap (a config's maxnreg)")
     parser.add_argument("--block-v", type=int, default=32, help="the state pass's BLOCK_V")
     parser.add_argument("--chunk", type=int, default=chunk.CHUNK, choices=chunk.CHUNK_SIZES, help="the chunk's rows")
     parser.add_argument("--sequence", action="store_true", help="the PTX's operation sequence (see above)")
@@ -129,16 +133,19 @@ def main() -> None:
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
-                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True)  # the output kernel as the engine runs it
+                     BLOCK_D=128, NORM=True, ROUND_PRODUCT=True,  # the output kernel as the engine runs it
+                     SCORES_HERE=False, SCORES_DTYPE=tl.bfloat16,  # (--constant SCORES_HERE=True: it forms the scores)
+                     SCORES=False)  # the products kernel as long prompts run it (W and U; the scores in kernel 3)
     for item in args.constant:
         name, value = item.split("=", 1)
         if name not in kernel.arg_names:
             raise SystemExit(f"{kernel.__name__} has no argument {name}")
         constants[name] = ast.literal_eval(value)
     for warps in args.warps:
-        counts = compile_counts(kernel, constants, warps, args.stages, args.sequence)
+        counts = compile_counts(kernel, constants, warps, args.stages, args.sequence, maxnreg=args.maxnreg)
         sequence = counts.pop("sequence", None)
-        print(f"{args.kernel}, chunks of {args.chunk}, {warps} warps, {args.stages} stages:", counts)
+        cap = f", at most {args.maxnreg} registers" if args.maxnreg else ""
+        print(f"{args.kernel}, chunks of {args.chunk}, {warps} warps, {args.stages} stages{cap}:", counts)
         if sequence:
             print("  PTX sequence:", sequence)
 

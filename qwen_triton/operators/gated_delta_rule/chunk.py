@@ -536,9 +536,10 @@ SPLIT_PREPARE_TOKENS = 2048
 SCORES_IN_OUTPUT = True
 
 # The inverse's programs are chains of small dependent products (latency-bound): a register cap (maxnreg) puts more
-# programs on an SM (for sm_90, benchmarks/sass_counts.py: 4 warps at 182 registers, two programs an SM; capped at 168,
-# three, no spills; at 128, four, 264 bytes of spills). At T = 4096 (benchmarks/chunk_sweep.py, twenty-fourth
-# session, with the products at their pick, us): 106.5 capped at 168, 110.5 at 128, 110.9 uncapped; 8 warps (108
+# programs on an SM (for sm_90, benchmarks/sass_counts.py inverse --maxnreg N: 4 warps at 182 registers, two programs
+# an SM; capped at 168, three, no spills; at 128, four, 264 bytes of spills). At T = 4096 (benchmarks/chunk_sweep.py,
+# twenty-fourth session, call 2, `chunk-sweep-4096-maxnreg-2026-12-01-NVIDIA-H200-d437362.json`; the two parts
+# together, the products at their pick, us): 106.5 capped at 168, 110.5 at 128, 110.9 uncapped; 8 warps (108
 # registers, two programs an SM) 113.6, capped at 80 113.8 and at 64 120.9 (three and four programs): those dropped.
 INVERSE_CONFIGS = [
     triton.Config({}, num_warps=4),
@@ -572,8 +573,8 @@ def _chunk_inverse_kernel(
                  V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
-# (8 warps capped at 64 registers, four programs an SM for sm_90 where 76 give three, measured 116.8 against 115.0
-# us at T = 4096 in the same sweep: not kept)
+# (8 warps capped at 64 registers, four programs an SM for sm_90 where 76 give three, `sass_counts.py products --warps
+# 8 --maxnreg 64`: measured 116.8 against 115.0 us at T = 4096 in the same sweep, not kept)
 PRODUCTS_CONFIGS = [
     triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=8),
