@@ -1,4 +1,4 @@
-"""Which configs of the chunked rule's output kernel form the chunks' scores correctly on the GPU (chunk.SCORES_IN_OUTPUT).
+"""Which configs of the chunked rule's output kernel form the chunks' scores correctly on the GPU (SCORES_IN_OUTPUT).
 
 For each output config (pinned) in a process of its own (an illegal address ends that process, not the probe), at 200
 and 4096 tokens (kernel 1 split, chunks of 64), without and with the output norm: the output with kernel 3 forming the

@@ -9,8 +9,8 @@ goes to memory; the GEMM applies them in a pass of their own before its main loo
 
 Epilogues (applied to the float32 accumulators before the one store):
 - folded norm: acc *= rstd of each row, from the row's sums of squares that the kernel which wrote x left
-  (`load_row_squares`, `folded_rstd`): the zero-centred RMSNorm of x with its (1 + w) folded into the weight's columns, so no
-  pass over x is needed (the GEMM; see linear.py);
+  (`load_row_squares`, `folded_rstd`): the zero-centred RMSNorm of x with its (1 + w) folded into the weight's
+  columns, so no pass over x is needed (the GEMM; see linear.py);
 - swiglu: out = silu(acc_gate) * acc_up, the gate and up rows of one [2I, K] weight accumulated side by side;
 - residual: out = acc + residual (residual may be the output itself: an in-place add, safe because each
   output element is read and then written by the same program);
