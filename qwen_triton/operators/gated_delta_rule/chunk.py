@@ -382,18 +382,13 @@ LONG_PROMPT_PICKS = {
 }
 
 
-def _short_prompt_pick(kernel: str):
+def _prompt_pick(kernel: str):
+    """The kernel's pinned config for a short prompt (SHORT_PROMPT_PICKS) or a long one (LONG_PROMPT_PICKS), where
+    the table has one; every config otherwise."""
     def prune(configs, named_args, **kwargs):
         chunk, bucket = kwargs.get("CHUNK_ROWS", CHUNK), named_args.get("chunk_bucket")
         if bucket is not None and bucket * chunk <= SHORT_PROMPT_TOKENS:
             return keep_preferred(configs, SHORT_PROMPT_PICKS.get(chunk, {}).get(kernel))
-        return configs
-    return prune
-
-
-def _long_prompt_pick(kernel: str):
-    def prune(configs, named_args, **kwargs):
-        chunk, bucket = kwargs.get("CHUNK_ROWS", CHUNK), named_args.get("chunk_bucket")
         if bucket is not None and bucket * chunk >= LONG_PROMPT_TOKENS:
             return keep_preferred(configs, LONG_PROMPT_PICKS.get(kernel))
         return configs
@@ -490,7 +485,7 @@ def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, 
 
 @triton.autotune(configs=autotune_configs(PREPARE_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("prepare"))},
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_prompt_pick("prepare"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
@@ -551,7 +546,7 @@ INVERSE_CONFIGS = [
 
 @triton.autotune(configs=autotune_configs(INVERSE_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "CHUNK_ROWS", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_long_prompt_pick("inverse"))},
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_prompt_pick("inverse"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_inverse_kernel(
@@ -583,7 +578,7 @@ PRODUCTS_CONFIGS = [
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
                  key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "SCORES"],
-                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_long_prompt_pick("products"))},
+                 prune_configs_by={"early_config_prune": _first_for_float32_operands(_prompt_pick("products"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
@@ -655,7 +650,7 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
 @triton.autotune(
     configs=autotune_configs(STATE_CONFIGS),
     key=["chunk_bucket", "V_HEADS", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],  # DOT_DTYPE: w's dtype, in the key
-    prune_configs_by={"early_config_prune": _first_for_float32_operands(_short_prompt_pick("state"))},
+    prune_configs_by={"early_config_prune": _first_for_float32_operands(_prompt_pick("state"))},
     restore_value=["state_ptr"], cache_results=True,
 )
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
@@ -717,7 +712,7 @@ def _prune_output(configs, named_args, **kwargs):
     if kwargs.get("NORM"):
         widest = max(c.kwargs["BLOCK_V"] for c in configs)
         configs = [c for c in configs if c.kwargs["BLOCK_V"] == widest]
-    return _short_prompt_pick("output")(configs, named_args, **kwargs)
+    return _prompt_pick("output")(configs, named_args, **kwargs)
 
 
 @triton.autotune(configs=autotune_configs(OUTPUT_CONFIGS),
@@ -836,6 +831,7 @@ class _Scratch(NamedTuple):
     product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
     u: torch.Tensor  # [Hv, T, Dv] in dot_dtype
+    scores_in_output: bool  # kernel 3 forms the chunks' scores (SCORES_IN_OUTPUT, where kernel 1 is split)
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written (empty where kernel 3 forms them)
     decay: torch.Tensor  # [Hv, T] float32, G
     decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
@@ -849,11 +845,6 @@ def chunk_size_for(length: int) -> int:
     return SHORT_CHUNK if length <= SHORT_CHUNK_TOKENS else CHUNK
 
 
-def _scores_in_output(length: int) -> bool:
-    """Whether kernel 3 forms the chunks' scores (SCORES_IN_OUTPUT, where kernel 1 is split)."""
-    return SCORES_IN_OUTPUT and length > SPLIT_PREPARE_TOKENS
-
-
 def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     if v.dtype == torch.float32 or dot_precision == "ieee":
         prepare_precision, dot_dtype, product_precision = "ieee", torch.float32, "ieee"
@@ -865,12 +856,13 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunk = chunk_size or chunk_size_for(length)
     chunks = triton.cdiv(length, chunk)
+    scores_in_output = SCORES_IN_OUTPUT and length > SPLIT_PREPARE_TOKENS
     return _Scratch(
         chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         u=torch.empty(value_heads, length, value_dim, device=device, dtype=dot_dtype),
-        qk=torch.empty(0 if _scores_in_output(length) else chunks, value_heads, chunk, chunk, device=device,
-                       dtype=dot_dtype),
+        scores_in_output=scores_in_output,
+        qk=torch.empty(0 if scores_in_output else chunks, value_heads, chunk, chunk, device=device, dtype=dot_dtype),
         decay=torch.empty(value_heads, length, device=device, dtype=torch.float32),
         decayed_keys=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
         system=torch.empty(chunks, value_heads, chunk, chunk, device=device, dtype=torch.float32),
@@ -900,7 +892,7 @@ def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(Tru
             k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
             length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
     if parts[1]:
-        scores = not _scores_in_output(length)
+        scores = not scratch.scores_in_output
         _chunk_products_kernel[(chunks, value_heads, 3 if scores else 2)](
             q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
             length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values, SCORES=scores)
@@ -944,7 +936,7 @@ def _launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
         NORM=output_norm is not None,
         # torch multiplies two tensors of one 16-bit dtype in that dtype; a float32 weight promotes
         ROUND_PRODUCT=output_norm is not None and weight.dtype == out.dtype and out.dtype != torch.float32,
-        SCORES_HERE=_scores_in_output(length), SCORES_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype],
+        SCORES_HERE=scratch.scores_in_output, SCORES_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype],
     )
 
 
