@@ -21,6 +21,65 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _skip_repeated_language_patches() -> None:
+    """Under the interpreter, make a device function's call skip re-patching triton.language when the running
+    launch has already patched the modules it sees.
+
+    Triton's interpreter patches triton.language's builtins for each launch (and undoes it after), and again at
+    every call of a @triton.jit helper inside the kernel (never undone): four passes of inspect.getmembers over
+    the language, ~0.5 ms a call, which a program with a dozen helper calls pays a dozen times, in every program
+    of the grid. Inside a launch the builtins it patched are already its wrappers, so those repeated patches
+    change nothing; skipping them keeps every operation as it was. A helper whose globals hold a module the
+    launch did not patch (triton.language.core, for Triton's own helpers) still patches it, once a launch.
+    Left as is where this Triton has no such internals."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or scope_type is None or executor is None or getattr(patch_lang, "_skips_repeats", False):
+        return
+    run_grid = executor.__call__
+    launch = {"active": False, "patched": None}  # patched: the language modules patched in the running launch
+
+    seen: dict = {}  # function -> the language modules among its globals (a module's, fixed once it runs)
+
+    def languages(fn):
+        if fn not in seen:
+            seen[fn] = frozenset(id(value) for value in fn.__globals__.values()
+                                 if inspect.ismodule(value) and value in (tl, tl.core))
+        return seen[fn]
+
+    def patch_once(fn):
+        if not launch["active"]:
+            return patch_lang(fn)
+        modules = languages(fn)
+        if launch["patched"] is not None and modules <= launch["patched"]:
+            return scope_type()  # nothing patched, nothing to undo
+        scope = patch_lang(fn)
+        launch["patched"] = modules | (launch["patched"] or set())
+        return scope
+
+    def run_grid_patching_once(self, *args, **kwargs):
+        if launch["active"]:  # not expected: a launch inside a launch runs as Triton runs it
+            return run_grid(self, *args, **kwargs)
+        launch.update(active=True, patched=None)
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            launch.update(active=False, patched=None)
+
+    patch_once._skips_repeats = True
+    interpreter._patch_lang = patch_once
+    executor.__call__ = run_grid_patching_once
+
+
+if interpreting():
+    _skip_repeated_language_patches()
+
+
 _SM_COUNTS: dict = {}
 
 

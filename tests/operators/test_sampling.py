@@ -80,6 +80,18 @@ def test_sample_matches_gumbel_max_over_kept_tokens(device, per_row_seed):
     assert_draws(ids, expected_draws(logits, *args))
 
 
+def test_sample_long_row_matches_gumbel_max(device):
+    """A row longer than the interpreter's INTERPRETER_WIDE_V (its wide tiles there: 4 chunks of 1536 tokens, 3
+    steps of 512 each, the last chunk partial), greedy, plain, top-k and top-p rows."""
+    M, V = 4, 5000
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(M, V, generator=generator) * 3).to(device)
+    args = tensors(device, [0.0, 1.0, 0.7, 1.3], [0, 0, 20, 0], [1.0, 1.0, 1.0, 0.8], [4321], [3, 4, 5, 6])
+    assert_draws(sample(logits, *args), expected_draws(logits, *args))
+    plain = (args[0], torch.zeros_like(args[1]), torch.ones_like(args[2]), *args[3:])
+    assert_draws(sample(logits, *plain, filtering=False), expected_draws(logits, *plain))
+
+
 def test_sample_greedy_and_top_k_one_are_argmax(device):
     generator = torch.Generator().manual_seed(2)
     logits = (torch.randn(4, 40, generator=generator) * 3).to(device)

@@ -196,9 +196,11 @@ def gemv(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
 
     explicit = {}
     if interpreting() and N > INTERPRETER_WIDE_N:
-        # the interpreter pays per program: a vocabulary-sized N (the LM head) gets wide blocks there
+        # the interpreter pays per program: a vocabulary-sized N (the LM head) gets wide blocks there (at most
+        # 16 programs a row and split)
         kernel = _gemv_kernel
-        explicit = dict(BLOCK_N=1024, BLOCK_K=64, SPLIT_K=2 if split_k else 1)
+        explicit = dict(BLOCK_N=max(1024, triton.next_power_of_2(triton.cdiv(N, 16))), BLOCK_K=64,
+                        SPLIT_K=2 if split_k else 1)
     kernel[grid](
         x, weight, out,
         out if residual is None else residual,

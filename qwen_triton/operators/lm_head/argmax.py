@@ -133,6 +133,19 @@ def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, r
 
 # one or two passes over the partials of a 248320-token row (3880-15520 tiles)
 BLOCK_T = 2 if interpreting() else 8192
+# the interpreter pays per operation: a row of more than INTERPRETER_WIDE_TILES partials is reduced there in
+# a few passes (the tests' few tiles keep BLOCK_T 2, several passes)
+INTERPRETER_WIDE_TILES = 256
+
+
+def reduce_block(max_tiles: int) -> int:
+    """The reduction's BLOCK_T over up to max_tiles partials a row: BLOCK_T, or under the interpreter, for many
+    partials, a quarter of them (a power of two)."""
+    if interpreting() and max_tiles > INTERPRETER_WIDE_TILES:
+        return triton.next_power_of_2(triton.cdiv(max_tiles, 4))
+    return BLOCK_T
+
+
 _workspaces: dict[tuple, tuple] = {}
 
 
@@ -199,8 +212,9 @@ def lm_head_argmax(
 
     kernel, explicit = _lm_head_argmax_kernel, {}
     if interpreting() and V > 4096:
-        # the interpreter pays per program: wide vocabulary blocks there
-        kernel, explicit = _lm_head_argmax_kernel.fn, dict(BLOCK_V=1024, BLOCK_K=64)
+        # the interpreter pays per program: wide vocabulary blocks there (at most 16 programs a row)
+        kernel = _lm_head_argmax_kernel.fn
+        explicit = dict(BLOCK_V=max(1024, triton.next_power_of_2(triton.cdiv(V, 16))), BLOCK_K=64)
     kernel[grid](
         x, weight, x if norm_weight is None else norm_weight,
         temperature if sample else x, seed if sample else x, step if sample else x,
@@ -209,6 +223,7 @@ def lm_head_argmax(
         HAS_NORM=norm_weight is not None, SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1,
         USE_PDL=pdl, **explicit, **launch_options(pdl),
     )
-    _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, values, values, BLOCK_T=BLOCK_T, RESET=False,
+    _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, values, values,
+                                BLOCK_T=reduce_block(max_tiles), RESET=False,
                                 USE_PDL=pdl, num_warps=8, **launch_options(pdl))
     return out

@@ -49,8 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import allow_next_kernel, check_same_device, check_tensor, launch_options, wait_for_previous_kernel
-from .argmax import BLOCK_T, FLOAT_DTYPES, INT32_MAX, _argmax_reduce_kernel
+from ..common import (allow_next_kernel, check_same_device, check_tensor, interpreting, launch_options,
+                      wait_for_previous_kernel)
+from .argmax import FLOAT_DTYPES, INT32_MAX, _argmax_reduce_kernel, reduce_block
 
 # the kernels' tiles (module constants: benchmarks/engine_options.py --settings can change them)
 SCREEN_ROWS = 128  # BLOCK_V of kernel 1: q rows a program
@@ -61,6 +62,18 @@ CHECK_ROWS = 128  # BLOCK_R of kernel 2
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24
 MAX_COLUMNS = 4096  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row)
+# The interpreter pays per program and per operation, each over a whole tile: a head of more than
+# INTERPRETER_WIDE_V rows gets INTERPRETER_ROWS rows a program there in kernels 1 and 2, and kernel 1 no
+# wider a K step than the head (the tests' small heads keep the tiles above)
+INTERPRETER_WIDE_V = 4096
+INTERPRETER_ROWS = 8192
+
+
+def _tiles(V: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_V and BLOCK_K of kernel 1, BLOCK_R of kernel 2) for a head of V rows of K columns."""
+    if interpreting() and V > INTERPRETER_WIDE_V:
+        return INTERPRETER_ROWS, min(SCREEN_COLUMNS, max(16, triton.next_power_of_2(K))), INTERPRETER_ROWS
+    return SCREEN_ROWS, SCREEN_COLUMNS, CHECK_ROWS
 
 
 class LmHeadScreen(NamedTuple):
@@ -256,7 +269,7 @@ _workspaces: dict[tuple, _Workspace] = {}
 def _workspace(device, M: int, V: int, K: int) -> _Workspace:
     key = (device, M, V, K)
     if key not in _workspaces:
-        tiles = triton.cdiv(V, CHECK_ROWS)
+        tiles = triton.cdiv(V, _tiles(V, K)[2])
         _workspaces[key] = _Workspace(
             normed=torch.empty(M, K, dtype=torch.float32, device=device),
             quantized_x=torch.zeros(triton.cdiv(M, 16) * 16, K, dtype=torch.int8, device=device),
@@ -316,19 +329,20 @@ def lm_head_argmax_screened(
         HAS_NORM=norm_weight is not None, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
         **launch_options(pdl),
     )
-    _screen_kernel[(triton.cdiv(V, SCREEN_ROWS), triton.cdiv(M, 16))](
+    screen_rows, screen_columns, check_rows = _tiles(V, K)
+    _screen_kernel[(triton.cdiv(V, screen_rows), triton.cdiv(M, 16))](
         screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, work.quantized_x,
         work.statistics, work.upper, work.threshold, M, V, K, screen.quantized.stride(0),
-        SINGLE=M == 1, BLOCK_V=SCREEN_ROWS, BLOCK_K=SCREEN_COLUMNS, USE_PDL=pdl, num_warps=SCREEN_WARPS,
+        SINGLE=M == 1, BLOCK_V=screen_rows, BLOCK_K=screen_columns, USE_PDL=pdl, num_warps=SCREEN_WARPS,
         num_stages=SCREEN_STAGES, **launch_options(pdl),
     )
     _check_kernel[(work.tiles, M)](
         weight, work.normed, work.upper, work.threshold, work.values, work.indices, V, K, weight.stride(0), work.tiles,
-        BLOCK_R=CHECK_ROWS, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
+        BLOCK_R=check_rows, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
         **launch_options(pdl),
     )
     _argmax_reduce_kernel[(M,)](work.values, work.indices, work.tile_count, out, work.tiles, work.threshold,
-                                work.kept, BLOCK_T=BLOCK_T, RESET=True, USE_PDL=pdl, num_warps=8,
+                                work.kept, BLOCK_T=reduce_block(work.tiles), RESET=True, USE_PDL=pdl, num_warps=8,
                                 **launch_options(pdl))
     return out
 

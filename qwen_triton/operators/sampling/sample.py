@@ -269,6 +269,23 @@ BLOCK_V = 16 if interpreting() else 256
 SEARCH_BLOCK_V = 16 if interpreting() else 128  # the bin counting holds a [tile, 64] comparison
 TARGET_CHUNKS = 4 if interpreting() else 64
 NUM_WARPS = 4
+# The interpreter pays per operation, each a numpy call over a whole tile: a row of more than
+# INTERPRETER_WIDE_V tokens (a real vocabulary) gets tiles there that cover a chunk in INTERPRETER_STEPS
+# steps (248320 tokens: 4 chunks of 4 tiles of 16384, against 15520 tiles of 16), the bin counting's
+# [tile, 64] comparison at most INTERPRETER_SEARCH_BLOCK_V rows. The tests' small rows keep the tiny tiles.
+INTERPRETER_WIDE_V = 4096
+INTERPRETER_STEPS = 4
+INTERPRETER_SEARCH_BLOCK_V = 4096
+
+
+def _tiles(V: int) -> tuple[int, int]:
+    """(BLOCK_V, SEARCH_BLOCK_V) of a row of V tokens: the module's, but wide ones for a long row under the
+    interpreter (powers of two, the search's no wider than the draw's: a chunk is a multiple of both)."""
+    if interpreting() and V > INTERPRETER_WIDE_V:
+        block = triton.next_power_of_2(triton.cdiv(V, TARGET_CHUNKS * INTERPRETER_STEPS))
+        return block, min(block, INTERPRETER_SEARCH_BLOCK_V)
+    return BLOCK_V, SEARCH_BLOCK_V
+
 
 _workspaces: dict[tuple, dict] = {}
 
@@ -279,7 +296,8 @@ def _workspace(device: torch.device, M: int, V: int) -> dict:
         chunks = TARGET_CHUNKS
         if device.type == "cuda":
             chunks = max(1, min(TARGET_CHUNKS, triton.cdiv(4 * sm_count(device), M)))
-        chunk = triton.cdiv(triton.cdiv(V, chunks), BLOCK_V) * BLOCK_V
+        block_v = _tiles(V)[0]
+        chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
         num_chunks = triton.cdiv(V, chunk)
 
         def floats(*shape):
@@ -334,24 +352,25 @@ def sample(
     if M == 0:
         return out
     work = _workspace(logits.device, M, V)
+    block_v, search_block_v = _tiles(V)
     grid = (work["num_chunks"], M)
     geometry = dict(V=V, CHUNK=work["chunk"], NUM_CHUNKS=work["num_chunks"])
     _stats_kernel[grid](
         logits, logits.stride(0), temperature, top_k, top_p,
         work["chunk_stats"], work["state_int"], work["state_float"], work["counters"],
-        **geometry, BLOCK_V=BLOCK_V, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
+        **geometry, BLOCK_V=block_v, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
     )
     if filtering:
         for _ in range(2 * PASSES_PER_FILTER):
             _search_kernel[grid](
                 logits, logits.stride(0), temperature, top_k, top_p,
                 work["count"], work["mass"], work["state_int"], work["state_float"], work["counters"],
-                **geometry, BLOCK_V=SEARCH_BLOCK_V, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
+                **geometry, BLOCK_V=search_block_v, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
             )
     _draw_kernel[grid](
         logits, logits.stride(0), temperature, seed, step,
         work["best_value"], work["best_index"], work["state_int"], work["counters"], out,
-        **geometry, SEED_PER_ROW=seed.shape[0] == M and M > 1, BLOCK_V=BLOCK_V, BLOCK_P=work["block_p"],
+        **geometry, SEED_PER_ROW=seed.shape[0] == M and M > 1, BLOCK_V=block_v, BLOCK_P=work["block_p"],
         num_warps=NUM_WARPS,
     )
     return out
