@@ -55,7 +55,7 @@ def test_the_quick_start_runs_what_it_says(workspace):
     root, env = workspace
     (block,) = code_blocks("Quick start", "bash")[:1]
     commands = [part.strip() for part in block.strip().split("&&") if part.strip().startswith("qwen-triton")]
-    assert commands == ['qwen-triton generate --backend triton "The capital of France is"']
+    assert commands == ['qwen-triton generate --backend triton --max-new-tokens 16 "The capital of France is"']
     result = run(commands[0], root, env)
     assert "triton backend" in result.stderr and "tokens/s" in result.stderr
     if not torch.cuda.is_available():
