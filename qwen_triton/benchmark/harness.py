@@ -181,7 +181,7 @@ class EngineRunner:
         if self.variant.startswith("triton"):  # greedy steps as LLM.generate runs them
             from ..engine.decode_pipeline import DecodePipeline
             from ..engine.sampling import SamplingParams
-            from ..engine.triton_model import DeviceSampling
+            from ..engine.device_sampling import DeviceSampling
 
             pipeline = DecodePipeline(self.model, DeviceSampling.build([SamplingParams()], self.device))
             state = dict(ids=[1], position=context, steps=0)

@@ -192,6 +192,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import active
 from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from . import state_pass
 from .gated_rms_norm import gated_rms_norm_values
@@ -203,7 +204,7 @@ CHUNK = 64
 # chunk_size=None): twice the programs of the fully parallel kernels and a shorter inverse, for a state pass of
 # twice the (cheaper) steps. See the module docstring for what was measured.
 SHORT_CHUNK = 32
-SHORT_CHUNK_TOKENS = 1024
+SHORT_CHUNK_TOKENS = active().chunk_short_chunk_tokens  # (tuning/h200.py)
 CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
 # Under the default precision mix for 16-bit activations, kernel 1's products but the inverse's (K K^T, Q K^T,
 # W, U) take operands in the activation dtype (else tf32). See the module docstring, Precision. (Not in the
@@ -349,37 +350,13 @@ PREPARE_CONFIGS = [
 ]
 
 
-# Prompts of up to SHORT_PROMPT_TOKENS tokens run the configs that were fastest at T = 128 back to back in a
-# CUDA graph on the H200, for each chunk size (benchmarks/chunk_sweep.py; chunks of 64: the same in two runs,
-# commits 447c82a and 4db1353; chunks of 32: one run, e5c4a2d, where the state pass took 8.3 us at its pick
-# and 9.4 at that of chunks of 64): there the kernels take 5-20 us, the autotuner's one-launch timings picked
-# differently from run to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with
-# its picks.
-SHORT_PROMPT_TOKENS = 256
-SHORT_PROMPT_PICKS = {
-    CHUNK: {
-        "prepare": dict(num_warps=8, num_stages=3),
-        "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
-        "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
-    },
-    SHORT_CHUNK: {
-        "prepare": dict(num_warps=4, num_stages=3),
-        "state": dict(BLOCK_V=32, num_warps=8, num_stages=3),
-        "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
-    },
-}
-
-
-# Prompts of LONG_PROMPT_TOKENS tokens or more (chunks of 64, kernel 1 split): kernel 1's two parts at the configs
-# fastest at T = 4096 in the same setting (benchmarks/chunk_sweep.py, twenty-fourth session, call 2 at commit
-# d437362, `chunk-sweep-4096-maxnreg-...-d437362.json`; the two parts together, us): the inverse at 4 warps capped
-# at 168 registers 106.5 (110.9 uncapped, 113.6 at 8 warps), the products at 4 warps 106.6 (115.0 at 8 warps, the
-# engine's profile's pick at d1b830a: the autotuner's one-launch timings pick either).
-LONG_PROMPT_TOKENS = 4096
-LONG_PROMPT_PICKS = {
-    "inverse": dict(num_warps=4, num_stages=3, maxnreg=168),
-    "products": dict(num_warps=4, num_stages=3, maxnreg=None),
-}
+# Prompts of up to SHORT_PROMPT_TOKENS tokens run the configs fastest at T = 128 back to back in a CUDA graph, by
+# chunk size and kernel; prompts of LONG_PROMPT_TOKENS tokens or more kernel 1's two parts at those fastest at
+# T = 4096: this GPU's tuning table (tuning/h200.py, with what was measured); without a table the autotuner chooses.
+SHORT_PROMPT_TOKENS = active().chunk_short_prompt_tokens
+SHORT_PROMPT_PICKS = active().chunk_short_prompt_picks
+LONG_PROMPT_TOKENS = active().chunk_long_prompt_tokens
+LONG_PROMPT_PICKS = active().chunk_long_prompt_picks
 
 
 def _prompt_pick(kernel: str):
@@ -523,7 +500,7 @@ def _chunk_prepare_kernel(
 
 # Prompts of more than SPLIT_PREPARE_TOKENS tokens (in chunks of 64) run kernel 1 as two kernels (below), each of
 # shorter programs. See the module docstring for what was measured.
-SPLIT_PREPARE_TOKENS = 2048
+SPLIT_PREPARE_TOKENS = active().chunk_split_prepare_tokens  # (tuning/h200.py)
 # Where kernel 1 is split, kernel 3 forms each chunk's Q K^T * exp(G_i - G_j) itself (from q and k, which it reads
 # beside the chunk's V' and start state) instead of reading what a third of the products kernel's programs stored:
 # those programs, their reads of q and k and the scores' round trip through memory go. Measured in
