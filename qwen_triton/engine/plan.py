@@ -230,13 +230,11 @@ _HEAD_KERNELS = {
 
 
 def _prefill_rows(plan: Plan, tokens: int) -> dict[str, str]:
-    from ..operators.linear.gemm import MAX_SPLIT_ROWS as split_rows
-
     tuning = plan.tuning
     gemm = "linear.gemv:_gemv_kernel" if tokens <= MAX_ROWS else "linear.gemm:_gemm_kernel"
     if tokens > MAX_ROWS:
         loads = "TMA" if tokens >= tuning.gemm_tma_rows and plan.device.hopper_or_later else "pointer"
-        split = "split-K allowed" if plan.split_k and tokens <= split_rows else "no split-K"
+        split = "split-K allowed" if plan.split_k and tokens <= MAX_SPLIT_ROWS else "no split-K"
         gemm += f" ({loads} loads, {split})"
     chunk = chunk_size_for(tokens)
     prepare = "prepare (one kernel)" if tokens <= tuning.chunk_split_prepare_tokens else "inverse + products"
@@ -271,7 +269,8 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
         else "linear.gemm:_gemm_kernel",
         "q/k norm + rotary": "attention.qk_norm_rotary:_qk_norm_rotary_kernel",
         "attention": "attention.decode:_decode_split_kernel + _decode_merge_kernel",
-        "deltanet layer": _DELTA_KERNELS[plan.decode_delta(rows)],
+        "deltanet layer": _DELTA_KERNELS[plan.decode_delta(rows)].replace(
+            "linear.gemv:_gemv_kernel", "linear.gemv:_gemv_kernel" if rows <= MAX_ROWS else "linear.gemm:_gemm_kernel"),
         "out-projection + MLP": _TAIL_KERNELS[tail] if tail != TAIL_LINEAR or rows <= MAX_ROWS
         else "linear.gemm:_gemm_kernel x3",
         "LM head (greedy)": _HEAD_KERNELS[head] + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED
