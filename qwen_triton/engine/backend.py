@@ -9,13 +9,14 @@ per row), and a prefill of several prompts (lists of token_ids, slots and starts
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..config import ModelConfig
 
 
+@runtime_checkable
 class Backend(Protocol):
     config: ModelConfig
     device: torch.device

@@ -80,6 +80,11 @@ class Options:
     fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
     # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
     tune_decode_attention_at_full_length: bool = True
+    # the tuning table's engine choices, for comparisons (benchmarks/prefill_options.py, engine_options.py);
+    # None: the table's (tuning/h200.py)
+    prefill_pdl_tokens: int | None = None  # prefills of up to this many tokens launch with PDL
+    lm_head_pdl: bool | None = None  # the decode LM head (not screened) with PDL
+    screened_lm_head_pdl: bool | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -170,6 +175,10 @@ def staged_tail_fits(config: ModelConfig, device: DeviceProperties) -> bool:
             and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
 
 
+def _given(value, default):
+    return default if value is None else value
+
+
 def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options = Options(),
                  dtype: torch.dtype = torch.bfloat16, tuning: Tuning | None = None) -> Plan:
     """The plan of `config` on `device` with `options`. tuning: the GPU's table (default: the table of this
@@ -202,9 +211,9 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         output_norm_in_projection=options.output_norm_in_projection,
         projected_delta=projected,
         screened_rows=tuning.screened_rows if options.screened_lm_head else 0,
-        lm_head_pdl=pdl and tuning.lm_head_pdl,
-        screened_lm_head_pdl=pdl and tuning.screened_lm_head_pdl,
-        prefill_pdl_tokens=tuning.prefill_pdl_tokens if pdl else 0,
+        lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
+        screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
+        prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
         folded_norm_from=MAX_ROWS + 1 if fold_norms else 2**62,
         tune_decode_attention_at_full_length=options.tune_decode_attention_at_full_length,
     )

@@ -58,7 +58,7 @@ so that the next tile's loads overlap this one's epilogue: Triton's persistent m
 the in-projections in isolation (109.0 us) but slower for gate/up (127.1) and in the prefill (15.45 and
 15.59 ms at 4096 tokens against 14.34); removed (commit 657be08, docs/perf-notes.md).
 
-PDL: with gemm(pdl=True) (a prompt of up to 256 tokens in the engine, triton_model.PREFILL_PDL) the prologue pass
+PDL: with gemm(pdl=True) (a prompt of up to 256 tokens in the engine: the plan's prefill_pdl_tokens) the prologue pass
 and the GEMM let the next kernel launch at their entry and wait for the previous kernel before their first
 load; in the engine's 128-token prefill, with the convs and attention alike, 1,785 -> 1,756 us (docs/perf-notes.md,
 seventeenth session). Asking the L2 for the program's weight rows before the wait was measured no faster.
