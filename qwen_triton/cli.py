@@ -3,7 +3,7 @@
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton generate [--model DIR] "prompt"
     qwen-triton chat [--model DIR]
-    qwen-triton ops
+    qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops]
     qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
@@ -130,8 +130,13 @@ def command_ops(args) -> None:
         device = DEVICES["h200"]
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     plan = resolve_plan(config, device, Options(), dtype)
+    buckets = {}
+    if args.rows:
+        buckets["decode_rows"] = [int(rows) for rows in args.rows.split(",")]
+    if args.tokens:
+        buckets["prefill_tokens"] = [int(tokens) for tokens in args.tokens.split(",")]
     print()
-    print(plan.describe(config))
+    print(plan.describe(config, **buckets))
 
 
 def _measuring_device(args, cpu_warning: str) -> str:
@@ -258,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--gpu", choices=["h200", "cpu"],
                      help="the device to resolve the plan for (default: the present GPU, else the H200)")
     ops.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ops.add_argument("--rows", help="decode batch buckets to show, e.g. 1,4 (default 1,2,4,8,16,32)")
+    ops.add_argument("--tokens", help="prefill lengths to show, e.g. 1500 (default 16 to 8192)")
     ops.set_defaults(run=command_ops)
     return parser
 

@@ -62,7 +62,8 @@ def delta_rule_chunked(c: ModelConfig, tokens: int, element: int):
 
 
 def delta_step(c: ModelConfig, rows: int, conv_weights: int, projection_width: int, element: int):
-    moved = delta_states(c, rows, element) + conv_weights * element + rows * (projection_width + c.linear_value_dim) * element
+    moved = (delta_states(c, rows, element) + conv_weights * element
+             + rows * (projection_width + c.linear_value_dim) * element)
     return moved, 8 * rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
 
 

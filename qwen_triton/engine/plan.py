@@ -23,6 +23,7 @@ from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemm import MAX_SPLIT_ROWS
 from ..operators.linear.gemv import MAX_ROWS
 from ..tuning import Tuning, active, for_device_name
+from .buffers import bucket
 
 PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
 
@@ -230,7 +231,8 @@ _DELTA_KERNELS = {
     DELTA_FUSED: "linear.gemv:_gemv_kernel, gated_delta_rule.fused_decode:_fused_step_kernel (norm in the tail)",
     DELTA_FUSED_NORM: "linear.gemv:_gemv_kernel, gated_delta_rule.fused_decode:_fused_step_kernel (norm in it)",
     DELTA_UNFUSED: "linear.gemv:_gemv_kernel, conv.causal_conv1d:_causal_conv1d_step_kernel, "
-                   "gated_delta_rule.recurrent:_recurrent_kernel, gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",
+                   "gated_delta_rule.recurrent:_recurrent_kernel, "
+                   "gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",
 }
 _HEAD_KERNELS = {
     HEAD_SCREENED: "lm_head.screened (int8 screen, exact check)",
@@ -311,7 +313,8 @@ def describe_plan(plan: Plan, config: ModelConfig, decode_rows, prefill_tokens) 
         f"screened_rows={plan.screened_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens}",
         "",
     ]
-    lines += _table("decode rows (bucket)", decode_rows, lambda rows: _decode_rows(plan, rows))
+    buckets = list(dict.fromkeys(bucket(rows) for rows in decode_rows))  # a step runs its rows' bucket
+    lines += _table("decode rows (bucket)", buckets, lambda rows: _decode_rows(plan, rows))
     lines.append("")
     lines += _table("prefill tokens", prefill_tokens, lambda tokens: _prefill_rows(plan, tokens))
     return lines

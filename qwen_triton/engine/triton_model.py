@@ -66,7 +66,7 @@ __all__ = ["TritonModel", "DeviceSampling", "DecodeBuffers", "bucket"]
 
 
 @dataclass
-class Pass:
+class ForwardPass:
     """What the layers of one forward pass need beside their weights and x: prefill (one sequence in `slot`
     after `start` cached tokens) or a decode step on `buffers`."""
 
@@ -170,7 +170,7 @@ class TritonModel:
             return dict(norm_weight=norm_weight, eps=self.config.rms_norm_eps)
         return dict(norm_squares=squares, eps=self.config.rms_norm_eps)
 
-    def _attention_layer(self, i, w: AttentionWeights, mlp: MLPWeights, x, step: Pass):
+    def _attention_layer(self, i, w: AttentionWeights, mlp: MLPWeights, x, step: ForwardPass):
         c = self.config
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
         qkv = self._linear("attention in-projection", i, x, w.qkv, **self._norm(w.input_norm, step.squares),
@@ -187,7 +187,7 @@ class TritonModel:
         return self._layer_tail(i, "attention gate + out-projection", attended.view(step.rows, -1), w.out, x, mlp,
                                 step, gate=gate)
 
-    def _attend(self, i, q, step: Pass):
+    def _attend(self, i, q, step: ForwardPass):
         c, element = self.config, self.embed.element_size()
         key, value = self.state.key[i], self.state.value[i]
         if step.buffers is None:
@@ -216,7 +216,7 @@ class TritonModel:
         v = mixed[:, 2 * c.linear_key_dim:].view(rows, c.linear_num_value_heads, c.linear_value_head_dim)
         return q, k, v
 
-    def _deltanet_layer_prefill(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, step: Pass):
+    def _deltanet_layer_prefill(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, step: ForwardPass):
         c, tokens, element = self.config, step.rows, self.embed.element_size()
         projection = self._linear("deltanet in-projection", i, x, w.projection,
                                   **self._norm(w.input_norm, step.squares), pdl=step.pdl)
@@ -230,7 +230,7 @@ class TritonModel:
                                            output_norm=(z, w.norm, c.rms_norm_eps))
         return self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, step)
 
-    def _deltanet_layer_decode(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, step: Pass):
+    def _deltanet_layer_decode(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, step: ForwardPass):
         c, size, scratch, element = self.config, step.rows, step.scratch, self.embed.element_size()
         variant = self.plan.decode_delta(size)
         if variant == DELTA_PROJECTED:  # in-projection and step in one kernel, the gated norm in the tail
@@ -269,7 +269,7 @@ class TritonModel:
         return self._layer_tail(i, "deltanet " + ("gated norm + " if head_norm else "") + "out-projection", out,
                                 w.out, x, mlp, step, head_norm=head_norm)
 
-    def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, step: Pass, gate=None,
+    def _layer_tail(self, i, kind: str, attended, out_weight, x, mlp: MLPWeights, step: ForwardPass, gate=None,
                     head_norm=None):
         """x + out-projection(attended) (+ residual), then + MLP: one kernel where the plan says so (a decode
         step: staged_out_projection_mlp or out_projection_mlp), else the three `linear` projections. head_norm
@@ -295,13 +295,13 @@ class TritonModel:
                          residual=x, out=x, pdl=step.pdl, squares_out=step.squares)
         return self._mlp(i, mlp, x, step)
 
-    def _mlp(self, i, w: MLPWeights, x, step: Pass):
+    def _mlp(self, i, w: MLPWeights, x, step: ForwardPass):
         hidden = self._linear("mlp norm + gate/up + swiglu", i, x, w.gate_up, **self._norm(w.input_norm, step.squares),
                               activation="swiglu", out=step.out("mlp_hidden"), pdl=step.pdl)
         return self._linear("mlp down-projection + residual", i, hidden, w.down, residual=x, out=x, pdl=step.pdl,
                             squares_out=step.squares)
 
-    def _layers(self, x, step: Pass):
+    def _layers(self, x, step: ForwardPass):
         decode = step.buffers is not None
         for i, (w, mlp) in enumerate(zip(self.layers, self.mlps)):
             if isinstance(w, AttentionWeights):
@@ -336,7 +336,7 @@ class TritonModel:
         self._prefilled = True
         with self._traced("embedding", None, costs.rows_read, tokens, c.hidden_size, element):
             x = embedding(token_ids, self.embed)
-        step = Pass(rows=tokens, slot=slot, start=start, pdl=plan.prefill_pdl(tokens),
+        step = ForwardPass(rows=tokens, slot=slot, start=start, pdl=plan.prefill_pdl(tokens),
                     positions=torch.arange(start, start + tokens, device=self.device, dtype=torch.int32),
                     slots=torch.full((tokens,), slot, device=self.device, dtype=torch.int32))
         if plan.prefill_folded_norm(tokens):
@@ -367,12 +367,10 @@ class TritonModel:
         size = buffers.size
         with self._traced("embedding", None, costs.rows_read, size, c.hidden_size, self.embed.element_size()):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
-        step = Pass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers)
+        step = ForwardPass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers)
         x = self._layers(x, step)
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=plan.lm_head_pdl)
         head = plan.decode_lm_head(size, mode)
-        if head == HEAD_SCREENED and self.lm_head_screen is None:
-            head = HEAD_ARGMAX
         kind = "final norm + lm head" + (" (int8 screen, exact check)" if head == HEAD_SCREENED else "")
         with self._traced(kind + (" + argmax" if mode in ("greedy", "temperature") else ""), None, costs.lm_head,
                           self.lm_head, size, mode not in ("greedy", "temperature"), head == HEAD_SCREENED):

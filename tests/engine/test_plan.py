@@ -67,3 +67,21 @@ def test_ops_prints_the_operator_table_and_the_plan(capsys):
     assert decode.split(" | ")[1] == "linear.staged_out_projection_mlp:_staged_kernel"
     prefill = next(line for line in out.splitlines() if line.startswith("| PDL | projections"))
     assert prefill.count("projections, convs, attention") == 3  # 16, 128 and 256 tokens
+
+
+def test_ops_shows_the_buckets_asked_for(capsys):
+    assert main(["ops", "--gpu", "h200", "--rows", "3", "--tokens", "1500"]) == 0
+    out = capsys.readouterr().out
+    assert "| decode rows (bucket) | 4 |" in out and "| prefill tokens | 1500 |" in out
+    assert "| gated delta rule | gated_delta_rule.chunk: chunks of 64, prepare (one kernel)" in out
+
+
+def test_every_kernel_the_printed_plan_names_exists():
+    import importlib
+    import re
+
+    text = "\n".join(resolve_plan(CONFIG, device).describe(CONFIG) for device in DEVICES.values())
+    named = set(re.findall(r"([a-z_0-9]+\.[a-z_0-9]+):(_\w+)", text))
+    assert len(named) >= 10
+    for module, kernel in named:
+        assert hasattr(importlib.import_module(f"qwen_triton.operators.{module}"), kernel), (module, kernel)

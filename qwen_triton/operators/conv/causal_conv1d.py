@@ -88,7 +88,8 @@ def prefill_config_space() -> list:
 # walking): no result depends on them.
 PREFILL_PICK = active().conv_prefill_pick
 LONG_PREFILL_PICK = active().conv_long_prefill_pick
-LONG_PREFILL_FROM = active().conv_long_prefill_from  # the length bucket (the prompt length rounded up to a power of two, at most 4096)
+# the length bucket (the prompt length rounded up to a power of two, at most 4096)
+LONG_PREFILL_FROM = active().conv_long_prefill_from
 
 
 def rows_per_program(meta) -> int:
