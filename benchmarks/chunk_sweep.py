@@ -10,9 +10,11 @@ inputs and states (18 for short prompts, as the 18 DeltaNet layers of a prefill)
 - `call`: gated_delta_rule_chunked with the autotuner's picks;
 - `prepare`: kernel 1 (`_chunk_prepare_kernel`) alone, at each of its configs; for prompts of more than
   chunk.SPLIT_PREPARE_TOKENS tokens, where kernel 1 runs as two (`_chunk_inverse_kernel`, then
-  `_chunk_products_kernel`), `inverse` and `products`: the two together with one of them at each of its configs
-  (the other at the autotuner's pick), and `prepare`: the one kernel, as the shorter prompts run it;
-- `state in gluon`: kernel 2 in Gluon (state_pass.py) alone, where it applies (chunk.STATE_PASS_IN_GLUON);
+  `_chunk_products_kernel`), `inverse alone` and `products alone` (chunk.launch_inverse, launch_products) at the
+  picks, and `inverse` and `products`: the two together with one of them at each of its configs (the other at the
+  autotuner's pick);
+- `state (engine)`: kernel 2 as the engine runs it (chunk.launch_state_pass: in Gluon where state_pass.py
+  applies);
 - `state`: kernel 2 in Triton (`_chunk_state_kernel`, the sequential state pass) alone, at each of its configs;
 - `output`: kernel 3 (`_chunk_output_kernel`) alone, at each of its configs.
 Then the checks of test_gpu_chunked: errors against the float32 torch reference (Frobenius and max of o
@@ -29,7 +31,9 @@ versions as a prefill runs them; its compilation and tuning come on top of this 
 each length, chunk.chunk_size_for).
 
     python3 benchmarks/chunk_sweep.py [--tokens 128,4096] [--chunk-sizes 32,64] [--out chunk.json]
-        [--baseline REV_OR_FILE] [--setting 'module.NAME=VALUE;...'] [--check-only]
+        [--baseline REV_OR_FILE] [--check-only]
+
+QWEN_TRITON_TUNING=default runs it without the H200's pins (tuning/__init__.py).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import time
 import torch
 import triton
 
-from qwen_triton.benchmark.harness import set_module_constant, time_graph
+from qwen_triton.benchmark.harness import time_graph
 from qwen_triton.operators.gated_delta_rule import chunk
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
@@ -181,29 +185,21 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
                          us=graph_us(baseline_call, copies), autotuner_pick=True))
 
     # each copy its own scratch: the state pass replays a consistent (bounded) update of its state
-    scratches = [chunk._scratch(inputs["q"], inputs["v"], None, size) for inputs in sets]
+    scratches = [chunk.chunk_scratch(inputs["q"], inputs["v"], None, size) for inputs in sets]
 
     split = length > chunk.SPLIT_PREPARE_TOKENS
 
     def prepare_only(i):
-        chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i])
-
-    whole_scratches = {}  # the one kernel's, with room for the scores it stores (chunk.SCORES_IN_OUTPUT)
-
-    def one_kernel_prepare(i):
-        saved, chunk.SPLIT_PREPARE_TOKENS = chunk.SPLIT_PREPARE_TOKENS, length
-        try:
-            if i not in whole_scratches:
-                whole_scratches[i] = chunk._scratch(sets[i]["q"], sets[i]["v"], None, size)
-            chunk._launch_prepare(*kernel_arguments(sets[i]), whole_scratches[i])
-        finally:
-            chunk.SPLIT_PREPARE_TOKENS = saved
+        chunk.launch_prepare(*kernel_arguments(sets[i]), scratches[i])
 
     def state_only(i):
-        chunk._launch_state_pass(states[i], scratches[i])
+        chunk.launch_state_pass(states[i], scratches[i])
+
+    def triton_state_only(i):
+        chunk.launch_triton_state_pass(states[i], scratches[i])
 
     def output_only(i):
-        chunk._launch_output(sets[i]["q"], sets[i]["k"], outs[i], scratches[i])
+        chunk.launch_output(sets[i]["q"], sets[i]["k"], outs[i], scratches[i])
 
     swept = [("state", state_only), ("output", output_only)]
     if split:
@@ -211,34 +207,32 @@ def sweep(length: int, baseline=None, chunk_size=None) -> list[dict]:
         picks.update((name, short(kernels[name].best_config)) for name in ("inverse", "products"))
         for i in range(copies):  # the inverses that the products read
             prepare_only(i)
-        for name, parts in (("inverse alone", (True, False)), ("products alone", (False, True))):  # at the picks
-            def part(i, parts=parts):
-                chunk._launch_prepare(*kernel_arguments(sets[i]), scratches[i], parts=parts)
+        for name, launch in (("inverse alone", chunk.launch_inverse), ("products alone", chunk.launch_products)):
+            def part(i, launch=launch):  # at the picks
+                launch(*kernel_arguments(sets[i]), scratches[i])
 
             rows.append(dict(T=length, chunk=size, kernel=name, config=picks[name.split()[0]],
                              us=graph_us(part, copies), autotuner_pick=True))
-        swept = [("inverse", prepare_only), ("products", prepare_only), ("prepare", one_kernel_prepare)] + swept
+        swept = [("inverse", prepare_only), ("products", prepare_only)] + swept
     else:
         swept = [("prepare", prepare_only)] + swept
-    if chunk.STATE_PASS_IN_GLUON:  # the Gluon state pass where it applies (state_pass.py), then Triton's configs
-        for i in range(copies):
-            prepare_only(i)
-        rows.append(dict(T=length, chunk=size, kernel="state in gluon", config="state_pass.py",
-                         us=graph_us(state_only, copies), autotuner_pick=True))
-    gluon_state_pass = chunk.STATE_PASS_IN_GLUON
+    # the state pass as the engine runs it (in Gluon where state_pass.py applies), then Triton's configs
+    for i in range(copies):
+        prepare_only(i)
+    rows.append(dict(T=length, chunk=size, kernel="state (engine)", config="launch_state_pass",
+                     us=graph_us(state_only, copies), autotuner_pick=True))
+    swept = [(name, triton_state_only if name == "state" else launch) for name, launch in swept]
     for name, launch in swept:
-        chunk.STATE_PASS_IN_GLUON = gluon_state_pass and name != "state"
         kernel = kernels[name]
         all_configs = list(kernel.configs)
         for config in all_configs:
             with_configs(kernel, [config])
             for i in range(copies):  # compiles; the inputs of the later kernels
                 launch(i) if name == "prepare" else prepare_only(i)
-                state_only(i)
+                triton_state_only(i)
             rows.append(dict(T=length, chunk=size, kernel=name, config=short(config), us=graph_us(launch, copies),
                              autotuner_pick=short(config) == picks[name]))
         with_configs(kernel, all_configs)
-    chunk.STATE_PASS_IN_GLUON = gluon_state_pass
     return rows
 
 
@@ -248,13 +242,8 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", help="e.g. 32,64 (default: the engine's choice at each length)")
     parser.add_argument("--out")
     parser.add_argument("--baseline", help="a git revision or a file: another chunk.py to time the call of")
-    parser.add_argument("--setting", default="",
-                        help="module constants for the whole run, ';'-separated NAME=VALUE of chunk.py or "
-                             "package.module.NAME=VALUE, e.g. 'PREPARE_IN_ACTIVATION_DTYPE=False'")
     parser.add_argument("--check-only", action="store_true", help="the checks without the sweep")
     args = parser.parse_args()
-    for setting in filter(None, (part.strip() for part in args.setting.split(";"))):
-        set_module_constant(setting, None if "." in setting.split("=", 1)[0] else chunk)
     started = time.perf_counter()
     baseline = load_baseline(args.baseline) if args.baseline else None
     checks, rows = [], []
@@ -274,10 +263,10 @@ def main() -> None:
         if mine:
             print(f"T={length}, chunks of {size}: call {mine[0]['us']:.1f} us ({mine[0]['config']})")
         else:
-            print(f"T={length}, chunks of {size}: {args.setting or 'defaults'}")
+            print(f"T={length}, chunks of {size}")
         for r in (r for r in mine if r["kernel"] == "baseline call"):
             print(f"  baseline call {r['us']:.1f} us ({r['config']})")
-        for name in ("inverse alone", "products alone", "inverse", "products", "prepare", "state in gluon", "state",
+        for name in ("inverse alone", "products alone", "inverse", "products", "prepare", "state (engine)", "state",
                      "output"):
             timed = sorted((r for r in mine if r["kernel"] == name), key=lambda r: r["us"])
             if not timed:

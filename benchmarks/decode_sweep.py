@@ -180,7 +180,7 @@ def sweep_attention(layers: int, hbm: float, pdl: bool, contexts=(4096, 32768)) 
 
             with_configs(attention._decode_split_kernel, all_configs)
             launch(0)
-            pick = attention._decode_split_kernel.best_config  # the pinned config (SPLIT_PICK), if among them
+            pick = attention._decode_split_kernel.best_config  # the autotuner's pick
             for config in all_configs:
                 with_configs(attention._decode_split_kernel, [config])
                 us = graph_time_us(launch, layers)

@@ -6,11 +6,10 @@ CUDA graph with feedback, one step ahead of the host) at each context, alternati
 `rounds` rounds so that a drift of the machine falls on all of them alike; prints each median.
 
     python3 benchmarks/engine_options.py "out_projection_mlp=True" "out_projection_mlp=False" \
-        [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json] \
-        [--settings qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192]
+        [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json]
 
---settings sets module constants before any kernel compiles, for every option set of the run (a constant
-that is a `tl.constexpr` stays one): compare two settings by two runs.
+The options are the plan's (engine/plan.py, Options: e.g. lm_head_pdl=True, screened_lm_head=False).
+QWEN_TRITON_TUNING=default runs every set without the H200's pins (tuning/__init__.py).
 
 (At commit 80ffd3e it compared a one-launch decode attention, since removed, with the three kernels:
 benchmarks/results/engine-options-2026-11-30-NVIDIA-H200-80ffd3e.json.)
@@ -19,22 +18,12 @@ benchmarks/results/engine-options-2026-11-30-NVIDIA-H200-80ffd3e.json.)
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 
 import torch
 
-from qwen_triton.benchmark.harness import EngineRunner, set_module_constant, time_calls
-
-
-def parse_options(text: str) -> dict:
-    """'a=True,b=3' -> {'a': True, 'b': 3} ('' -> the defaults)."""
-    options = {}
-    for item in filter(None, text.split(",")):
-        name, value = item.split("=", 1)
-        options[name.strip()] = ast.literal_eval(value.strip())
-    return options
+from qwen_triton.benchmark.harness import EngineRunner, plan_options, time_calls
 
 
 def main() -> None:
@@ -45,14 +34,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out")
-    parser.add_argument("--settings", nargs="*", default=[], help="module.NAME=VALUE constants, set first")
     args = parser.parse_args()
-    for setting in args.settings:
-        set_module_constant(setting)
     contexts = [int(c) for c in args.contexts.split(",")]
     max_length = max(contexts) + args.rounds * (args.steps + args.warmup) + 8
     runners = {text: EngineRunner("triton+split_k+cuda_graph", "0.8b", max_length, "cuda", torch.bfloat16,
-                                  **parse_options(text)) for text in args.option_sets}
+                                  **plan_options(text)) for text in args.option_sets}
     times = {(text, context): [] for text in runners for context in contexts}
     for _ in range(args.rounds):
         for context in contexts:
@@ -61,14 +47,13 @@ def main() -> None:
                 times[text, context].append(ms * 1e3)
     rows = [dict(options=text, context=context, us=statistics.median(values), rounds=values)
             for (text, context), values in times.items()]
-    print(f"{torch.cuda.get_device_name()}: decode step, us (median of {args.steps} steps; per round)"
-          + (f"; settings {' '.join(args.settings)}" if args.settings else ""))
+    print(f"{torch.cuda.get_device_name()}: decode step, us (median of {args.steps} steps; per round)")
     for row in rows:
         print(f"  {row['options'] or '(defaults)':45s} @{row['context']:6d}: {row['us']:7.1f}  "
               + " ".join(f"{value:.1f}" for value in row["rounds"]))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), steps=args.steps, settings=args.settings, rows=rows),
+            json.dump(dict(device=torch.cuda.get_device_name(), steps=args.steps, rows=rows),
                       f, indent=1)
 
 

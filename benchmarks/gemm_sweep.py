@@ -5,7 +5,7 @@ weights (more bytes than the 60 MB L2 at small M, so weights come from HBM as in
 the time per launch of
 - `cublas`: torch.matmul(x, W.T) alone (no norm, gate, activation or residual: a lower bound the fusions
   must approach);
-- `tuned`: `linear()` as the model calls it, with the autotuner's pick;
+- `tuned`: the GEMM launcher (`gemm.gemm`) as `linear()` calls it, with the autotuner's pick;
 - every config of the GEMM's search space (pruned as the autotuner prunes it);
 - `bare`: a tiled matmul with no fusions, no split and no masks on K (Triton's tutorial form) at each
   config's tiles: what the fused kernel's structure costs;
@@ -30,7 +30,6 @@ from triton.runtime.errors import OutOfResources
 
 from qwen_triton.benchmark.harness import measure_hbm_bandwidth, measure_matmul_rate, time_graph
 from qwen_triton.operators.linear import gemm
-from qwen_triton.operators.linear.linear import linear
 
 from decode_sweep import SHAPES  # every projection of a layer (this script's folder is on sys.path)
 
@@ -70,7 +69,6 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
     """Rows of timings at M tokens (appended to rows; save() after each shape): cuBLAS, then for the pointer
     loads (and with loads=2 the TMA loads) the autotuner's pick and each config the prune allows at this M."""
     rows = [] if rows is None else rows
-    tma_rows = gemm.TMA_ROWS
     kernel_configs = {"": list(gemm._gemm_split.configs), "tma ": list(gemm._gemm_tma_split.configs)}
     for name, weight_rows, K, options in SHAPES:
         N = weight_rows // (2 if options.get("activation") else 1)
@@ -89,14 +87,18 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
             rows.append(dict(shape=name, M=M, variant=variant, config=config, us=us, floor_us=floor_us,
                              pct_of_floor=100 * floor_us / us))
 
-        def launch(i):
-            linear(x, weights[i], norm_weight=norm, gate=gate, activation=options.get("activation"),
-                   residual=out if options.get("residual") else None, out=out if options.get("residual") else None)
+        result = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        tma_loads = [False]
+
+        def launch(i):  # the GEMM launcher as linear calls it, its loads chosen (gemm(tma=...))
+            gemm.gemm(x, weights[i], out if options.get("residual") else result, norm_weight=norm, gate=gate,
+                      activation=1 if options.get("activation") else 0,
+                      residual=out if options.get("residual") else None, tma=tma_loads[0])
 
         record("cublas", "", graph_us(lambda i: torch.matmul(x, weights[i].T, out=plain), copies))
         bucket = triton.next_power_of_2(M)
         for prefix, kernel, tma in (("", gemm._gemm_split, False), ("tma ", gemm._gemm_tma_split, True))[:loads]:
-            gemm.TMA_ROWS = 0 if tma else 2**62
+            tma_loads[0] = tma
             all_configs = kernel_configs[prefix]
             with_configs(kernel, all_configs)
             launch(0)  # tunes
@@ -122,7 +124,6 @@ def sweep(M: int, hbm: float, matmul: float, loads: int = 2, rows: list | None =
                                        num_warps=config.num_warps, num_stages=config.num_stages)
                 record("bare", str(config), graph_us(bare, copies))
             with_configs(kernel, all_configs)
-        gemm.TMA_ROWS = tma_rows
         weights.clear()
         torch.cuda.empty_cache()
         save()

@@ -13,6 +13,14 @@ GPU.
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py output [--warps 4] [--constant SCORES_HERE=True]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 --warps 8 --stages 3 --sequence \
         [--constant NAME=VALUE]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py gemm-epilogues [--variant "in-projection folded" --sequence]
+
+gemm-epilogues: the GEMM's code with and without the folded norm's epilogues, for the tiles a prefill of 4096
+tokens runs (TMA loads, 8 warps, 3 stages): the DeltaNet in-projection (128 x 128, with and without the folded
+norm's 1/rms), gate/up (the same), down (128 x 256, residual, with and without the sums of squares); and a short
+prompt's down split in four over pointer loads (64 x 64, 4 warps), with the sums. One line of JSON of each
+variant's counts (the CPU test `tests/operators/test_linear.py::test_gemm_folded_norm_epilogues_compile_for_hopper`
+runs it); with --variant NAME --sequence that variant's PTX operations in order.
 
 --sequence prints the PTX's shared-memory, tensor-core, barrier and global-memory operations in program order (runs
 of one operation collapsed to `op xN`): what a loop's step waits on. --constant NAME=VALUE sets a constexpr of the
@@ -36,6 +44,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 from qwen_triton.operators.gated_delta_rule import chunk
+from qwen_triton.operators.linear import gemm
 
 FLOAT32_POINTERS = {"decay_ptr", "state_ptr", "a_log_ptr", "dt_bias_ptr", "system_ptr"}
 INTEGERS = {"length", "chunks", "chunk_bucket"}
@@ -118,9 +127,52 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
     return counts
 
 
+GEMM_VARIANTS = (  # name, ACTIVATION, HAS_RESIDUAL, FOLDED_NORM, WRITE_SQUARES, BLOCK_M, BLOCK_N, SPLIT_K, TMA, warps
+    ("in-projection", 0, False, False, False, 128, 128, 1, True, 8),
+    ("in-projection folded", 0, False, True, False, 128, 128, 1, True, 8),
+    ("gate/up", 1, False, False, False, 128, 128, 1, True, 8),
+    ("gate/up folded", 1, False, True, False, 128, 128, 1, True, 8),
+    ("down", 0, True, False, False, 128, 256, 1, True, 8),
+    ("down squares", 0, True, False, True, 128, 256, 1, True, 8),
+    ("down squares split", 0, True, False, True, 64, 64, 4, False, 4),
+)
+
+
+def gemm_epilogues(variant: str | None, sequence: bool) -> None:
+    """The GEMM variants' counts as one line of JSON (or one variant's PTX sequence)."""
+    import json
+
+    import torch
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.zeros(4096, 1024, dtype=torch.bfloat16)
+    results = {}
+    for name, activation, residual, folded, squares, block_m, block_n, split_k, tma, warps in GEMM_VARIANTS:
+        if variant and name != variant:
+            continue
+        types = dict({pointer: "*fp32" for pointer in ("partial_ptr", "norm_squares_ptr", "squares_ptr")},
+                     counter_ptr="*i32", **{integer: "i32" for integer in ("M", "N", "K", "M_BUCKET", "PARTS")})
+        if tma:
+            types["x_ptr"] = mangle_type(TensorDescriptor(x, [4096, 1024], [1024, 1], [block_m, 64]))
+            types["w_ptr"] = mangle_type(TensorDescriptor(x, [4096, 1024], [1024, 1], [block_n, 64]))
+        constants = dict(ACTIVATION=activation, HAS_RESIDUAL=residual, SPLIT_ALLOWED=split_k > 1, FOLDED_NORM=folded,
+                         WRITE_SQUARES=squares, BLOCK_PARTS=32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+                         GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=False)
+        counts = compile_counts(gemm._gemm_kernel, constants, warps, 3, sequence=sequence, types=types)
+        if sequence:
+            print(counts["sequence"])
+            return
+        results[name] = {key: counts[key] for key in ("registers", "stack_bytes", "shared_bytes", "shared_stores",
+                                                      "shared_loads", "barriers", "tensor_core")}
+    print(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output"])
+    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output", "gemm-epilogues"])
+    parser.add_argument("--variant", choices=[variant[0] for variant in GEMM_VARIANTS],
+                        help="gemm-epilogues: this variant alone")
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--maxnreg", type=int, help="a register cap (a config's maxnreg)")
@@ -130,12 +182,14 @@ def main() -> None:
     parser.add_argument("--constant", action="append", default=[], metavar="NAME=VALUE",
                         help="a constexpr of the kernel (a Python literal); repeatable")
     args = parser.parse_args()
+    if args.kernel == "gemm-epilogues":
+        gemm_epilogues(args.variant, args.sequence)
+        return
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",
                      BLOCK_V=args.block_v if args.kernel == "state" else 128, DOT_DTYPE=tl.bfloat16,
                      BLOCK_D=128, NORM=True, ROUND_PRODUCT=True,  # the output kernel as the engine runs it
-                     SCORES_HERE=False, SCORES_DTYPE=tl.bfloat16,  # (--constant SCORES_HERE=True: it forms the scores)
-                     SCORES=False)  # the products kernel as long prompts run it (W and U; the scores in kernel 3)
+                     SCORES_HERE=False, SCORES_DTYPE=tl.bfloat16)  # (--constant SCORES_HERE=True: it forms the scores)
     for item in args.constant:
         name, value = item.split("=", 1)
         if name not in kernel.arg_names:

@@ -3,7 +3,7 @@
     qwen-triton generate [--model DIR|REPO_ID] "prompt"      (or --prompt-file FILE, or - for standard input)
     qwen-triton chat [--model DIR|REPO_ID]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
-    qwen-triton ops
+    qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops]
     qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
@@ -225,9 +225,30 @@ def command_chat(args) -> None:
 
 
 def command_ops(args) -> None:
+    import torch
+
+    from .checkpoint import PRESETS, official_config
+    from .config import load_config, parse_config
+    from .engine.plan import DEVICES, DeviceProperties, Options, resolve_plan
     from .operators.table import format_table
 
     print(format_table())
+    config = load_config(args.model) if args.model else parse_config(official_config(PRESETS[args.preset]))
+    if args.gpu:
+        device = DEVICES[args.gpu]
+    elif torch.cuda.is_available():
+        device = DeviceProperties.of("cuda")
+    else:
+        device = DEVICES["h200"]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    plan = resolve_plan(config, device, Options(), dtype)
+    buckets = {}
+    if args.rows:
+        buckets["decode_rows"] = [int(rows) for rows in args.rows.split(",")]
+    if args.tokens:
+        buckets["prefill_tokens"] = [int(tokens) for tokens in args.tokens.split(",")]
+    print()
+    print(plan.describe(config, **buckets))
 
 
 def _measuring_device(args, cpu_warning: str) -> str:
@@ -417,7 +438,14 @@ def build_parser() -> ArgumentParser:
     profile.add_argument("--out", help="write the full report (every kernel) as JSON here")
     profile.set_defaults(run=command_profile)
 
-    ops = commands.add_parser("ops", help="the table of operators and the kernel each phase uses")
+    ops = commands.add_parser("ops", help="the table of operators and the plan: which kernel runs at which size")
+    ops.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b", help="the model shape (default 0.8b)")
+    ops.add_argument("--model", help="a checkpoint directory: its config.json's shape instead of a preset")
+    ops.add_argument("--gpu", choices=["h200", "cpu"],
+                     help="the device to resolve the plan for (default: the present GPU, else the H200)")
+    ops.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ops.add_argument("--rows", help="decode batch buckets to show, e.g. 1,4 (default 1,2,4,8,16,32)")
+    ops.add_argument("--tokens", help="prefill lengths to show, e.g. 1500 (default 16 to 8192)")
     ops.set_defaults(run=command_ops)
     return parser
 

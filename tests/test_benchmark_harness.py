@@ -60,24 +60,12 @@ def test_bench_defaults_on_the_cpu_write_outside_the_repository(tmp_path, capsys
     assert report["preset"] == "tiny" and {r["variant"] for r in report["results"]} == {"reference"}
 
 
-def test_set_module_constant_keeps_constexpr_and_names_a_missing_constant():
-    import sys
+def test_plan_options_parse_and_name_an_unknown_option():
+    from qwen_triton.benchmark.harness import plan_options
+    from qwen_triton.engine.plan import Options
 
-    import triton.language as tl
-
-    from qwen_triton.benchmark.harness import set_module_constant
-    from qwen_triton.operators.gated_delta_rule import chunk
-    from qwen_triton.operators.linear import fusion
-
-    module = sys.modules["qwen_triton.operators.linear.out_projection_mlp"]
-    saved = (module.TILE_ELEMENTS, chunk.SHORT_PROMPT_TOKENS, fusion.SWIGLU)
-    try:
-        set_module_constant("qwen_triton.operators.linear.out_projection_mlp.TILE_ELEMENTS=8192")
-        set_module_constant("SHORT_PROMPT_TOKENS=0", chunk)
-        set_module_constant("qwen_triton.operators.linear.fusion.SWIGLU=3")
-        assert module.TILE_ELEMENTS == 8192 and chunk.SHORT_PROMPT_TOKENS == 0
-        assert isinstance(fusion.SWIGLU, tl.constexpr) and fusion.SWIGLU.value == 3
-        with pytest.raises(SystemExit, match="has no constant NOPE"):
-            set_module_constant("NOPE=1", chunk)
-    finally:
-        module.TILE_ELEMENTS, chunk.SHORT_PROMPT_TOKENS, fusion.SWIGLU = saved
+    options = plan_options("split_k=False, pdl=None,prefill_pdl_tokens=128")
+    assert options == dict(split_k=False, pdl=None, prefill_pdl_tokens=128)
+    assert Options(**options).prefill_pdl_tokens == 128 and plan_options("") == {}
+    with pytest.raises(SystemExit, match="no plan option 'nope'"):
+        plan_options("nope=1")

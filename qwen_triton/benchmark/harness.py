@@ -200,7 +200,7 @@ class EngineRunner:
         if self.variant.startswith("triton"):  # greedy steps as LLM.generate runs them
             from ..engine.decode_pipeline import DecodePipeline
             from ..engine.sampling import SamplingParams
-            from ..engine.triton_model import DeviceSampling
+            from ..engine.device_sampling import DeviceSampling
 
             pipeline = DecodePipeline(self.model, DeviceSampling.build([SamplingParams()], self.device))
             state = dict(ids=[1], position=context, steps=0)
@@ -423,18 +423,17 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def set_module_constant(setting: str, module=None) -> None:
-    """'package.module.NAME=VALUE' (or 'NAME=VALUE' of `module`): set a module constant before any kernel
-    compiles, for benchmark scripts that compare settings (VALUE a Python literal; a constant that is a
-    `tl.constexpr` stays one)."""
-    import triton.language as tl
+def plan_options(text: str) -> dict:
+    """'split_k=False,pdl=None' -> {'split_k': False, 'pdl': None}: TritonModel's options (engine/plan.py's
+    Options; '' -> the defaults), for benchmark scripts that compare settings. An unknown name is an error naming
+    it and the options there are."""
+    from ..engine.plan import Options
 
-    target, value = setting.split("=", 1)
-    if module is None:
-        module_name, target = target.rsplit(".", 1)
-        module = importlib.import_module(module_name)
-    name = target.strip()
-    if not hasattr(module, name):
-        raise SystemExit(f"{module.__name__} has no constant {name}")
-    value = ast.literal_eval(value.strip())
-    setattr(module, name, tl.constexpr(value) if isinstance(getattr(module, name), tl.constexpr) else value)
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in Options.names():
+            raise SystemExit(f"no plan option {name!r}: choose from {', '.join(Options.names())}")
+        options[name] = ast.literal_eval(value.strip())
+    return options

@@ -112,7 +112,8 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     """Profile one decode step of `model` (a TritonModel) for slot 0 at `context` tokens of context, as
     generation runs it (with the feedback kernel that makes its ids the next step's inputs)."""
     from ..engine.sampling import SamplingParams
-    from ..engine.triton_model import DeviceSampling
+    from ..engine.device_sampling import DeviceSampling
+    from ..engine.graphs import restore_states, save_states
 
     device = model.device
     token = torch.ones(1, device=device, dtype=torch.int64)
@@ -120,32 +121,32 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     sampling = DeviceSampling.build([SamplingParams()], device)
     counter = torch.zeros(1, device=device, dtype=torch.int64)
     model.decode_tokens(token, position, sampling, counter, feedback=True)  # warm-up: compile, autotune, capture
-    buffers = model._buffers_for(1)
-    saved = model._save_state(buffers.size)
+    buffers = model.buffers_for(1)
+    saved = save_states(model.state, buffers.size)
     model.trace_context = context
     on_gpu = device.type == "cuda"
     model.trace = KernelTrace()
     try:
         with model.trace:
-            model._decode_body(buffers, mode, feedback=True)
+            model.decode_step(buffers, mode, feedback=True)
         trace = model.trace
     finally:
         model.trace = None
     if not on_gpu:
-        model._restore_state(buffers.size, saved)
+        restore_states(model.state, buffers.size, saved)
         return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     torch.cuda.synchronize()
-    timeline = _timeline(lambda: model._run(buffers, mode, feedback=True), trace, steps)
-    where = "cuda graph" if model.cuda_graph else "eager"
-    if timeline is None and model.cuda_graph:
-        timeline = _timeline(lambda: model._decode_body(buffers, mode, feedback=True), trace, steps)
+    timeline = _timeline(lambda: model.run_step(buffers, mode, feedback=True), trace, steps)
+    where = "cuda graph" if model.plan.cuda_graph else "eager"
+    if timeline is None and model.plan.cuda_graph:
+        timeline = _timeline(lambda: model.decode_step(buffers, mode, feedback=True), trace, steps)
         where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
     if timeline is None:
         raise RuntimeError("the CUDA profiler's kernels do not match the launches of the step")
-    model._restore_state(buffers.size, saved)
+    restore_states(model.state, buffers.size, saved)
     report = _report(trace, timeline, hbm, matmul)
     report["bytes_counted_by_floor"] = decode_bytes(model.config, context).total
-    return dict(context=context, timeline=where, pdl=model.pdl, **report)
+    return dict(context=context, timeline=where, pdl=model.plan.pdl, **report)
 
 
 def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -> dict:
@@ -161,7 +162,7 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
 
     def run_eager():
         model.reset(0)
-        model._prefill(token_ids, 0, 0, False)
+        model.prefill_eager(token_ids, 0, 0, False)
 
     run()  # warm-up: compile, autotune
     run()  # with cuda_graph: capture
@@ -175,8 +176,8 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
         model.trace = None
     if not on_gpu:
         return dict(tokens=tokens, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
-    timeline, where = _timeline(run, trace, steps), "cuda graph" if model.cuda_graph else "eager"
-    if timeline is None and model.cuda_graph:
+    timeline, where = _timeline(run, trace, steps), "cuda graph" if model.plan.cuda_graph else "eager"
+    if timeline is None and model.plan.cuda_graph:
         timeline = _timeline(run_eager, trace, steps)
         where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
     if timeline is None:

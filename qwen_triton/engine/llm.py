@@ -418,7 +418,7 @@ class DeviceChooser:
 
     def __init__(self, llm: LLM, rows: int, params: SamplingParams):
         from .decode_pipeline import DecodePipeline
-        from .triton_model import DeviceSampling
+        from .device_sampling import DeviceSampling
 
         self.llm = llm
         self.sampling = DeviceSampling.build([params] * rows, llm.device)

@@ -121,9 +121,11 @@ def keep_preferred(configs: list, preferred: dict | None) -> list:
     return [c for c in configs if matches(c)] or configs
 
 
-def preferred_entry(table, size: int, fields: tuple[str, ...]) -> dict:
+def preferred_entry(table, size: int, fields: tuple[str, ...]) -> dict | None:
     """A pin table's entry for `size` as config settings: table = ((largest size served, or None for any,
-    (value per field)), ...), the first entry that serves `size`."""
+    (value per field)), ...), the first entry that serves `size`; None for no table (a GPU without tuning)."""
+    if table is None:
+        return None
     return dict(zip(fields, next(values for limit, values in table if limit is None or size <= limit)))
 
 

@@ -54,7 +54,7 @@ def test_norms_folded_into_the_projections_or_not(checkpoints):
     for fold in (True, False):
         llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=40, fold_norms=fold)
         norms = [w.input_norm for w in llm.model.layers] + [m.input_norm for m in llm.model.mlps]
-        assert llm.model.fold_norms == fold and all(bool((n == 0).all()) == fold for n in norms)
+        assert llm.model.plan.fold_norms == fold and all(bool((n == 0).all()) == fold for n in norms)
         assert relative_error(llm.score(token_ids, prefill=20), expected) <= TOLERANCE
 
 
@@ -107,7 +107,8 @@ def test_reset_zeroes_the_states_and_no_kernel_reads_the_cache_past_the_sequence
 
 def test_decode_attention_is_first_called_over_the_whole_cache(checkpoints, monkeypatch):
     # TritonModel._tune_decode_attention: the autotuner's one pick is made over the longest context the model
-    # serves, once per model, before the first step; the logits are those of the model without it
+    # serves, once per model, before the first step; the logits are those of the model without it (the option
+    # tune_decode_attention_at_full_length=False)
     calls = []
     original = triton_model.attention_decode
     monkeypatch.setattr(triton_model, "attention_decode", lambda q, key, value, lengths, **options:
@@ -118,9 +119,8 @@ def test_decode_attention_is_first_called_over_the_whole_cache(checkpoints, monk
     assert calls[0] == [16]
     assert len(calls) > 1 and all(max(lengths) <= len(token_ids) for lengths in calls[1:])
     calls.clear()
-    monkeypatch.setattr(triton_model, "TUNE_DECODE_ATTENTION_AT_FULL_LENGTH", False)
     plain = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32,
-                max_length=16).score(token_ids, prefill=2)
+                max_length=16, tune_decode_attention_at_full_length=False).score(token_ids, prefill=2)
     assert calls and all(max(lengths) <= len(token_ids) for lengths in calls)
     assert torch.equal(tuned, plain)
 
@@ -243,7 +243,7 @@ def test_gpu_prefill_graph_replay_is_bit_identical_to_eager_prefill():
         runs.append((graphed.prefill(token_ids, slot=0, all_logits=True),
                      graphed.state.recurrent[0][0].clone(), graphed.state.conv[0][0].clone(),
                      graphed.state.key[3][0].clone()))
-    assert len(graphed._prefill_graphs) == 1
+    assert len(graphed.prefill_graphs.graphs) == 1
     torch.cuda.empty_cache()
     eager = _real_model("triton", torch.bfloat16, cuda_graph=False).model
     eager.reset(0)
@@ -258,7 +258,7 @@ def test_gpu_prefill_graph_replay_is_bit_identical_to_eager_prefill():
 @pytest.mark.gpu
 def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
     # PDL only lets kernels start early; every read of an earlier kernel's output follows its wait. The decode
-    # step's LM head is launched without it all the same (triton_model.LM_HEAD_PDL: measured faster)
+    # step's LM head is launched without it all the same (the plan's lm_head_pdl: measured faster)
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     lm_head_pdl = []
@@ -278,15 +278,15 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [40, 128])
 def test_gpu_prefill_with_programmatic_dependent_launch_changes_no_bit(tokens):
-    # a short prefill's kernels with PDL (triton_model.PREFILL_PDL: GEMMs with and without split-K, their
+    # a short prefill's kernels with PDL (the plan's prefill_pdl_tokens: GEMMs with and without split-K, their
     # prologues, the conv, the attention), eager, captured and replayed: logits and states as without
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    assert triton_model.PREFILL_PDL and tokens <= triton_model.PREFILL_PDL_TOKENS
     token_ids = torch.randint(0, 248_000, (tokens,), generator=torch.Generator().manual_seed(4)).cuda()
     results = {}
     for pdl in (True, False):
         model = _real_model("triton", torch.bfloat16, pdl=pdl).model
+        assert model.plan.prefill_pdl(tokens) == pdl
         runs = []
         for _ in range(3):  # eager, captured, replayed
             model.reset(0)
@@ -364,7 +364,7 @@ def test_running_ahead_of_the_host_generates_the_same_tokens(checkpoints):
 def test_decode_pipeline_refuses_inputs_the_step_ahead_did_not_run_on(checkpoints):
     from qwen_triton.engine.decode_pipeline import DecodePipeline
     from qwen_triton.engine.sampling import SamplingParams
-    from qwen_triton.engine.triton_model import DeviceSampling
+    from qwen_triton.engine.device_sampling import DeviceSampling
 
     llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=12)
     pipeline = DecodePipeline(llm.model, DeviceSampling.build([SamplingParams()], llm.device), ahead=True)

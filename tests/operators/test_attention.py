@@ -481,18 +481,11 @@ def test_decode_split_count(monkeypatch):
     assert decode.decode_splits(1, 2, 32980, "cpu") == 33
 
 
-def test_decode_kernels_pinnable(monkeypatch):
-    """SPLIT_PICK / MERGE_PICK None: the autotuner chooses among all configs; set: the matching config alone."""
+def test_decode_kernels_tune_over_every_config(monkeypatch):
+    """No pin: the split and merge kernels' autotuners hold their whole config spaces (on a GPU) and prune none."""
     from qwen_triton.operators.attention import decode
 
-    monkeypatch.setattr(decode, "autotune_configs", lambda configs: configs)  # every config, interpreter or not
-    split_configs = decode._split_configs()
-    assert len(split_configs) > 1 and decode._prune_split(split_configs, {}) == split_configs
-    monkeypatch.setattr(decode, "SPLIT_PICK", dict(BLOCK_N=64, num_warps=4, num_stages=3))
-    kept = decode._prune_split(split_configs, {})
-    assert [(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept] == [(64, 4, 3)]
-    merge_configs = decode._merge_configs()
-    assert len(merge_configs) > 1 and decode._prune_merge(merge_configs, {}) == merge_configs
-    monkeypatch.setattr(decode, "MERGE_PICK", dict(BLOCK_S=32, BLOCK_D=64, num_warps=4))
-    kept = decode._prune_merge(merge_configs, {})
-    assert [(c.kwargs["BLOCK_S"], c.kwargs["BLOCK_D"]) for c in kept] == [(32, 64)]
+    monkeypatch.setattr(decode, "autotune_configs", lambda configs: configs)
+    for kernel, space in ((decode._decode_split_kernel, decode._split_configs()),
+                          (decode._decode_merge_kernel, decode._merge_configs())):
+        assert len(space) > 1 and kernel.early_config_prune is None

@@ -3,7 +3,7 @@
 CPU (interpreter) tests use float32 / float16 with channel counts that are no multiple of any block
 (37, 300), widths 2, 3 and 4, lengths shorter than the state (T < W-1), inside one time block and across
 several, inputs as strided row views of a wider buffer, and zero and non-zero incoming state. The prefill's
-walking kernel (configs with WALK_BLOCKS > 0, pinned as benchmarks/prefill_configs.py pins them) must match
+walking kernel (configs with WALK_BLOCKS > 0, each pinned alone) must match
 the reference and the tile kernel bit for bit (y and state), at small blocks on the CPU and with every
 walking config of the autotuner's space on the CPU and at the real shape on the GPU. GPU tests use bfloat16
 at the real shapes (6144 channels, W = 4).
@@ -50,7 +50,7 @@ def describe(config):
 
 @contextlib.contextmanager
 def pinned_prefill(config):
-    """The prefill kernel with `config` alone, as benchmarks/prefill_configs.py pins it."""
+    """The prefill kernel with `config` alone."""
     kernel = conv_module._causal_conv1d_kernel
     saved = kernel.configs, kernel.cache
     kernel.configs, kernel.cache = [config], {}

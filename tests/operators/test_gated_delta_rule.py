@@ -212,9 +212,9 @@ def test_chunked_start_states_are_the_prefix_states(device, chunk_size):
     length, heads, key_dim, value_dim = 130, 2, 24, 40
     inputs = make_inputs(length, 1, heads, key_dim, value_dim, torch.float32, device, seed=8)
     initial = random_state((heads, key_dim, value_dim), device)
-    scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size)
-    chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
-    chunk_module._launch_state_pass(initial.clone(), scratch)
+    scratch = chunk_module.chunk_scratch(inputs["q"], inputs["v"], None, chunk_size)
+    chunk_module.launch_prepare(*kernel_arguments(inputs), scratch)
+    chunk_module.launch_state_pass(initial.clone(), scratch)
     chunks = -(-length // chunk_size)
     assert scratch.chunk_states.shape == (chunks, heads, key_dim, value_dim)
     torch.testing.assert_close(scratch.chunk_states[0], initial, rtol=0, atol=0)
@@ -230,24 +230,23 @@ def test_chunked_start_states_are_the_prefix_states(device, chunk_size):
 def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, chunk_size, dtype):
     """Kernel 1 in two parts (prompts of more than SPLIT_PREPARE_TOKENS tokens): the same scratch, bit for bit,
     as the one kernel writes under the interpreter (the same arithmetic in the same order); on the GPU the
-    tiles of another warp count may sum in another order, so there within float32 roundings. And the call
-    through the two parts against the reference."""
+    tiles of another warp count may sum in another order, so there within float32 roundings. (The scores: the
+    one kernel's; where kernel 1 is split kernel 3 forms them, test_chunked_scores_in_the_output_kernel.) And
+    the call through the two parts against the reference."""
     inputs = make_inputs(length, 1, 2, 24, 40, dtype, device, seed=length)
     scratches = {}
-    monkeypatch.setattr(chunk_module, "SCORES_IN_OUTPUT", False)  # the products kernel's scores, compared here
     for split in (False, True):
         monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else length)
-        scratch = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size)
+        scratch = chunk_module.chunk_scratch(inputs["q"], inputs["v"], None, chunk_size)
         for name in ("w", "u", "qk", "decay", "decayed_keys"):
             getattr(scratch, name).fill_(float("nan"))  # every entry read later must be written
-        chunk_module._launch_prepare(*kernel_arguments(inputs), scratch)
+        chunk_module.launch_prepare(*kernel_arguments(inputs), scratch)
         scratches[split] = scratch
     exact = device == "cpu"
-    for name in ("w", "u", "qk", "decay", "decayed_keys"):
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()
+    assert scratches[True].qk.numel() == 0 and not scratches[False].qk[..., lower].isnan().any()
+    for name in ("w", "u", "decay", "decayed_keys"):
         one, two = getattr(scratches[False], name), getattr(scratches[True], name)
-        if name == "qk":  # the causal lower triangle is what is written
-            lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()
-            one, two = one[..., lower], two[..., lower]
         assert not two.isnan().any(), name
         if exact:
             assert torch.equal(one, two), name
@@ -267,20 +266,19 @@ def test_chunked_split_prepare_equals_one_kernel(device, monkeypatch, length, ch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("norm", [False, True])
 def test_chunked_scores_in_the_output_kernel(device, monkeypatch, length, chunk_size, value_dim, dtype, norm):
-    """Where kernel 1 is split, kernel 3 forms the chunks' scores itself (SCORES_IN_OUTPUT; the products kernel
-    then has no score programs and the scratch no scores): the output, its gated norm and the state as when kernel 3
-    reads the products kernel's scores, bit for bit under the interpreter (the same arithmetic), within float32
-    roundings on the GPU; and the output against the reference. (80 value columns: two programs of 64 a chunk and
-    head without the norm.)"""
+    """Where kernel 1 is split, kernel 3 forms the chunks' scores itself (the products kernel has no score programs
+    and the scratch no scores): the output, its gated norm and the state as when kernel 3 reads the scores the one
+    kernel 1 stored, bit for bit under the interpreter (the same arithmetic), within float32 roundings on the GPU;
+    and the output against the reference. (80 value columns: two programs of 64 a chunk and head without the
+    norm.)"""
     inputs = make_inputs(length, 1, 2, 24, value_dim, dtype, device, seed=length + 1)
     initial = random_state((2, 24, value_dim), device)
     weight = torch.linspace(0.5, 1.5, value_dim, device=device, dtype=dtype)
     output_norm = (inputs["z"], weight, 1e-6) if norm else None
-    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1)
     results = {}
     for here in (True, False):
-        monkeypatch.setattr(chunk_module, "SCORES_IN_OUTPUT", here)
-        scores = chunk_module._scratch(inputs["q"], inputs["v"], None, chunk_size).qk
+        monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if here else length)
+        scores = chunk_module.chunk_scratch(inputs["q"], inputs["v"], None, chunk_size).qk
         assert scores.numel() == (0 if here else 2 * -(-length // chunk_size) * chunk_size**2)
         state = initial.clone()
         out = gated_delta_rule_chunked(*kernel_arguments(inputs), state, chunk_size=chunk_size,
@@ -714,10 +712,9 @@ def real_shape_chunked_case(length, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [200, 4096])
 def test_gpu_chunked_scores_in_output_every_config(length, monkeypatch):
-    """Kernel 1 split, chunks of 64: each output config pinned in turn, with and without the norm: forming the scores
-    in the output kernel (SCORES_IN_OUTPUT) against reading the products kernel's, the same config: within one bf16
-    rounding (benchmarks/scores_probe.py: equal or a rounding apart; BLOCK_V 32, since dropped, faulted)."""
-    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", 199)
+    """Chunks of 64: each output config pinned in turn, with and without the norm: kernel 1 split, the scores formed
+    in the output kernel, against the one kernel 1's stored scores, the same config: within one bf16 rounding
+    (equal or a rounding apart when measured; BLOCK_V 32, since dropped, faulted)."""
     inputs, initial, ref_out, _ = real_shape_chunked_case(length, seed=26)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
     kernel = chunk_module._chunk_output_kernel
@@ -727,7 +724,7 @@ def test_gpu_chunked_scores_in_output_every_config(length, monkeypatch):
             for norm in (None, (inputs["z"], weight, 1e-6)):
                 outs = {}
                 for here in (True, False):
-                    monkeypatch.setattr(chunk_module, "SCORES_IN_OUTPUT", here)
+                    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", 199 if here else length)
                     kernel.configs, kernel.cache = [config], {}
                     outs[here] = gated_delta_rule_chunked(*kernel_arguments(inputs), initial.clone(), chunk_size=64,
                                                           output_norm=norm)
@@ -794,7 +791,8 @@ def test_gpu_chunked_every_config(chunk_size, split, monkeypatch):
     picks (one did, 2026-11-30, in a version of the output kernel: docs/perf-notes.md, tenth session)."""
     length = 200
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", length - 1 if split else length)
-    monkeypatch.setattr(chunk_module, "STATE_PASS_IN_GLUON", False)  # (its own tests: state_pass.py's kernel)
+    monkeypatch.setattr(chunk_module.state_pass, "applies", lambda *args: False)  # the Triton kernel 2 (Gluon's:
+    # test_gpu_state_pass_in_gluon_equals_triton)
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=24)
     weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
     if split:
@@ -849,15 +847,14 @@ def test_gpu_state_pass_in_gluon_equals_triton(length, chunk_size, monkeypatch):
     assert not state_pass.applies(real_state, torch.bfloat16, 16)
     inputs, initial, _, ref_state = long_memory_case(length, seed=25)
     q, k, v, a, b, A_log, dt_bias = kernel_arguments(inputs)
-    scratch = chunk_module._scratch(q, v, None, chunk_size)
-    chunk_module._launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+    scratch = chunk_module.chunk_scratch(q, v, None, chunk_size)
+    chunk_module.launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
     results = {}
     for gluon in (False, True):
-        monkeypatch.setattr(chunk_module, "STATE_PASS_IN_GLUON", gluon)
         scratch.new_values.fill_(float("nan"))
         scratch.chunk_states.fill_(float("nan"))
         state = initial.clone()
-        chunk_module._launch_state_pass(state, scratch)
+        (chunk_module.launch_state_pass if gluon else chunk_module.launch_triton_state_pass)(state, scratch)
         results[gluon] = (scratch.new_values.clone(), scratch.chunk_states.clone(), state)
     for name, ours, triton_kernel in zip(("V'", "chunk states", "final state"), results[True], results[False]):
         assert torch.isfinite(ours).all(), name

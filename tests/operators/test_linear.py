@@ -298,12 +298,12 @@ def test_linear_rejects_squares_out_over_its_inputs():
 
 # The GEMM with the folded norm's epilogues compiled for sm_90 on the CPU: the interpreter runs what the compiler
 # rejects (a kernel reading a global that is no constexpr, the twenty-third session's call 2), so this compiles the
-# tiles the engine runs them with (benchmarks/gemm_epilogue_sass.py, through benchmarks/sass_counts.py).
+# tiles the engine runs them with (benchmarks/sass_counts.py gemm-epilogues).
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 GEMM_EPILOGUE_SASS = f"""
 import runpy, sys
-sys.path.insert(0, {str(BENCHMARKS)!r})
-runpy.run_path({str(BENCHMARKS / "gemm_epilogue_sass.py")!r}, run_name="__main__")
+sys.argv = ["sass_counts.py", "gemm-epilogues"]
+runpy.run_path({str(BENCHMARKS / "sass_counts.py")!r}, run_name="__main__")
 """
 
 

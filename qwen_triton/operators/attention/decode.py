@@ -38,7 +38,6 @@ from ..common import (
     autotune_configs,
     check_same_device,
     check_tensor,
-    keep_preferred,
     launch_options,
     sm_count,
     wait_for_previous_kernel,
@@ -63,26 +62,10 @@ def _split_configs():
     ])
 
 
-# The split and merge kernels' configs where pinned (None: the autotuner's one-launch choice), and the split
-# count's PROGRAMS_PER_SM above: settings for comparisons in the engine (benchmarks/engine_options.py
-# --settings). Measured on the H200 (docs/perf-notes.md, ninth session): alone, back to back in a CUDA
-# graph (benchmarks/decode_sweep.py --parts attention), one program per SM and 64-key tiles at 3 stages took
-# 23.5 us at 32768 keys against 26.0 for the defaults' split count; in the engine's decode step no pinned
-# combination was faster at both 128 and 32768 keys than these defaults (it moved the step by -20 to +35 us).
-SPLIT_PICK = None
-MERGE_PICK = None
-
-
-def _prune_split(configs, named_args, **kwargs):
-    return keep_preferred(configs, SPLIT_PICK)
-
-
-def _prune_merge(configs, named_args, **kwargs):
-    return keep_preferred(configs, MERGE_PICK)
-
-
+# No pin: in the engine's decode step no pinned split or merge config was faster at both 128 and 32768 keys
+# than the autotuner's choice (docs/perf-notes.md, ninth session; TritonModel makes the choice at full length).
 @triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"],
-                 prune_configs_by={"early_config_prune": _prune_split}, cache_results=True)
+                 cache_results=True)
 @triton.jit
 def _decode_split_kernel(
     q, key, value, lengths, partial_acc, partial_max, partial_sum,
@@ -150,8 +133,7 @@ def _merge_configs():
     ])
 
 
-@triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"],
-                 prune_configs_by={"early_config_prune": _prune_merge}, cache_results=True)
+@triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"], cache_results=True)
 @triton.jit
 def _decode_merge_kernel(
     partial_acc, partial_max, partial_sum, lengths, out,

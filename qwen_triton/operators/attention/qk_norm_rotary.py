@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import active
 from ..common import (
     allow_next_kernel,
     autotune_configs,
@@ -122,18 +123,13 @@ def _norm_rotate_row(
             tl.store(value_cache + cache_offset + lanes, v.to(value_cache.dtype.element_ty), mask=in_head)
 
 
-# ROWS: the rows a program handles, one after the other (one head each). One program per (row, head) made 49,152
-# programs of one 512-byte vector at 4096 tokens. In the engine's prefill (benchmarks/prefill_configs.py
-# --kernel qk_norm_rotary --tokens 4096,128, commit b1d0eb3, `prefill-configs-qk-norm-rotary-2026-11-30-
-# NVIDIA-H200-b1d0eb3.json`): at 4096 rows 4 rows per program at 1 warp took 18.0 us per layer against 31.8
-# for one row at 2 warps (the rest 22.8-39.7); at 128 rows one row per program was fastest (2.6-2.7 us
-# against 3.9-16.5). On and off in alternation (commit 44ebcbb, `prefill-long-pins-ab-2026-11-30-NVIDIA-H200-
-# 44ebcbb.json`): 18.0 against 31.8 us at 4096 rows, 9.9-10.0 against 16.8 at 2048, 6.0 against 9.3 at 1024.
-# So inputs of 513 rows or more (row bucket LONG_ROWS_FROM) run LONG_ROWS_PICK; others one row per program,
-# the warps tuned per row bucket (the decode step's single row is its own bucket). 512 rows was not measured.
+# ROWS: the rows a program handles, one after the other (one head each; one program per (row, head) made 49,152
+# programs of one 512-byte vector at 4096 tokens). Inputs from the row bucket LONG_ROWS_FROM run LONG_ROWS_PICK
+# (this GPU's tuning table, tuning/h200.py, with what was measured); others one row per program, the warps tuned
+# per row bucket (the decode step's single row is its own bucket).
 CONFIGS = [triton.Config({"ROWS": rows}, num_warps=warps) for rows in (1, 4, 16) for warps in (2, 1, 4)]
-LONG_ROWS_PICK = dict(ROWS=4, num_warps=1)
-LONG_ROWS_FROM = 1024  # the row bucket (the row count rounded up to a power of two, at most 4096)
+LONG_ROWS_PICK = active().qk_long_rows_pick
+LONG_ROWS_FROM = active().qk_long_rows_from  # the row bucket (the row count rounded up to a power of two, at most 4096)
 
 
 def _prune(configs, named_args, **kwargs):

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, keep_preferred,
                       launch_options, wait_for_previous_kernel)
 
@@ -81,26 +82,14 @@ def prefill_config_space() -> list:
     ]
 
 
-# Each prompt runs one config: PREFILL_PICK up to 512 tokens, LONG_PREFILL_PICK from 513 (length bucket
-# LONG_PREFILL_FROM, 1024). PREFILL_PICK was the fastest tile in the prefill at 128 tokens (the 128-token
-# profiles of commits f3827f2, aee88c5, d5cf3a2, a0111c5: 4.5 us per layer in two runs, against 5.7 and 8.0
-# us with the autotuner's other picks) and at 4096 among the tiles (commit 62e2f1a,
-# `prefill-configs-conv-2026-11-30-NVIDIA-H200-62e2f1a.json`: 49.5 us per layer against 58.0-71.4). With the
-# walking configs (benchmarks/prefill_configs.py --kernel causal_conv1d --tokens 4096,128, commit b1d0eb3,
-# `prefill-configs-conv-walk-2026-11-30-NVIDIA-H200-b1d0eb3.json`), at 4096 tokens the walk of 8 x 512 x 4
-# at 4 warps took 34.8 us per layer against the tile's 49.9 (the other walks 37.2-55.6); at 128 tokens every
-# walk was slower than the tile (6.8-41.7 us against 3.6: 48 programs of 32 rows leave most SMs idle). With
-# the walk on and off in alternation (`--configs pinned --settings ...LONG_PREFILL_FROM=...`, commit 44ebcbb,
-# `prefill-long-pins-ab-2026-11-30-NVIDIA-H200-44ebcbb.json`): 34.4 against 48.8-49.1 us and the prefill
-# 13.89 / 14.26 against 14.28 / 14.63 ms at 4096 tokens; 17.2-17.3 against 25.4 us at 2048; 10.2-10.4
-# against 11.2-11.3 at 1024. 512 tokens was not measured: the walk starts at the 1024 bucket. The autotuner's
-# one-launch timings picked differently from run to run (at 4096: 64 x 64 and 64 x 128 at 8 warps in the
-# profiles of fb3e19c and a9e4d1b, 57.9 and 71.6 us), hence the pins; the other configs stay for the sweep.
-# Each output element is the same 4-tap sum in the same order whatever the tiles and the kernel (tile or
+# Each prompt runs one config: PREFILL_PICK below the length bucket LONG_PREFILL_FROM, LONG_PREFILL_PICK (a walk)
+# from it, from this GPU's tuning table (tuning/h200.py, with what was measured); without a table the autotuner
+# chooses. Each output element is the same 4-tap sum in the same order whatever the tiles and the kernel (tile or
 # walking): no result depends on them.
-PREFILL_PICK = dict(BLOCK_T=16, BLOCK_C=128, WALK_BLOCKS=0, num_warps=4)
-LONG_PREFILL_PICK = dict(BLOCK_T=8, BLOCK_C=512, WALK_BLOCKS=4, num_warps=4)
-LONG_PREFILL_FROM = 1024  # the length bucket (the prompt length rounded up to a power of two, at most 4096)
+PREFILL_PICK = active().conv_prefill_pick
+LONG_PREFILL_PICK = active().conv_long_prefill_pick
+# the length bucket (the prompt length rounded up to a power of two, at most 4096)
+LONG_PREFILL_FROM = active().conv_long_prefill_from
 
 
 def rows_per_program(meta) -> int:

@@ -72,7 +72,7 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    3,240.6 against 3,203.6 at 512 (tf32; `prefill-options-split-2026-12-01-NVIDIA-H200-8550a07.json`). At 4096
    tokens alone in a CUDA graph (chunk_sweep.py, 0f920e6) the first part takes 54.8 us, the second 63.4, the
    two together 115.5 (one kernel 117.3); in the engine's profile at 9362a54 47.9 and 53.2 us a layer.
-   Where kernel 1 is split, kernel 3 forms the scores Q K^T itself (SCORES_IN_OUTPUT, below) and the products
+   Where kernel 1 is split, kernel 3 forms the scores Q K^T itself (the scratch's scores_in_output) and the products
    kernel runs W and U alone, grid (chunks, Hv, 2). From 4096 tokens (LONG_PROMPT_PICKS) the two parts run the
    configs fastest in chunk_sweep.py: the inverse at 4 warps capped at 168 registers (three programs an SM for
    sm_90 instead of two), the products at 4 warps. Measured (twenty-fourth session, the engine's profile at 4096
@@ -80,7 +80,7 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    rule 205.2 -> 196.3; in the prefill (prefill_options.py, one process, replayed) 12,037.0 us against 12,222.5
    with kernel 3 reading the scores and 12,070.2 without the pins.
 2. The sequential part, and only the state's part of it. On Hopper with 16-bit operands (the engine's prefill) it
-   runs in Gluon on the transposed state, `state_pass.py` (STATE_PASS_IN_GLUON): both products of a step take the
+   runs in Gluon on the transposed state, `state_pass.py` (where `state_pass.applies`): both products of a step take the
    carried operand from registers, no shared-memory round trip in the step's chain; at 4096 tokens 102.1 -> 64-67
    us a layer (profiles efe5bcb -> 9626aa2, 4be166c, c0e27c0), the engine's prefill 12,717 -> 12,063 and 12,784 ->
    12,278 us replayed in one process (benchmarks/prefill_options.py, commits 9626aa2 and 4be166c; 128 tokens
@@ -146,7 +146,7 @@ Precision. The state, the gates, the norms and every accumulation are float32. T
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
 there are systematic. For 16-bit activations the other chunk-local products of kernel 1 (K K^T, Q K^T,
 W, U) take operands in the activation dtype (the normalised keys, and the inverse for W and U, rounded to
-it; PREPARE_IN_ACTIVATION_DTYPE = False: tf32, as until 0f920e6), and the products of kernels 2 and 3 take
+it), and the products of kernels 2 and 3 take
 16-bit operands (the state and V' rounded to the activation dtype, float32 accumulation), the choice of
 flash-linear-attention. Measured at the real shape, bf16, 4096 tokens against the float32 reference
 (chunk_sweep.py's check, 0f920e6): output Frobenius error 4.06e-3 (3.14e-3 with tf32 in kernel 1), max 5.94e-3
@@ -192,6 +192,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import active
 from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
 from . import state_pass
 from .gated_rms_norm import gated_rms_norm_values
@@ -203,17 +204,8 @@ CHUNK = 64
 # chunk_size=None): twice the programs of the fully parallel kernels and a shorter inverse, for a state pass of
 # twice the (cheaper) steps. See the module docstring for what was measured.
 SHORT_CHUNK = 32
-SHORT_CHUNK_TOKENS = 1024
+SHORT_CHUNK_TOKENS = active().chunk_short_chunk_tokens  # (tuning/h200.py)
 CHUNK_SIZES = (SHORT_CHUNK, CHUNK)
-# Under the default precision mix for 16-bit activations, kernel 1's products but the inverse's (K K^T, Q K^T,
-# W, U) take operands in the activation dtype (else tf32). See the module docstring, Precision. (Not in the
-# kernels' tuning keys, which hold no dtype object: the autotuner writes its keys to JSON. Given this flag the
-# operands' dtype follows from the inputs' dtype and the precision, which are.)
-PREPARE_IN_ACTIVATION_DTYPE = True
-
-# Kernel 2 in Gluon on the transposed state (state_pass.py) where it applies (Hopper, 16-bit operands); False: the
-# Triton kernel everywhere (for A/B measurements; the float32 options and other GPUs always take it).
-STATE_PASS_IN_GLUON = True
 
 TORCH_TO_TRITON = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -349,37 +341,13 @@ PREPARE_CONFIGS = [
 ]
 
 
-# Prompts of up to SHORT_PROMPT_TOKENS tokens run the configs that were fastest at T = 128 back to back in a
-# CUDA graph on the H200, for each chunk size (benchmarks/chunk_sweep.py; chunks of 64: the same in two runs,
-# commits 447c82a and 4db1353; chunks of 32: one run, e5c4a2d, where the state pass took 8.3 us at its pick
-# and 9.4 at that of chunks of 64): there the kernels take 5-20 us, the autotuner's one-launch timings picked
-# differently from run to run, and the profiles' chunked delta rule at 128 tokens took 30-39 us per layer with
-# its picks.
-SHORT_PROMPT_TOKENS = 256
-SHORT_PROMPT_PICKS = {
-    CHUNK: {
-        "prepare": dict(num_warps=8, num_stages=3),
-        "state": dict(BLOCK_V=16, num_warps=4, num_stages=2),
-        "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
-    },
-    SHORT_CHUNK: {
-        "prepare": dict(num_warps=4, num_stages=3),
-        "state": dict(BLOCK_V=32, num_warps=8, num_stages=3),
-        "output": dict(BLOCK_V=128, num_warps=4, num_stages=3),
-    },
-}
-
-
-# Prompts of LONG_PROMPT_TOKENS tokens or more (chunks of 64, kernel 1 split): kernel 1's two parts at the configs
-# fastest at T = 4096 in the same setting (benchmarks/chunk_sweep.py, twenty-fourth session, call 2 at commit
-# d437362, `chunk-sweep-4096-maxnreg-...-d437362.json`; the two parts together, us): the inverse at 4 warps capped
-# at 168 registers 106.5 (110.9 uncapped, 113.6 at 8 warps), the products at 4 warps 106.6 (115.0 at 8 warps, the
-# engine's profile's pick at d1b830a: the autotuner's one-launch timings pick either).
-LONG_PROMPT_TOKENS = 4096
-LONG_PROMPT_PICKS = {
-    "inverse": dict(num_warps=4, num_stages=3, maxnreg=168),
-    "products": dict(num_warps=4, num_stages=3, maxnreg=None),
-}
+# Prompts of up to SHORT_PROMPT_TOKENS tokens run the configs fastest at T = 128 back to back in a CUDA graph, by
+# chunk size and kernel; prompts of LONG_PROMPT_TOKENS tokens or more kernel 1's two parts at those fastest at
+# T = 4096: this GPU's tuning table (tuning/h200.py, with what was measured); without a table the autotuner chooses.
+SHORT_PROMPT_TOKENS = active().chunk_short_prompt_tokens
+SHORT_PROMPT_PICKS = active().chunk_short_prompt_picks
+LONG_PROMPT_TOKENS = active().chunk_long_prompt_tokens
+LONG_PROMPT_PICKS = active().chunk_long_prompt_picks
 
 
 def _prompt_pick(kernel: str):
@@ -523,12 +491,11 @@ def _chunk_prepare_kernel(
 
 # Prompts of more than SPLIT_PREPARE_TOKENS tokens (in chunks of 64) run kernel 1 as two kernels (below), each of
 # shorter programs. See the module docstring for what was measured.
-SPLIT_PREPARE_TOKENS = 2048
+SPLIT_PREPARE_TOKENS = active().chunk_split_prepare_tokens  # (tuning/h200.py)
 # Where kernel 1 is split, kernel 3 forms each chunk's Q K^T * exp(G_i - G_j) itself (from q and k, which it reads
-# beside the chunk's V' and start state) instead of reading what a third of the products kernel's programs stored:
-# those programs, their reads of q and k and the scores' round trip through memory go. Measured in
+# beside the chunk's V' and start state) instead of reading scores stored by a third set of the products kernel's
+# programs: those programs, their reads of q and k and the scores' round trip through memory go. Measured in
 # docs/perf-notes.md, twenty-fourth session.
-SCORES_IN_OUTPUT = True
 
 # The inverse's programs are chains of small dependent products (latency-bound): a register cap (maxnreg) puts more
 # programs on an SM (for sm_90, benchmarks/sass_counts.py inverse --maxnreg N: 4 warps at 182 registers, two programs
@@ -577,7 +544,7 @@ PRODUCTS_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(PRODUCTS_CONFIGS),
-                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION", "SCORES"],
+                 key=["chunk_bucket", "K_DIM", "V_DIM", "CHUNK_ROWS", "PRECISION"],
                  prune_configs_by={"early_config_prune": _first_for_float32_operands(_prompt_pick("products"))},
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
@@ -587,35 +554,28 @@ def _chunk_products_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, SCORES: tl.constexpr = True,
+    PRECISION: tl.constexpr,
 ):
-    """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 3): program (c, h, 0)
-    writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head h, program (c, h, 1) its W [C, Dk] and
-    program (c, h, 2) its U [C, Dv], from the inverse in system_ptr; G and beta recomputed from a, b (the
-    same arithmetic as the first part's, so the same values). Without SCORES (kernel 3 forms them: grid
-    (chunks, Hv, 2)) only W and U."""
+    """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 2): program (c, h, 0) writes
+    chunk c's W [C, Dk] of head h and program (c, h, 1) its U [C, Dv], from the inverse in system_ptr; G and beta
+    recomputed from a, b (the same arithmetic as the first part's, so the same values). The chunks' scores are
+    kernel 3's (q_ptr, qk_ptr and scale unused: the one kernel's arguments)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
-    part = tl.program_id(2) + (0 if SCORES else 1)
-    if part == 0:
-        _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
-                      V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
+    rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+    if tl.program_id(2) == 0:
+        k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K),
+                       K_DIM, False)
+        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
+                                   stride_bt)
+        inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
+        _store_w(inverse, l2_normalize_rows(k.to(tl.float32), 1.0), decay, beta, w_ptr, chunk, head, length,
+                 K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
     else:
-        rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
-        if part == 1:
-            k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K),
-                           K_DIM, False)
-            decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
-                                       stride_bt)
-            inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-            _store_w(inverse, l2_normalize_rows(k.to(tl.float32), 1.0), decay, beta, w_ptr, chunk, head, length,
-                     K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
-        else:
-            v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
-            _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
-            inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
-            _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
+        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
+        _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
+        _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
 
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
@@ -691,7 +651,7 @@ def _chunk_state_kernel(
     tl.store(slab, state, mask=slab_mask)
 
 
-# No BLOCK_V of 32: forming the scores (SCORES_IN_OUTPUT) without the norm, the kernel at BLOCK_V 32 and 4 warps wrote
+# No BLOCK_V of 32: forming the scores (SCORES_HERE) without the norm, the kernel at BLOCK_V 32 and 4 warps wrote
 # a wrong output and then faulted with an illegal address on the H200 (chunks of 64; twenty-fourth session, calls 3
 # and 4: benchmarks/scores_probe.py, `scores-probe-...-c5763f8.json`), where BLOCK_V 64 and 128 at 4 and 8 warps
 # matched the kernel reading the products kernel's scores (to the bit with the norm and at 128; within one bf16
@@ -815,10 +775,10 @@ def gated_delta_rule_chunked(
     if length == 0:
         return out
 
-    scratch = _scratch(q, v, dot_precision, chunk_size)
-    _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
-    _launch_state_pass(state, scratch)
-    _launch_output(q, k, out, scratch, output_norm)
+    scratch = chunk_scratch(q, v, dot_precision, chunk_size)
+    launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
+    launch_state_pass(state, scratch)
+    launch_output(q, k, out, scratch, output_norm)
     return out
 
 
@@ -831,7 +791,7 @@ class _Scratch(NamedTuple):
     product_precision: str  # the precision of kernels 2 and 3's products
     w: torch.Tensor  # [Hv, T, Dk]
     u: torch.Tensor  # [Hv, T, Dv] in dot_dtype
-    scores_in_output: bool  # kernel 3 forms the chunks' scores (SCORES_IN_OUTPUT, where kernel 1 is split)
+    scores_in_output: bool  # kernel 3 forms the chunks' scores (where kernel 1 is split)
     qk: torch.Tensor  # [chunks, Hv, C, C], the causal lower triangle written (empty where kernel 3 forms them)
     decay: torch.Tensor  # [Hv, T] float32, G
     decayed_keys: torch.Tensor  # [Hv, T, Dk], diag(exp(G_C - G)) K of each chunk (normalised keys)
@@ -845,18 +805,19 @@ def chunk_size_for(length: int) -> int:
     return SHORT_CHUNK if length <= SHORT_CHUNK_TOKENS else CHUNK
 
 
-def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
+def chunk_scratch(q, v, dot_precision=None, chunk_size=None) -> _Scratch:
+    """The buffers the stages write for the next ones (what gated_delta_rule_chunked allocates per call)."""
     if v.dtype == torch.float32 or dot_precision == "ieee":
         prepare_precision, dot_dtype, product_precision = "ieee", torch.float32, "ieee"
     elif dot_precision == "tf32":
         prepare_precision, dot_dtype, product_precision = "tf32", torch.float32, "tf32"
     else:
         prepare_precision, dot_dtype, product_precision = "tf32", v.dtype, "tf32"
-    prepare_dtype = dot_dtype if PREPARE_IN_ACTIVATION_DTYPE else torch.float32
+    prepare_dtype = dot_dtype  # (see the module docstring, Precision)
     (length, value_heads, value_dim), key_dim, device = v.shape, q.shape[2], v.device
     chunk = chunk_size or chunk_size_for(length)
     chunks = triton.cdiv(length, chunk)
-    scores_in_output = SCORES_IN_OUTPUT and length > SPLIT_PREPARE_TOKENS
+    scores_in_output = length > SPLIT_PREPARE_TOKENS
     return _Scratch(
         chunk, prepare_dtype, prepare_precision, dot_dtype, product_precision,
         w=torch.empty(value_heads, length, key_dim, device=device, dtype=dot_dtype),
@@ -871,40 +832,61 @@ def _scratch(q, v, dot_precision, chunk_size=None) -> _Scratch:
     )
 
 
-def _launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, parts=(True, True)) -> None:
-    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (parts: which of the two
-    to launch, for timing them alone; the one kernel ignores it. Arguments checked by gated_delta_rule_chunked)."""
+def _prepare_arguments(q, k, v, a, b, scratch: _Scratch):
+    """Kernel 1's grid size (chunks), its shape constexprs, value constexprs and strides."""
     (length, value_heads, value_dim), (key_heads, key_dim) = v.shape, q.shape[1:]
-    chunks = triton.cdiv(length, scratch.chunk)
     shapes = dict(V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim,
                   BLOCK_K=max(16, triton.next_power_of_2(key_dim)), CHUNK_ROWS=scratch.chunk,
                   DOT_DTYPE=TORCH_TO_TRITON[scratch.prepare_dtype], PRECISION=scratch.prepare_precision)
     values = dict(V_DIM=value_dim, BLOCK_V=max(16, triton.next_power_of_2(value_dim)))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
                b.stride(0))
-    if length <= SPLIT_PREPARE_TOKENS:
-        _chunk_prepare_kernel[(chunks, value_heads, 2)](
-            q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-            scratch.system, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
+    return triton.cdiv(length, scratch.chunk), shapes, values, strides
+
+
+def launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+    """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (launch_inverse, then
+    launch_products); arguments checked by gated_delta_rule_chunked, scratch from `chunk_scratch`."""
+    length, value_heads, key_dim = v.shape[0], v.shape[1], q.shape[2]
+    if length > SPLIT_PREPARE_TOKENS:
+        launch_inverse(q, k, v, a, b, A_log, dt_bias, scratch)
+        launch_products(q, k, v, a, b, A_log, dt_bias, scratch)
         return
-    if parts[0]:
-        _chunk_inverse_kernel[(chunks, value_heads)](
-            k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
-            length, triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
-    if parts[1]:
-        scores = not scratch.scores_in_output
-        _chunk_products_kernel[(chunks, value_heads, 3 if scores else 2)](
-            q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
-            length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values, SCORES=scores)
+    chunks, shapes, values, strides = _prepare_arguments(q, k, v, a, b, scratch)
+    _chunk_prepare_kernel[(chunks, value_heads, 2)](
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
+        scratch.system, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
 
 
-def _launch_state_pass(state, scratch: _Scratch) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written."""
-    (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
-    if STATE_PASS_IN_GLUON and state_pass.applies(state, scratch.dot_dtype, scratch.chunk):
+def launch_inverse(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+    """Kernel 1's first part: G, the decayed keys and each chunk's inverse (I + A)^-1. Grid (chunks, Hv)."""
+    chunks, shapes, _, _ = _prepare_arguments(q, k, v, a, b, scratch)
+    _chunk_inverse_kernel[(chunks, v.shape[1])](
+        k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
+        v.shape[0], triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
+
+
+def launch_products(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+    """Kernel 1's second part, after launch_inverse: each chunk's W and U. Grid (chunks, Hv, 2)."""
+    chunks, shapes, values, strides = _prepare_arguments(q, k, v, a, b, scratch)
+    _chunk_products_kernel[(chunks, v.shape[1], 2)](
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
+        v.shape[0], triton.next_power_of_2(chunks), q.shape[2]**-0.5, *strides, **shapes, **values)
+
+
+def launch_state_pass(state, scratch: _Scratch) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; in Gluon where
+    it applies (Hopper, 16-bit operands: state_pass.py), else the Triton kernel."""
+    if state_pass.applies(state, scratch.dot_dtype, scratch.chunk):
         state_pass.launch(state, scratch.w, scratch.u, scratch.decayed_keys, scratch.decay, scratch.new_values,
                           scratch.chunk_states, scratch.chunk)
         return
+    launch_triton_state_pass(state, scratch)
+
+
+def launch_triton_state_pass(state, scratch: _Scratch) -> None:
+    """Kernel 2 in Triton: `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V)."""
+    (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
     chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
@@ -916,7 +898,7 @@ def _launch_state_pass(state, scratch: _Scratch) -> None:
     )
 
 
-def _launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
+def launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
     """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)

@@ -6,7 +6,7 @@ One sequence (B = 1, the single-stream decode). It computes what this chain comp
 but without the kernel boundary between them, where the step waited for the whole projection grid to drain
 (a PDL wait: the fifth session measured ~2.5 us lost per boundary; docs/perf-notes.md).
 
-Programs: one per tile of 16 weight rows, the GEMV's in-graph tile for K <= 1024 (gemv.PREFERRED_BY_K), each
+Programs: one per tile of 16 weight rows, the GEMV's in-graph tile for K <= 1024 (tuning/h200.py), each
 summed exactly as that GEMV sums it (`row_rstd`, `accumulate_row`, the same shapes and warps), so a row's
 projection is the GEMV's bit for bit. The tiles run in this order of program ids:
   - q and k tiles (2 Hk Dk / 16): the conv step of their 16 channels (each channel's conv state belongs to
@@ -59,13 +59,13 @@ from ..conv.causal_conv1d import (
     store_conv_state,
 )
 from ..linear.fusion import accumulate_row, load_weight_tile, row_rstd
-from ..linear.gemv import PREFERRED_BY_K
+from ...tuning import H200
 from .gating import ACTIVATION_DTYPES
 from .recurrent import delta_rule_update, state_slab
 
-# The GEMV's in-graph tile for K <= 1024 (gemv.PREFERRED_BY_K, the engine's in-projection: 16 rows x 256
+# The GEMV's in-graph tile on the H200 for K <= 1024 (tuning/h200.py, the engine's in-projection: 16 rows x 256
 # columns per step) and that config's 4 warps and 3 stages. The same shapes and warps give the same sums.
-_, ROWS, TILE_K = preferred_entry(PREFERRED_BY_K, 1024, ("SPLIT_K", "BLOCK_N", "BLOCK_K")).values()
+_, ROWS, TILE_K = preferred_entry(H200.gemv_by_k, 1024, ("SPLIT_K", "BLOCK_N", "BLOCK_K")).values()
 WARPS = 4
 STAGES = 3
 # four programs an SM (4 x 4 warps x 128 registers fill its 64K registers): the 514 programs of the real shape,

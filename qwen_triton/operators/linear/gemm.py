@@ -58,7 +58,7 @@ so that the next tile's loads overlap this one's epilogue: Triton's persistent m
 the in-projections in isolation (109.0 us) but slower for gate/up (127.1) and in the prefill (15.45 and
 15.59 ms at 4096 tokens against 14.34); removed (commit 657be08, docs/perf-notes.md).
 
-PDL: with gemm(pdl=True) (a prompt of up to 256 tokens in the engine, triton_model.PREFILL_PDL) the prologue pass
+PDL: with gemm(pdl=True) (a prompt of up to 256 tokens in the engine: the plan's prefill_pdl_tokens) the prologue pass
 and the GEMM let the next kernel launch at their entry and wait for the previous kernel before their first
 load; in the engine's 128-token prefill, with the convs and attention alike, 1,785 -> 1,756 us (docs/perf-notes.md,
 seventeenth session). Asking the L2 for the program's weight rows before the wait was measured no faster.
@@ -78,6 +78,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, wait_for_previous_kernel)
 from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, prologue, row_rstd,
@@ -85,7 +86,7 @@ from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
-TMA_ROWS = MAX_SPLIT_ROWS + 1  # gemm(tma=None) loads through descriptors from this many rows on, where it can
+TMA_ROWS = active().gemm_tma_rows  # gemm(tma=None) loads through descriptors from this many rows on, where it can
 MIN_BLOCK = 16  # the smallest BLOCK_M / BLOCK_N: sizes the arrival counters
 
 
@@ -143,35 +144,15 @@ TMA_NO_SPLIT_CONFIGS = _tma_configs(split=False)
 MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS)
 
 
-# The configs that were fastest for a 128-token prompt in the prefill's own setting (benchmarks/gemm_sweep.py
-# on the H200, 2026-11-29, commit 23ea421: back to back in a CUDA graph on distinct weights): for K <= 1024
-# (the in-projections and gate/up) one 64 x 64 tile per program; for larger K (the out-projections,
-# down) 64 x 64 tiles with K split in four. The autotuner, timing one launch at a time, picked others up
-# to 1.6x slower (the out-projection: 12.9 us against 7.9), and not the same ones from run to run, so for
-# prompts of up to MAX_SPLIT_ROWS tokens the preferred config is the only candidate where it is allowed.
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by the largest K it serves
-PREFERRED_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))
-
-
-# Prompts of LONG_PROMPT_ROWS tokens or more: the configs fastest in the same setting at M = 4096
-# (benchmarks/gemm_sweep.py, commit 23ea421, `gemm-sweep-2026-11-29-NVIDIA-H200-23ea421.json`): 128 x 256
-# tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
-# (in-projections, gate/up), 8 warps, 3 stages. The autotuner's one-launch timings picked others from run
-# to run: the 4096-token profiles of 2026-11-30 ran the down projection at 48.5 and 66.3 us per layer and
-# the DeltaNet out-projection at 33.7 and 40.6 with its different picks (commits 4ca1bd6, a9e4d1b).
-LONG_PROMPT_ROWS = 4096
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the largest N it serves
-PREFERRED_LONG_BY_N = ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
-
-
-# Prompts of 513-1024 tokens on the TMA loads (the bucket of M = 1024): the TMA configs fastest at M = 1024 in
-# the same setting (benchmarks/gemm_sweep.py, commit 8e66760, `gemm-sweep-4096-1024-...-8e66760.json`): 64 x
-# 128 tiles at 4 warps for the N = 1024 projections (down 16.6 us, out-projection 11.6, attention gate + out
-# 14.8, where the autotuner's one-launch picks ran 21.0, 12.3, 15.9), 128 x 128 at 8 warps for the wide ones.
-# In the engine's 1024-token prefill (benchmarks/prefill_configs.py --kernel gemm, commit fb1a75d): 4.52 and
-# 4.70 ms pinned against 5.40 ms with the autotuner's picks (the GEMMs' median 21.9 against 28.8 us).
-MEDIUM_PROMPT_BUCKET = 1024
-PREFERRED_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
+# The configs measured fastest in the prefill's own setting (back to back in a CUDA graph), from this GPU's tuning
+# table (tuning/h200.py): by K for prompts of up to MAX_SPLIT_ROWS tokens, by N from LONG_PROMPT_ROWS tokens on
+# and, on the TMA loads, in the bucket MEDIUM_PROMPT_BUCKET. Where one applies it is the only candidate; without
+# a table (None) the autotuner chooses among all.
+PREFERRED_BY_K = active().gemm_by_k  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by the largest K it serves
+LONG_PROMPT_ROWS = active().gemm_long_prompt_rows
+PREFERRED_LONG_BY_N = active().gemm_long_by_n  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N
+MEDIUM_PROMPT_BUCKET = active().gemm_medium_prompt_bucket
+PREFERRED_MEDIUM_BY_N = active().gemm_medium_by_n
 
 
 TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # of the tables by N

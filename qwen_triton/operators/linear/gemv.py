@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import active
 from ..common import (
     allow_next_kernel,
     autotune_configs,
@@ -92,13 +93,10 @@ MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS)
 MIN_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in SPLIT_CONFIGS + NO_SPLIT_CONFIGS)
 
 
-# The configs that were fastest in the decode step's own setting: benchmarks/decode_sweep.py timed all 17
-# on the H200 (2026-11-29) as the model runs them, back to back in a CUDA graph with PDL on distinct
-# weights, for each projection of Qwen3.5-0.8B; by K: K <= 1024 (the in-projections, gate/up) 16 rows x
-# 256 columns; K <= 2048 (the out-projections) 8 rows x the whole K; larger K (down, 3584) four splits of
-# 16 x 512. Timing one launch at a time after an L2 flush, the autotuner picked configs up to 30% slower
-# in that setting (and once 2.5x slower), so where a preferred config applies it is the only candidate.
-PREFERRED_BY_K = ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))
+# The config that was fastest in the decode step's own setting (back to back in a CUDA graph with PDL), by K, from
+# this GPU's tuning table (tuning/h200.py): where it applies it is the only candidate; without a table (None) the
+# autotuner chooses among all.
+PREFERRED_BY_K = active().gemv_by_k
 
 
 def _prune(configs, named_args, **kwargs):

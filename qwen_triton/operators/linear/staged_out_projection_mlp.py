@@ -36,14 +36,14 @@ program per SM (its shared memory takes the SM), and the next kernel is let laun
 barrier, so it cannot take an SM a program still needs. A poll gives up after SPIN_LIMIT reads and raises the
 counters' error flag (a wrong result and a flag the host can read, instead of a hung GPU).
 
-Pacing (PACED): the down projection's weights are requested once the program is past the first barrier.
+Pacing: the down projection's weights are requested once the program is past the first barrier.
 With every weight requested at once, the first barrier's adds and polls waited behind the whole layer's
-copies in the memory system's queues (`benchmarks/staged_tail_trace.py`).
+copies in the memory system's queues (measured with per-program clock marks, docs/perf-notes.md).
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB (~6.2 us at
 the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP. Measured on the H200 (docs/perf-notes.md,
-thirteenth session): 10.8 us a layer back to back in a CUDA graph with PDL (2.4 TB/s;
-`staged_tail_trace.py`; the three launches 12.05-12.25 us in `decode_sweep.py --parts tail`); in the engine's
+thirteenth session): 10.8 us a layer back to back in a CUDA graph with PDL (2.4 TB/s; the three
+launches 12.05-12.25 us in `decode_sweep.py --parts tail`); in the engine's
 decode step 641.4 against 714.6 us at context 128 (`engine_options.py`)."""
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..common import check_same_device, check_tensor, launch_options, sm_count
 
 WARPS = gl.constexpr(8)  # the computing warps (and one loading warp)
-PACED = True  # the down projection's weights requested past the first grid barrier (_load_weights)
 TILE_ROWS = gl.constexpr(4)
 TILE_COLUMNS = gl.constexpr(256)  # 32 lanes x 8 bf16 (16-byte shared-memory loads); the TMA box's longest side
 INPUT_SLICES = gl.constexpr(16)  # the input vector's room in shared memory: K <= 16 x 256
@@ -66,10 +65,6 @@ SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a Hopper program may allocate
 SPIN_LIMIT = gl.constexpr(1 << 24)  # polls of a barrier counter before a program gives up (a bug, never a wait)
 # the counters a launch uses: [the two barriers, departures, the error flag]
 COUNTERS = 4
-# the trace points of a program (diagnostics, `trace=`): entry, the PDL wait, phase 1's input, its weights,
-# its stores, barrier 1, phase 2's input, its weights, its stores, barrier 2, phase 3's weights, its stores;
-# the loading warp's last copy issued (SM cycles); then the entry and the end in %globaltimer ns
-TRACE_POINTS = gl.constexpr(16)
 
 
 # operators/common.py's wait_for_previous_kernel and allow_next_kernel, in Gluon (a Gluon kernel cannot call
@@ -131,23 +126,6 @@ def _sigmoid(x):
 
 
 @gluon.jit
-def _mark(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
-    """With TRACE, this program's SM clock (%clock64, cycles) at trace point POINT (staged_tail_trace.py)."""
-    if TRACE:
-        now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(trace_ptr + gl.program_id(0) * TRACE_POINTS + POINT, now)
-
-
-@gluon.jit
-def _mark_time(trace_ptr, POINT: gl.constexpr, TRACE: gl.constexpr):
-    """`_mark` in %globaltimer ns: the same clock on every SM, in steps of about 1 us on the H200."""
-    if TRACE:
-        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                        pack=1)
-        gl.store(trace_ptr + gl.program_id(0) * TRACE_POINTS + POINT, now)
-
-
-@gluon.jit
 def _poll(counter_ptr, WARPS: gl.constexpr):
     """The counter's value, read past L1 by one thread and handed to the others through shared memory, so a
     program sends one read a poll, not one a warp (every thread polling measured 1.3 us slower a layer)."""
@@ -185,12 +163,11 @@ def _own_rows(first_row, N, GROUPS: gl.constexpr, PADDED: gl.constexpr, layout: 
 @gluon.jit
 def _staged_kernel(
     out_descriptor, gate_up_descriptor, down_descriptor,
-    x_ptr, gate_ptr, z_ptr, head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps,
+    x_ptr, gate_ptr, z_ptr, head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, eps,
     HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr,
     OUT_GROUPS: gl.constexpr, UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr,
     HAS_GATE: gl.constexpr, HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr, ROUND_PRODUCT: gl.constexpr,
-    USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr, STREAM_ONLY: gl.constexpr,
-    WARPS: gl.constexpr, PACED: gl.constexpr,
+    USE_PDL: gl.constexpr, WARPS: gl.constexpr,
 ):
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -217,68 +194,44 @@ def _staged_kernel(
 
     # one warp asks for every weight of the three phases, in the order the phases read them, while the
     # others wait for the previous kernel and compute
-    if STREAM_ONLY:
-        gl.warp_specialize([
-            (_wait_for_weights, (arrivals, trace_ptr, USE_PDL, TRACE)),
-            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, False)),
-        ], [1], [64])
-    else:
-        gl.warp_specialize([
-            (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
-                        head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row,
-                        programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
-                        HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, TRACE, BARRIERS, WARPS, PACED)),
-            (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
-                             down_tiles, arrivals, trace_ptr, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
-                             OUT_SLICES, UP_SLICES, DOWN_SLICES, TRACE, PACED)),
-        ], [1], [64])
+    gl.warp_specialize([
+        (_compute, (out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr,
+                    head_norm_ptr, hidden_ptr, norm_ptr, act_ptr, counter_ptr, eps, out_row, up_row,
+                    programs, HIDDEN, ATTENDED, INTERMEDIATE, OUT_GROUPS, UP_GROUPS, OUT_PADDED, UP_PADDED,
+                    HAS_GATE, HEAD_NORM, HEAD_DIM, ROUND_PRODUCT, USE_PDL, WARPS)),
+        (_load_weights, (out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles,
+                         down_tiles, arrivals, out_row, up_row, INTERMEDIATE, OUT_GROUPS, UP_GROUPS,
+                         OUT_SLICES, UP_SLICES, DOWN_SLICES)),
+    ], [1], [64])
     for phase in gl.static_range(4):
         mbarrier.invalidate(arrivals.index(phase))
 
 
 @gluon.jit
 def _load_weights(out_descriptor, gate_up_descriptor, down_descriptor, out_tiles, gate_tiles, up_tiles, down_tiles,
-                  arrivals, trace_ptr, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
+                  arrivals, out_row, up_row, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
                   UP_GROUPS: gl.constexpr, OUT_SLICES: gl.constexpr, UP_SLICES: gl.constexpr,
-                  DOWN_SLICES: gl.constexpr, TRACE: gl.constexpr, PACED: gl.constexpr):
+                  DOWN_SLICES: gl.constexpr):
     """The loading warp: TMA copies of this program's rows of the three weights, each phase's on its mbarrier;
-    with PACED phase 3's only once the computing warps are past the first grid barrier (mbarrier 3)."""
+    phase 3's only once the computing warps are past the first grid barrier (mbarrier 3: pacing)."""
     tile_bytes: gl.constexpr = TILE_ROWS * TILE_COLUMNS * out_descriptor.dtype.primitive_bitwidth // 8
     mbarrier.expect(arrivals.index(0), OUT_GROUPS * OUT_SLICES * tile_bytes)
     _stage(out_descriptor, out_tiles, arrivals.index(0), out_row, OUT_GROUPS, OUT_SLICES)
     mbarrier.expect(arrivals.index(1), 2 * UP_GROUPS * UP_SLICES * tile_bytes)
     _stage(gate_up_descriptor, gate_tiles, arrivals.index(1), up_row, UP_GROUPS, UP_SLICES)
     _stage(gate_up_descriptor, up_tiles, arrivals.index(1), INTERMEDIATE + up_row, UP_GROUPS, UP_SLICES)
-    if PACED:
-        mbarrier.wait(arrivals.index(3), 0)
+    mbarrier.wait(arrivals.index(3), 0)
     mbarrier.expect(arrivals.index(2), OUT_GROUPS * DOWN_SLICES * tile_bytes)
     _stage(down_descriptor, down_tiles, arrivals.index(2), out_row, OUT_GROUPS, DOWN_SLICES)
-    _mark(trace_ptr, 12, TRACE)
-
-
-@gluon.jit
-def _wait_for_weights(arrivals, trace_ptr, USE_PDL: gl.constexpr, TRACE: gl.constexpr):
-    """The computing warps in the streaming-only diagnostic: wait for every weight, compute nothing."""
-    _mark_time(trace_ptr, 13, TRACE)
-    _mark(trace_ptr, 0, TRACE)
-    _previous_kernel_done(USE_PDL)
-    for phase in gl.static_range(3):
-        mbarrier.wait(arrivals.index(phase), 0)
-    _mark(trace_ptr, 10, TRACE)
-    _mark(trace_ptr, 11, TRACE)
-    _mark_time(trace_ptr, 14, TRACE)
 
 
 @gluon.jit
 def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_ptr, gate_ptr, z_ptr, head_norm_ptr,
-             hidden_ptr, norm_ptr, act_ptr, counter_ptr, trace_ptr, eps, out_row, up_row, programs,
+             hidden_ptr, norm_ptr, act_ptr, counter_ptr, eps, out_row, up_row, programs,
              HIDDEN: gl.constexpr, ATTENDED: gl.constexpr, INTERMEDIATE: gl.constexpr, OUT_GROUPS: gl.constexpr,
              UP_GROUPS: gl.constexpr, OUT_PADDED: gl.constexpr, UP_PADDED: gl.constexpr, HAS_GATE: gl.constexpr,
              HEAD_NORM: gl.constexpr, HEAD_DIM: gl.constexpr,
-             ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, TRACE: gl.constexpr, BARRIERS: gl.constexpr,
-             WARPS: gl.constexpr, PACED: gl.constexpr):
+             ROUND_PRODUCT: gl.constexpr, USE_PDL: gl.constexpr, WARPS: gl.constexpr):
     """The computing warps: the three phases and the two grid barriers."""
     OUT_SLICES: gl.constexpr = ATTENDED // TILE_COLUMNS
     UP_SLICES: gl.constexpr = HIDDEN // TILE_COLUMNS
@@ -286,13 +239,10 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
     out_layout: gl.constexpr = _groups_layout(OUT_PADDED, WARPS)
     up_layout: gl.constexpr = _groups_layout(UP_PADDED, WARPS)
     dtype: gl.constexpr = out_tiles.dtype
-    _mark_time(trace_ptr, 13, TRACE)
-    _mark(trace_ptr, 0, TRACE)
     # what no earlier kernel writes, loaded before the PDL wait: the MLP's norm weight (and the head norm's)
     offsets = _vector_offsets(WARPS)
     norm_weight = gl.load(norm_ptr + offsets, mask=offsets < HIDDEN, other=0.0).to(gl.float32)
     _previous_kernel_done(USE_PDL)
-    _mark(trace_ptr, 1, TRACE)
     # this program's rows of h, loaded with phase 1's input, before the weight copies fill the memory system's
     # queues (a load issued behind them waits microseconds); phase 3 adds to phase 1's result in registers
     rows, row_mask = _own_rows(out_row, HIDDEN, OUT_GROUPS, OUT_PADDED, out_layout)
@@ -325,48 +275,34 @@ def _compute(out_tiles, gate_tiles, up_tiles, down_tiles, inputs, arrivals, x_pt
             x = (x.to(gl.float32) * _sigmoid(gate)).to(dtype)
         inputs.store(x)
     gl.thread_barrier()
-    _mark(trace_ptr, 2, TRACE)
     mbarrier.wait(arrivals.index(0), 0)
-    _mark(trace_ptr, 3, TRACE)
     acc = _phase_sums(out_tiles, inputs, OUT_PADDED, OUT_SLICES, out_layout)
     residual = (acc + residual.to(gl.float32)).to(dtype)
     gl.store(hidden_ptr + rows, residual, mask=row_mask)
-    _mark(trace_ptr, 4, TRACE)
-    if BARRIERS:
-        _grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
-    if PACED:
-        mbarrier.arrive(arrivals.index(3))
-    _mark(trace_ptr, 5, TRACE)
+    _grid_barrier(counter_ptr, counter_ptr + 3, programs, WARPS)
+    mbarrier.arrive(arrivals.index(3))
 
     # phase 2: the MLP's RMSNorm of h into shared memory, then act[up rows] = swiglu(gate, up)
     h = gl.load(hidden_ptr + offsets, mask=offsets < HIDDEN, other=0.0, cache_modifier=".cg").to(gl.float32)
     rstd = gl.rsqrt(gl.sum(h * h, axis=0) / HIDDEN + eps)
     inputs.store((h * rstd * (1.0 + norm_weight)).to(dtype))
     gl.thread_barrier()
-    _mark(trace_ptr, 6, TRACE)
     mbarrier.wait(arrivals.index(1), 0)
-    _mark(trace_ptr, 7, TRACE)
     acc = _phase_sums(gate_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
     acc_up = _phase_sums(up_tiles, inputs, UP_PADDED, UP_SLICES, up_layout)
     up_rows, up_mask = _own_rows(up_row, INTERMEDIATE, UP_GROUPS, UP_PADDED, up_layout)
     gl.store(act_ptr + up_rows, (acc * _sigmoid(acc) * acc_up).to(dtype), mask=up_mask)
-    _mark(trace_ptr, 8, TRACE)
-    if BARRIERS:
-        _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
-    _mark(trace_ptr, 9, TRACE)
+    _grid_barrier(counter_ptr + 1, counter_ptr + 3, programs, WARPS)
     _next_kernel_may_launch(USE_PDL)
 
     # phase 3: h[out rows] += act @ W_d[out rows]^T
     inputs.store(gl.load(act_ptr + offsets, mask=offsets < INTERMEDIATE, other=0.0, cache_modifier=".cg"))
     gl.thread_barrier()
     mbarrier.wait(arrivals.index(2), 0)
-    _mark(trace_ptr, 10, TRACE)
     acc = _phase_sums(down_tiles, inputs, OUT_PADDED, DOWN_SLICES, out_layout)
     gl.store(hidden_ptr + rows, (acc + residual.to(gl.float32)).to(dtype), mask=row_mask)
 
     # the last program out resets the counters for the next launch: every program has passed both barriers
-    _mark(trace_ptr, 11, TRACE)
-    _mark_time(trace_ptr, 14, TRACE)
     departed = gl.atomic_add(counter_ptr + 2, 1, sem="relaxed", scope="gpu")
     if departed == programs - 1:
         gl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
@@ -435,21 +371,12 @@ def staged_out_projection_mlp(
     head_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
     descriptors: tuple | None = None,
     programs: int | None = None,
-    trace: torch.Tensor | None = None,
-    barriers: bool = True,
-    stream_only: bool = False,
-    warps: int = WARPS.value,
-    paced: bool = PACED,
 ) -> torch.Tensor:
     """hidden += out-projection of x, then hidden += MLP(hidden), in place, for one token (out_projection_mlp's
     arguments and results, its roundings; x, hidden, gate, z, act [1, ...]). counters: a row of
     `new_counters` (COUNTERS int32, zero; left zero), used by no other launch in flight. descriptors: from
     `weight_descriptors` (built here when None). programs: SMs to use (default all). Raises ValueError where
-    `plan` says the kernel does not apply.
-    Diagnostics (benchmarks/staged_tail_trace.py): trace, an int64 [grid, TRACE_POINTS] tensor, receives each
-    program's clock at the trace points; barriers=False leaves the grid barriers out, stream_only=True all
-    the computing (wrong results: the design's bounds); warps: the computing warps; paced=False: every weight
-    requested at once (`_load_weights`)."""
+    `plan` says the kernel does not apply."""
     check_tensor("x", x, shape=(1, None), dtype=(torch.bfloat16,), contiguous=True)
     attended = x.shape[1]
     check_tensor("out_weight", out_weight, shape=(None, attended), dtype=x.dtype, contiguous=True)
@@ -489,14 +416,12 @@ def staged_out_projection_mlp(
     if descriptors is None:
         descriptors = weight_descriptors(out_weight, gate_up_weight, down_weight)
     _staged_kernel[(launch["grid"],)](
-        *descriptors, x, x if gate is None else gate, z, head_norm_weight, hidden, norm_weight, act, counters,
-        counters if trace is None else trace, eps,
+        *descriptors, x, x if gate is None else gate, z, head_norm_weight, hidden, norm_weight, act, counters, eps,
         HIDDEN=size, ATTENDED=attended, INTERMEDIATE=intermediate,
         OUT_GROUPS=launch["out_groups"], UP_GROUPS=launch["up_groups"],
         OUT_PADDED=launch["out_padded"], UP_PADDED=launch["up_padded"],
         HAS_GATE=gate is not None, HEAD_NORM=head_norm is not None, HEAD_DIM=head_dim, ROUND_PRODUCT=True,
-        USE_PDL=pdl, TRACE=trace is not None, BARRIERS=barriers,
-        STREAM_ONLY=stream_only, WARPS=warps, PACED=paced, num_warps=warps,
+        USE_PDL=pdl, WARPS=WARPS.value, num_warps=WARPS.value,
         **launch_options(pdl),
     )
     return hidden

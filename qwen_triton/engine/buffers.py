@@ -1,0 +1,78 @@
+"""Buffers and sequence state of the Triton backend's decode step: every tensor a step of a batch bucket reads or
+writes, allocated once, so the step is allocation-free and can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+
+
+def bucket(batch: int) -> int:
+    """The CUDA-graph batch bucket of a batch: the next power of two."""
+    size = 1
+    while size < batch:
+        size *= 2
+    return size
+
+
+class DecodeBuffers:
+    """Every tensor a decode step of `size` rows reads or writes, allocated once. Row r of a step is the sequence
+    in slot `slots[r]` at position `positions[r]` (slots 0..size-1 today), with its own sampling parameters."""
+
+    def __init__(self, config: ModelConfig, size: int, device: torch.device, dtype: torch.dtype):
+        c = config
+        self.size = size
+        self.token_ids = torch.zeros(size, device=device, dtype=torch.int64)
+        self.positions = torch.zeros(size, device=device, dtype=torch.int32)
+        self.lengths = torch.ones(size, device=device, dtype=torch.int32)
+        self.slots = torch.arange(size, device=device, dtype=torch.int32)
+        self.hidden = torch.zeros(size, c.hidden_size, device=device, dtype=dtype)
+        self.attention_out = torch.zeros(size, c.num_attention_heads, c.head_dim, device=device, dtype=dtype)
+        gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
+        qkv_width = gate_width + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        projection_width = c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads
+
+        def zeros(*shape):
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
+        self.scratch = {
+            "attention_qkv": zeros(size, qkv_width),
+            "attention_q": zeros(size, c.num_attention_heads, c.head_dim),
+            "delta_projection": zeros(size, projection_width),
+            "conv_out": zeros(size, c.linear_conv_dim),
+            "delta_qk": zeros(size, 2 * c.linear_key_dim),
+            "delta_out": zeros(size, c.linear_num_value_heads, c.linear_value_head_dim),
+            "delta_normed": zeros(size, c.linear_value_dim),
+            "mlp_hidden": zeros(size, c.intermediate_size),
+        }
+        self.logits = torch.zeros(size, c.vocab_size, device=device, dtype=torch.float32)
+        self.next_tokens = torch.zeros(size, device=device, dtype=torch.int64)
+        self.temperature = torch.zeros(size, device=device, dtype=torch.float32)
+        self.top_k = torch.zeros(size, device=device, dtype=torch.int32)
+        self.top_p = torch.ones(size, device=device, dtype=torch.float32)
+        self.seed = torch.zeros(size, device=device, dtype=torch.int64)
+        self.step = torch.zeros(size, device=device, dtype=torch.int64)
+        # the ids of a step with feedback, written by its last kernel into row step % 2 (pinned host memory on a
+        # GPU, read by the host once the step is done: engine/decode_pipeline.py)
+        self.host_ids = torch.zeros(2, size, dtype=torch.int64, pin_memory=device.type == "cuda")
+        if device.type != "cuda":
+            self.host_ids = self.host_ids.to(device)
+        self.fed_back = 0  # rows whose inputs the last step wrote (feedback); 0 when the host must give them
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a step reads from the host (or, with feedback, from the step before)."""
+        return self.token_ids, self.positions, self.lengths, self.step
+
+    def load(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The first rows' inputs; the bucket's padding rows run on their own slots at position 0, unused."""
+        batch = token_ids.shape[0]
+        self.fed_back = 0
+        self.token_ids[:batch].copy_(token_ids)
+        self.positions[:batch].copy_(positions)
+        self.lengths[:batch].copy_(positions + 1)
+        if batch < self.size:
+            self.token_ids[batch:].zero_()
+            self.positions[batch:].zero_()
+            self.lengths[batch:].fill_(1)

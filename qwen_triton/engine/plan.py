@@ -1,0 +1,320 @@
+"""Which kernel runs each operator, in each phase and size bucket: the `Plan`, resolved once at load.
+
+`resolve_plan(config, device, options, dtype)` takes the model's shapes, the device's properties and the user's
+`Options`, and answers every question the forward pass asks ("which layer tail for a decode of 3 rows?", "PDL
+for a prefill of 1,500 tokens?") from fields fixed at load. An option the device cannot take at all is refused
+there with a ValueError naming it (pdl=True off Hopper); a variant that cannot serve a shape or a device (the
+staged tail on a CPU, the projected DeltaNet step for head dims it does not tile) is left out silently, and the
+plan says what runs instead. `qwen-triton ops` prints `describe()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FULL_ATTENTION, ModelConfig
+from ..operators.common import interpreting, sm_count
+from ..operators.gated_delta_rule.chunk import chunk_size_for
+from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
+from ..operators.linear import staged_out_projection_mlp as staged
+from ..operators.linear.gemm import MAX_SPLIT_ROWS
+from ..operators.linear.gemv import MAX_ROWS
+from ..tuning import Tuning, active, for_device_name
+from .buffers import bucket
+
+PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What the plan needs of a device: its kind, compute capability, SM count, and whether kernels run under
+    Triton's interpreter."""
+
+    name: str
+    type: str  # "cuda" | "cpu"
+    capability: tuple[int, int] | None
+    sm_count: int
+    interpreter: bool
+
+    @property
+    def hopper_or_later(self) -> bool:
+        return self.type == "cuda" and self.capability is not None and self.capability[0] >= 9
+
+    @property
+    def pdl_available(self) -> bool:
+        """Programmatic dependent launch: compute capability 9.0 or newer, not under the interpreter."""
+        return self.hopper_or_later and not self.interpreter
+
+    @classmethod
+    def of(cls, device) -> "DeviceProperties":
+        """The properties of a present device."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return cls(str(device), device.type, None, sm_count(device), interpreting())
+        return cls(torch.cuda.get_device_name(device), "cuda", tuple(torch.cuda.get_device_capability(device)),
+                   sm_count(device), interpreting())
+
+
+# devices a plan can be resolved for without them (qwen-triton ops --gpu)
+DEVICES = {
+    "h200": DeviceProperties("NVIDIA H200", "cuda", (9, 0), 132, False),
+    "cpu": DeviceProperties("cpu (Triton interpreter)", "cpu", None, 8, True),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The user's choices (TritonModel's and LLM's keywords); None: the device's default."""
+
+    split_k: bool = True  # split-K GEMV / GEMM configs where the tuning allows them
+    cuda_graph: bool = True  # decode steps and repeated prefills replayed from CUDA graphs (GPU only)
+    fused_delta_decode: bool = True  # a decode step's conv, gating, delta rule (and gated norm) in one kernel
+    out_projection_mlp: bool = True  # a decode step's out-projection + residual and MLP as one kernel (<= 16 rows)
+    output_norm_in_projection: bool = True  # with it, the DeltaNet output norm in that kernel's prologue
+    projected_delta_decode: bool = True  # one sequence: a DeltaNet layer's in-projection and step in one kernel
+    staged_out_projection_mlp: bool = True  # one sequence, Hopper, bf16: the layer tail with its weights staged
+    screened_lm_head: bool = True  # greedy, up to 16 rows: the int8-screened exact LM head
+    pdl: bool | None = None  # programmatic dependent launch (None: where the device has it)
+    fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
+    # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
+    tune_decode_attention_at_full_length: bool = True
+    # the tuning table's engine choices, for comparisons (benchmarks/prefill_options.py, engine_options.py);
+    # None: the table's (tuning/h200.py)
+    prefill_pdl_tokens: int | None = None  # prefills of up to this many tokens launch with PDL
+    lm_head_pdl: bool | None = None  # the decode LM head (not screened) with PDL
+    screened_lm_head_pdl: bool | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+
+# decode: a layer's out-projection + MLP; a DeltaNet layer's step; the LM head
+TAIL_STAGED, TAIL_FUSED, TAIL_LINEAR = "staged", "out_projection_mlp", "linear"
+DELTA_PROJECTED, DELTA_FUSED, DELTA_FUSED_NORM, DELTA_UNFUSED = "projected", "fused", "fused+norm", "unfused"
+HEAD_SCREENED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_LOGITS = "screened", "argmax", "gumbel", "logits"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved choices of one model on one device. Decode questions take the batch bucket (rows), prefill
+    questions the prompt length (tokens)."""
+
+    device: DeviceProperties
+    tuning: Tuning
+    options: Options
+    split_k: bool
+    cuda_graph: bool
+    pdl: bool
+    fold_norms: bool
+    fused_tail_rows: int  # decode buckets of up to this many rows run the layer tail as out_projection_mlp (0: none)
+    staged_tail: bool  # a one-row decode's layer tail is staged_out_projection_mlp
+    delta_step: str  # DELTA_FUSED or DELTA_UNFUSED (several rows, or where the projected step is off)
+    output_norm_in_projection: bool
+    projected_delta: bool  # a one-row decode's DeltaNet layer is the projected step
+    screened_rows: int  # greedy decode buckets of up to this many rows use the screened head (0: none)
+    lm_head_pdl: bool
+    screened_lm_head_pdl: bool
+    prefill_pdl_tokens: int  # prefills of up to this many tokens launch with PDL (0: none)
+    folded_norm_from: int  # prefills of this many tokens or more apply the folded norms in the GEMM's epilogue
+    tune_decode_attention_at_full_length: bool
+    prefill_graphs: int = PREFILL_GRAPHS
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def decode_tail(self, rows: int) -> str:
+        """A decode step's out-projection + residual and MLP at this bucket."""
+        if rows > self.fused_tail_rows:
+            return TAIL_LINEAR
+        return TAIL_STAGED if self.staged_tail and rows == 1 else TAIL_FUSED
+
+    def decode_delta(self, rows: int) -> str:
+        """A decode step's DeltaNet layer at this bucket: the projected step (in-projection included), the fused
+        step with the gated norm left to the tail (DELTA_FUSED) or in it (DELTA_FUSED_NORM), or three kernels."""
+        if self.projected_delta and rows == 1:
+            return DELTA_PROJECTED
+        if self.delta_step == DELTA_UNFUSED:
+            return DELTA_UNFUSED
+        norm_later = self.output_norm_in_projection and self.decode_tail(rows) != TAIL_LINEAR
+        return DELTA_FUSED if norm_later else DELTA_FUSED_NORM
+
+    def decode_lm_head(self, rows: int, mode: str) -> str:
+        """A decode step's LM head for a sampling mode ("greedy", "temperature", "sample", "logits")."""
+        if mode == "greedy":
+            return HEAD_SCREENED if rows <= self.screened_rows else HEAD_ARGMAX
+        return HEAD_GUMBEL if mode == "temperature" else HEAD_LOGITS
+
+    # ---- prefill ---------------------------------------------------------------------------------
+    def prefill_pdl(self, tokens: int) -> bool:
+        """Whether a prefill's projections, convs and attention launch with PDL (never the chunked delta rule's
+        kernels nor the LM head)."""
+        return tokens <= self.prefill_pdl_tokens
+
+    def prefill_folded_norm(self, tokens: int) -> bool:
+        """Whether a prefill applies the folded norms in the GEMM's epilogue from the rows' sums of squares (else
+        in the projection's prologue: the GEMV, or the GEMM's row pass without folding)."""
+        return tokens >= self.folded_norm_from
+
+    # ---- printing --------------------------------------------------------------------------------
+    def describe(self, config: ModelConfig, decode_rows=(1, 2, 4, 8, 16, 32),
+                 prefill_tokens=(16, 128, 256, 512, 1024, 1500, 2048, 4096, 8192)) -> str:
+        """Every operator, which kernel at which bucket, as Markdown tables."""
+        return "\n".join(describe_plan(self, config, decode_rows, prefill_tokens))
+
+
+def staged_tail_fits(config: ModelConfig, device: DeviceProperties) -> bool:
+    """Whether staged_out_projection_mlp takes this model's sizes on this device's SMs: one attended width for
+    every layer (attention heads x head dim, the DeltaNet value width), a launch plan for the sizes, and a DeltaNet
+    value head its head norm takes (a power of two of at least 32)."""
+    widths = {config.num_attention_heads * config.head_dim if kind == FULL_ATTENTION else config.linear_value_dim
+              for kind in config.layer_types}
+    head_dim = config.linear_value_head_dim
+    return (len(widths) == 1
+            and staged.plan(config.hidden_size, widths.pop(), config.intermediate_size, device.sm_count) is not None
+            and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options = Options(),
+                 dtype: torch.dtype = torch.bfloat16, tuning: Tuning | None = None) -> Plan:
+    """The plan of `config` on `device` with `options`. tuning: the GPU's table (default: the table of this
+    process's GPU for the present device, else that of `device`'s name). Raises ValueError for an option the
+    device cannot take."""
+    if tuning is None:
+        tuning = active() if device.interpreter or device.type != "cuda" else for_device_name(device.name)
+    pdl = device.pdl_available if options.pdl is None else bool(options.pdl)
+    if pdl and not device.pdl_available:
+        raise ValueError(f"pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer, not {device.name}")
+    fused_tail_rows = MAX_ROWS if options.out_projection_mlp else 0
+    staged_tail = (options.staged_out_projection_mlp and fused_tail_rows > 0 and device.type == "cuda"
+                   and not device.interpreter and device.hopper_or_later and dtype == torch.bfloat16
+                   and staged_tail_fits(config, device))
+    projected = (options.projected_delta_decode and options.fused_delta_decode and options.output_norm_in_projection
+                 and fused_tail_rows >= 1 and config.linear_key_head_dim % PROJECTED_ROWS == 0
+                 and config.linear_value_head_dim % PROJECTED_ROWS == 0)
+    fold_norms = True if options.fold_norms is None else bool(options.fold_norms)
+    return Plan(
+        device=device,
+        tuning=tuning,
+        options=options,
+        split_k=options.split_k,
+        cuda_graph=options.cuda_graph and device.type == "cuda",
+        pdl=pdl,
+        fold_norms=fold_norms,
+        fused_tail_rows=fused_tail_rows,
+        staged_tail=staged_tail,
+        delta_step=DELTA_FUSED if options.fused_delta_decode else DELTA_UNFUSED,
+        output_norm_in_projection=options.output_norm_in_projection,
+        projected_delta=projected,
+        screened_rows=tuning.screened_rows if options.screened_lm_head else 0,
+        lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
+        screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
+        prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
+        folded_norm_from=MAX_ROWS + 1 if fold_norms else 2**62,
+        tune_decode_attention_at_full_length=options.tune_decode_attention_at_full_length,
+    )
+
+
+# ---- the printed plan (qwen-triton ops) ---------------------------------------------------------------
+_TAIL_KERNELS = {
+    TAIL_STAGED: "linear.staged_out_projection_mlp:_staged_kernel",
+    TAIL_FUSED: "linear.out_projection_mlp:_out_projection_mlp_kernel",
+    TAIL_LINEAR: "linear.gemv:_gemv_kernel x3",
+}
+_DELTA_KERNELS = {
+    DELTA_PROJECTED: "gated_delta_rule.projected_decode:_projected_step_kernel (in-projection included)",
+    DELTA_FUSED: "linear.gemv:_gemv_kernel, gated_delta_rule.fused_decode:_fused_step_kernel (norm in the tail)",
+    DELTA_FUSED_NORM: "linear.gemv:_gemv_kernel, gated_delta_rule.fused_decode:_fused_step_kernel (norm in it)",
+    DELTA_UNFUSED: "linear.gemv:_gemv_kernel, conv.causal_conv1d:_causal_conv1d_step_kernel, "
+                   "gated_delta_rule.recurrent:_recurrent_kernel, "
+                   "gated_delta_rule.gated_rms_norm:_gated_rms_norm_kernel",
+}
+_HEAD_KERNELS = {
+    HEAD_SCREENED: "lm_head.screened (int8 screen, exact check)",
+    HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel + _argmax_reduce_kernel",
+}
+
+
+def _prefill_rows(plan: Plan, tokens: int) -> dict[str, str]:
+    tuning = plan.tuning
+    gemm = "linear.gemv:_gemv_kernel" if tokens <= MAX_ROWS else "linear.gemm:_gemm_kernel"
+    if tokens > MAX_ROWS:
+        loads = "TMA" if tokens >= tuning.gemm_tma_rows and plan.device.hopper_or_later else "pointer"
+        split = "split-K allowed" if plan.split_k and tokens <= MAX_SPLIT_ROWS else "no split-K"
+        gemm += f" ({loads} loads, {split})"
+    chunk = chunk_size_for(tokens)
+    prepare = "prepare (one kernel)" if tokens <= tuning.chunk_split_prepare_tokens else "inverse + products"
+    state = "state pass: Gluon (Hopper, 16-bit)" if plan.device.hopper_or_later else "state pass: Triton"
+    return {
+        "projections": gemm,
+        "norm before a projection": "folded: the GEMM's epilogue from the rows' sums of squares"
+        if plan.prefill_folded_norm(tokens) else "the projection's prologue",
+        "causal conv1d": "conv.causal_conv1d:_causal_conv1d_kernel"
+        + (" (walk)" if triton_bucket(tokens) >= tuning.conv_long_prefill_from else " (tile)"),
+        "q/k norm + rotary": "attention.qk_norm_rotary:_qk_norm_rotary_kernel",
+        "attention": "attention.prefill:_prefill_kernel",
+        "gated delta rule": f"gated_delta_rule.chunk: chunks of {chunk}, {prepare}, {state}, output (+ gated norm)",
+        "PDL": "projections, convs, attention" if plan.prefill_pdl(tokens) else "none",
+        "LM head": "final norm + linear (logits)",
+    }
+
+
+def triton_bucket(tokens: int) -> int:
+    """A length rounded up to a power of two, at most 4096 (the kernels' length buckets)."""
+    size = 1
+    while size < min(tokens, 4096):
+        size *= 2
+    return size
+
+
+def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
+    tail = plan.decode_tail(rows)
+    head = plan.decode_lm_head(rows, "greedy")
+    return {
+        "attention in-projection": "linear.gemv:_gemv_kernel (norm in the prologue)" if rows <= MAX_ROWS
+        else "linear.gemm:_gemm_kernel",
+        "q/k norm + rotary": "attention.qk_norm_rotary:_qk_norm_rotary_kernel",
+        "attention": "attention.decode:_decode_split_kernel + _decode_merge_kernel",
+        "deltanet layer": _DELTA_KERNELS[plan.decode_delta(rows)].replace(
+            "linear.gemv:_gemv_kernel", "linear.gemv:_gemv_kernel" if rows <= MAX_ROWS else "linear.gemm:_gemm_kernel"),
+        "out-projection + MLP": _TAIL_KERNELS[tail] if tail != TAIL_LINEAR or rows <= MAX_ROWS
+        else "linear.gemm:_gemm_kernel x3",
+        "LM head (greedy)": _HEAD_KERNELS[head] + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED
+                                                              else plan.lm_head_pdl) else ""),
+        "LM head (temperature / top-k, top-p)": "lm_head.argmax (Gumbel-max) / lm_head logits + sampling.sample",
+        "PDL": "yes" if plan.pdl else "no",
+        "CUDA graph": "yes" if plan.cuda_graph else "no",
+    }
+
+
+def _table(title: str, buckets, rows_of) -> list[str]:
+    columns = [rows_of(bucket) for bucket in buckets]
+    lines = [f"| {title} | " + " | ".join(str(b) for b in buckets) + " |",
+             "|---|" + "---|" * len(buckets)]
+    for name in columns[0]:
+        lines.append(f"| {name} | " + " | ".join(column[name] for column in columns) + " |")
+    return lines
+
+
+def describe_plan(plan: Plan, config: ModelConfig, decode_rows, prefill_tokens) -> list[str]:
+    d = plan.device
+    lines = [
+        f"Plan for hidden {config.hidden_size}, {config.num_hidden_layers} layers on {d.name} "
+        f"(capability {d.capability}, {d.sm_count} SMs{', interpreter' if d.interpreter else ''}); "
+        f"tuning table: {plan.tuning.name}",
+        "",
+        f"split_k={plan.split_k} cuda_graph={plan.cuda_graph} pdl={plan.pdl} fold_norms={plan.fold_norms} "
+        f"staged_tail={plan.staged_tail} projected_delta={plan.projected_delta} "
+        f"screened_rows={plan.screened_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens}",
+        "",
+    ]
+    buckets = list(dict.fromkeys(bucket(rows) for rows in decode_rows))  # a step runs its rows' bucket
+    lines += _table("decode rows (bucket)", buckets, lambda rows: _decode_rows(plan, rows))
+    lines.append("")
+    lines += _table("prefill tokens", prefill_tokens, lambda tokens: _prefill_rows(plan, tokens))
+    return lines

@@ -1,0 +1,87 @@
+"""The plan: which kernel runs each operator at each bucket, resolved for a device that need not be present."""
+
+import pytest
+import torch
+
+from qwen_triton.checkpoint import PRESETS, official_config
+from qwen_triton.cli import main
+from qwen_triton.config import parse_config
+from qwen_triton.engine import plan as plans
+from qwen_triton.engine.plan import DEVICES, Options, resolve_plan
+
+CONFIG = parse_config(official_config(PRESETS["0.8b"]))
+H200 = DEVICES["h200"]
+
+
+def test_the_h200_plan_of_the_0_8b_model():
+    plan = resolve_plan(CONFIG, H200)
+    assert plan.pdl and plan.cuda_graph and plan.fold_norms and plan.split_k and plan.tuning.name == "h200"
+    assert [plan.decode_tail(rows) for rows in (1, 2, 16, 32)] == [plans.TAIL_STAGED, plans.TAIL_FUSED,
+                                                                    plans.TAIL_FUSED, plans.TAIL_LINEAR]
+    assert [plan.decode_delta(rows) for rows in (1, 2, 32)] == [plans.DELTA_PROJECTED, plans.DELTA_FUSED,
+                                                               plans.DELTA_FUSED_NORM]
+    assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
+        plans.HEAD_ARGMAX]
+    assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
+    assert plan.decode_lm_head(1, "sample") == plan.decode_lm_head(1, "logits") == plans.HEAD_LOGITS
+    assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
+    assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
+    assert not plan.prefill_folded_norm(16) and plan.prefill_folded_norm(17)
+
+
+def test_options_turn_variants_off():
+    plan = resolve_plan(CONFIG, H200, Options(out_projection_mlp=False, screened_lm_head=False, pdl=False,
+                                              fold_norms=False))
+    assert plan.decode_tail(1) == plans.TAIL_LINEAR and not plan.staged_tail and not plan.projected_delta
+    assert plan.decode_delta(1) == plans.DELTA_FUSED_NORM
+    assert plan.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
+    assert not plan.prefill_pdl(1) and not plan.screened_lm_head_pdl and not plan.prefill_folded_norm(4096)
+    assert resolve_plan(CONFIG, H200, Options(fused_delta_decode=False)).decode_delta(1) == plans.DELTA_UNFUSED
+    assert resolve_plan(CONFIG, H200, Options(staged_out_projection_mlp=False)).decode_tail(1) == plans.TAIL_FUSED
+
+
+def test_a_variant_the_device_or_dtype_cannot_serve_is_left_out_silently():
+    assert not resolve_plan(CONFIG, H200, dtype=torch.float32).staged_tail  # the staged tail: bf16 only
+    cpu = resolve_plan(CONFIG, DEVICES["cpu"])
+    assert not cpu.staged_tail and not cpu.pdl and not cpu.cuda_graph and cpu.decode_tail(1) == plans.TAIL_FUSED
+
+
+def test_an_option_the_device_cannot_take_is_refused_naming_it():
+    with pytest.raises(ValueError, match="pdl=True needs an NVIDIA GPU of compute capability 9.0"):
+        resolve_plan(CONFIG, DEVICES["cpu"], Options(pdl=True))
+    with pytest.raises(TypeError, match="no_such_option"):
+        Options(no_such_option=True)
+
+
+def test_a_gpu_without_a_tuning_table_gets_the_default():
+    other = plans.DeviceProperties("NVIDIA A100-SXM4-80GB", "cuda", (8, 0), 108, False)
+    plan = resolve_plan(CONFIG, other)
+    assert plan.tuning.name == "default" and not plan.pdl and not plan.staged_tail
+
+
+def test_ops_prints_the_operator_table_and_the_plan(capsys):
+    assert main(["ops", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "| # | operator |" in out and "Plan for hidden 1024, 24 layers on NVIDIA H200" in out
+    decode = next(line for line in out.splitlines() if line.startswith("| out-projection + MLP |"))
+    assert decode.split(" | ")[1] == "linear.staged_out_projection_mlp:_staged_kernel"
+    prefill = next(line for line in out.splitlines() if line.startswith("| PDL | projections"))
+    assert prefill.count("projections, convs, attention") == 3  # 16, 128 and 256 tokens
+
+
+def test_ops_shows_the_buckets_asked_for(capsys):
+    assert main(["ops", "--gpu", "h200", "--rows", "3", "--tokens", "1500"]) == 0
+    out = capsys.readouterr().out
+    assert "| decode rows (bucket) | 4 |" in out and "| prefill tokens | 1500 |" in out
+    assert "| gated delta rule | gated_delta_rule.chunk: chunks of 64, prepare (one kernel)" in out
+
+
+def test_every_kernel_the_printed_plan_names_exists():
+    import importlib
+    import re
+
+    text = "\n".join(resolve_plan(CONFIG, device).describe(CONFIG) for device in DEVICES.values())
+    named = set(re.findall(r"([a-z_0-9]+\.[a-z_0-9]+):(_\w+)", text))
+    assert len(named) >= 10
+    for module, kernel in named:
+        assert hasattr(importlib.import_module(f"qwen_triton.operators.{module}"), kernel), (module, kernel)
