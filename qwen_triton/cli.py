@@ -230,10 +230,19 @@ def command_ops(args) -> None:
     from .checkpoint import PRESETS, official_config
     from .config import load_config, parse_config
     from .engine.plan import DEVICES, DeviceProperties, Options, resolve_plan
+    from .hub import ModelNotFound, resolve_model
     from .operators.table import format_table
 
-    print(format_table())
-    config = load_config(args.model) if args.model else parse_config(official_config(PRESETS[args.preset]))
+    buckets = {}
+    if args.rows:
+        buckets["decode_rows"] = _lengths(args.rows, "--rows", ())
+    if args.tokens:
+        buckets["prefill_tokens"] = _lengths(args.tokens, "--tokens", ())
+    try:
+        config = load_config(resolve_model(args.model)) if args.model else parse_config(
+            official_config(PRESETS[args.preset]))
+    except ModelNotFound as error:
+        raise UsageError(f"--model {error}") from None
     if args.gpu:
         device = DEVICES[args.gpu]
     elif torch.cuda.is_available():
@@ -242,11 +251,7 @@ def command_ops(args) -> None:
         device = DEVICES["h200"]
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     plan = resolve_plan(config, device, Options(), dtype)
-    buckets = {}
-    if args.rows:
-        buckets["decode_rows"] = [int(rows) for rows in args.rows.split(",")]
-    if args.tokens:
-        buckets["prefill_tokens"] = [int(tokens) for tokens in args.tokens.split(",")]
+    print(format_table())
     print()
     print(plan.describe(config, **buckets))
 
@@ -270,7 +275,7 @@ def _lengths(text: str | None, flag: str, default) -> list[int]:
     try:
         values = [int(part) for part in text.split(",")]
     except ValueError:
-        raise UsageError(f"{flag} takes comma-separated token counts, got {text!r}") from None
+        raise UsageError(f"{flag} takes comma-separated positive integers, got {text!r}") from None
     if any(value < 1 for value in values):
         raise UsageError(f"{flag} must be positive, got {text!r}")
     return values
@@ -440,7 +445,8 @@ def build_parser() -> ArgumentParser:
 
     ops = commands.add_parser("ops", help="the table of operators and the plan: which kernel runs at which size")
     ops.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b", help="the model shape (default 0.8b)")
-    ops.add_argument("--model", help="a checkpoint directory: its config.json's shape instead of a preset")
+    ops.add_argument("--model", metavar="DIR_OR_REPO_ID",
+                     help="a checkpoint directory or repo id: its config.json's shape instead of a preset")
     ops.add_argument("--gpu", choices=["h200", "cpu"],
                      help="the device to resolve the plan for (default: the present GPU, else the H200)")
     ops.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")

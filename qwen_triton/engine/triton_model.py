@@ -326,13 +326,19 @@ class TritonModel:
         return self.prefill_graphs.run(token_ids, slot, all_logits,
                                        lambda ids: self.prefill_eager(ids, slot, start, all_logits))
 
+    def _first_run_work(self) -> str:
+        """What a first run of the kernels costs, in the progress line's words."""
+        if self.plan.device.interpreter:
+            return "the kernels run under Triton's interpreter (nothing is compiled or tuned)"
+        return "compiling and autotuning (cached on disk)"
+
     def prefill_eager(self, token_ids: torch.Tensor, slot: int, start: int, all_logits: bool):
         """The prefill's kernels launched now (no graph)."""
         c, plan = self.config, self.plan
         tokens = token_ids.shape[0]
         element = self.embed.element_size()
         if self.progress and not self._prefilled:
-            self._layer_done = progress_printer("first prefill: compiling and autotuning (cached on disk), layers")
+            self._layer_done = progress_printer(f"first prefill: {self._first_run_work()}, layers")
         self._prefilled = True
         with self._traced("embedding", None, costs.rows_read, tokens, c.hidden_size, element):
             x = embedding(token_ids, self.embed)
@@ -424,7 +430,7 @@ class TritonModel:
         def warm_up(step):
             if self.progress:
                 self._layer_done = progress_printer(
-                    f"decode warm-up (batch {buffers.size}, {mode}): compiling and autotuning (cached on disk), layers")
+                    f"decode warm-up (batch {buffers.size}, {mode}): {self._first_run_work()}, layers")
             try:
                 step()
             finally:
