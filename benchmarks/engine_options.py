@@ -11,8 +11,7 @@ CUDA graph with feedback, one step ahead of the host) at each context, alternati
 The options are the plan's (engine/plan.py, Options: e.g. lm_head_pdl=True, screened_lm_head=False).
 QWEN_TRITON_TUNING=default runs every set without the H200's pins (tuning/__init__.py).
 
-(At commit 80ffd3e it compared a one-launch decode attention, since removed, with the three kernels:
-benchmarks/results/engine-options-2026-11-30-NVIDIA-H200-80ffd3e.json.)
+(A one-launch decode attention, compared so with the three kernels, is rejected: docs/decisions.md, D47.)
 """
 
 from __future__ import annotations

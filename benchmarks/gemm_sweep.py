@@ -11,8 +11,7 @@ the time per launch of
   config's tiles: what the fused kernel's structure costs;
 - `tma tuned`, `tma config`: the same kernel with its tiles loaded through tensor descriptors (gemm.py's
   TMA path, `gemm(tma=True)`), the autotuner's pick and each of its configs (--loads pointer: skipped).
-  (At commit 8e66760 it also timed a persistent TMA kernel, since removed:
-  benchmarks/results/gemm-sweep-4096-1024-2026-11-30-NVIDIA-H200-8e66760.json.)
+  (A persistent TMA kernel, which this sweep also timed, is rejected: docs/decisions.md, D56.)
 Floors: weight bytes / copy bandwidth and FLOPs / matmul rate, both measured in the same run.
 
     python3 benchmarks/gemm_sweep.py [--tokens 128,4096] [--loads pointer|both] [--out gemm.json]

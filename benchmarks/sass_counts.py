@@ -24,8 +24,8 @@ runs it); with --variant NAME --sequence that variant's PTX operations in order.
 
 --sequence prints the PTX's shared-memory, tensor-core, barrier and global-memory operations in program order (runs
 of one operation collapsed to `op xN`): what a loop's step waits on. --constant NAME=VALUE sets a constexpr of the
-kernel (a Python literal), e.g. the flag of a variant under study (the twenty-first session's TRANSPOSED=True at
-commit b732384, and ONE_PRODUCT=True with this script run on commit ca65ef3's chunk.py).
+kernel (a Python literal), e.g. the flag of a variant under study (TRANSPOSED=True at commit b732384:
+docs/decisions.md, D70; ONE_PRODUCT=True with this script run on commit ca65ef3's chunk.py: D71).
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ class ModelState:
     def reset(self, slot: int) -> None:
         """Start the sequence in `slot` afresh: its conv and recurrent states zeroed (`torch._foreach_zero_`,
         238 us of host time a call at the 0.8B shape on the H200; the Triton engine zeroes them with one launch of
-        its own kernel instead, operators/memory/zero.py: 12.9 us, benchmarks/prefill_gap.py). The KV cache is left as it is: a
-        sequence's attention never sees a position at or past its length (the Triton kernels do not load them,
-        the reference masks their scores to -inf), and zeroing it would write the whole cache, 405 MB at
+        its own kernel instead, operators/memory/zero.py: 12.9 us, docs/decisions.md, D101). The KV cache is left
+        as it is: a sequence's attention never sees a position at or past its length (the Triton kernels do not
+        load them, the reference masks their scores to -inf), and zeroing it would write the whole cache, 405 MB at
         max_length 32768 and the 0.8B shape, before every prompt. (Measured together, on the H200: the prefill
-        of 128 tokens as the bench times it, reset included, 2.188 -> 2.010 ms; docs/perf-notes.md, 2026-11-30.)"""
+        of 128 tokens as the bench times it, reset included, 2.188 -> 2.010 ms; docs/decisions.md, D104.)"""
         torch._foreach_zero_(self.slot_states(slot))

@@ -13,9 +13,9 @@ batch that stop before the others, steps whose results are unused; the results t
 to running one step at a time (same kernels, same inputs). A step is launched ahead only while every
 running row's next position fits in the cache.
 
-Several steps per CUDA-graph replay, their ids read a group at a time, were measured (docs/perf-notes.md,
-eleventh session): 738.8 against 743.4 us a token at context 128 for groups of 4, too little for the steps a
-group computes past a stop and the later detection of it.
+Several steps per CUDA-graph replay, their ids read a group at a time, gain too little (docs/decisions.md,
+D102): 738.8 against 743.4 us a token at context 128 for groups of 4, against the steps a group computes past a
+stop and the later detection of it.
 """
 
 from __future__ import annotations

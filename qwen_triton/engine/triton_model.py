@@ -404,7 +404,7 @@ class TritonModel:
         on a call over the longest context this model serves, where its config matters, rather than on the
         first step's few keys, where the configs differ by noise: the pick no longer depends on the context of
         the process's first step. Measured (benchmarks/engine_options.py, four processes each tuning afresh,
-        docs/perf-notes.md, seventeenth session): this pick (16-key tiles, 2 warps, 4 stages, both times) 687.2
+        docs/decisions.md, D43): this pick (16-key tiles, 2 warps, 4 stages, both times) 687.2
         and 687.3 us a step at context 32768, the first step's picks 690.2 and 693.0; at 128, 566.3-566.6
         against 566.9-571.6. The call reads the cache's whole length (its values do not matter) into the step's
         own output buffer, which the step then overwrites; under the interpreter (one config, nothing to tune)

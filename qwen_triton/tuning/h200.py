@@ -22,7 +22,7 @@ GEMV_BY_K = ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))  
 # prompts of up to gemm.MAX_SPLIT_ROWS tokens the preferred config is the only candidate where it is allowed.
 GEMM_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K
 # Prompts of gemm_long_prompt_rows tokens or more: the configs fastest in the same setting at M = 4096
-# (benchmarks/gemm_sweep.py, commit 23ea421, `gemm-sweep-2026-11-29-NVIDIA-H200-23ea421.json`): 128 x 256
+# (benchmarks/gemm_sweep.py, commit 23ea421; docs/decisions.md, D58): 128 x 256
 # tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
 # (in-projections, gate/up), 8 warps, 3 stages. The autotuner's one-launch timings picked others from run
 # to run: the 4096-token profiles of 2026-11-30 ran the down projection at 48.5 and 66.3 us per layer and
@@ -30,10 +30,10 @@ GEMM_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))  # (BLOCK_M, BLO
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the largest N it serves
 GEMM_LONG_BY_N = ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
 # Prompts of 513-1024 tokens on the TMA loads (the bucket of M = 1024): the TMA configs fastest at M = 1024 in
-# the same setting (benchmarks/gemm_sweep.py, commit 8e66760, `gemm-sweep-4096-1024-...-8e66760.json`): 64 x
+# the same setting (benchmarks/gemm_sweep.py, commit 8e66760; docs/decisions.md, D54): 64 x
 # 128 tiles at 4 warps for the N = 1024 projections (down 16.6 us, out-projection 11.6, attention gate + out
 # 14.8, where the autotuner's one-launch picks ran 21.0, 12.3, 15.9), 128 x 128 at 8 warps for the wide ones.
-# In the engine's 1024-token prefill (benchmarks/prefill_configs.py --kernel gemm, commit fb1a75d): 4.52 and
+# In the engine's 1024-token prefill (docs/decisions.md, D54): 4.52 and
 # 4.70 ms pinned against 5.40 ms with the autotuner's picks (the GEMMs' median 21.9 against 28.8 us).
 GEMM_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
 
@@ -41,16 +41,13 @@ GEMM_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
 # Each prompt runs one config: conv_prefill_pick up to 512 tokens, conv_long_prefill_pick from 513 (length bucket
 # conv_long_prefill_from, 1024). conv_prefill_pick was the fastest tile in the prefill at 128 tokens (the 128-token
 # profiles of commits f3827f2, aee88c5, d5cf3a2, a0111c5: 4.5 us per layer in two runs, against 5.7 and 8.0
-# us with the autotuner's other picks) and at 4096 among the tiles (commit 62e2f1a,
-# `prefill-configs-conv-2026-11-30-NVIDIA-H200-62e2f1a.json`: 49.5 us per layer against 58.0-71.4). With the
-# walking configs (benchmarks/prefill_configs.py --kernel causal_conv1d --tokens 4096,128, commit b1d0eb3,
-# `prefill-configs-conv-walk-2026-11-30-NVIDIA-H200-b1d0eb3.json`), at 4096 tokens the walk of 8 x 512 x 4
+# us with the autotuner's other picks) and at 4096 among the tiles (docs/decisions.md, D95: 49.5 us per layer
+# against 58.0-71.4). With the walking configs (docs/decisions.md, D94), at 4096 tokens the walk of 8 x 512 x 4
 # at 4 warps took 34.8 us per layer against the tile's 49.9 (the other walks 37.2-55.6); at 128 tokens every
 # walk was slower than the tile (6.8-41.7 us against 3.6: 48 programs of 32 rows leave most SMs idle). With
-# the walk on and off in alternation (`--configs pinned`, the walk's threshold, commit 44ebcbb,
-# `prefill-long-pins-ab-2026-11-30-NVIDIA-H200-44ebcbb.json`): 34.4 against 48.8-49.1 us and the prefill
-# 13.89 / 14.26 against 14.28 / 14.63 ms at 4096 tokens; 17.2-17.3 against 25.4 us at 2048; 10.2-10.4
-# against 11.2-11.3 at 1024. 512 tokens was not measured: the walk starts at the 1024 bucket. The autotuner's
+# the walk on and off in alternation (the walk's threshold, commit 44ebcbb; D94): 34.4 against 48.8-49.1 us and
+# the prefill 13.89 / 14.26 against 14.28 / 14.63 ms at 4096 tokens; 17.2-17.3 against 25.4 us at 2048;
+# 10.2-10.4 against 11.2-11.3 at 1024. 512 tokens was not measured: the walk starts at the 1024 bucket. The autotuner's
 # one-launch timings picked differently from run to run (at 4096: 64 x 64 and 64 x 128 at 8 warps in the
 # profiles of fb3e19c and a9e4d1b, 57.9 and 71.6 us), hence the pins; the other configs stay for the sweep.
 # Each output element is the same 4-tap sum in the same order whatever the tiles and the kernel (tile or
@@ -58,12 +55,10 @@ GEMM_MEDIUM_BY_N = ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
 
 # ---- attention.qk_norm_rotary (prefill) ----------------------------------------------------------------
 # ROWS: the rows a program handles, one after the other (one head each). One program per (row, head) made 49,152
-# programs of one 512-byte vector at 4096 tokens. In the engine's prefill (benchmarks/prefill_configs.py
-# --kernel qk_norm_rotary --tokens 4096,128, commit b1d0eb3, `prefill-configs-qk-norm-rotary-2026-11-30-
-# NVIDIA-H200-b1d0eb3.json`): at 4096 rows 4 rows per program at 1 warp took 18.0 us per layer against 31.8
-# for one row at 2 warps (the rest 22.8-39.7); at 128 rows one row per program was fastest (2.6-2.7 us
-# against 3.9-16.5). On and off in alternation (commit 44ebcbb, `prefill-long-pins-ab-2026-11-30-NVIDIA-H200-
-# 44ebcbb.json`): 18.0 against 31.8 us at 4096 rows, 9.9-10.0 against 16.8 at 2048, 6.0 against 9.3 at 1024.
+# programs of one 512-byte vector at 4096 tokens. In the engine's prefill (docs/decisions.md, D92): at 4096 rows
+# 4 rows per program at 1 warp take 18.0 us per layer against 31.8 for one row at 2 warps (the rest 22.8-39.7);
+# at 128 rows one row per program is fastest (2.6-2.7 us against 3.9-16.5). On and off in alternation (commit
+# 44ebcbb): 18.0 against 31.8 us at 4096 rows, 9.9-10.0 against 16.8 at 2048, 6.0 against 9.3 at 1024.
 # So inputs of 513 rows or more (row bucket qk_long_rows_from) run qk_long_rows_pick; others one row per program,
 # the warps tuned per row bucket (the decode step's single row is its own bucket). 512 rows was not measured.
 
@@ -89,8 +84,8 @@ CHUNK_SHORT_PROMPT_PICKS = {
     },
 }
 # Prompts of chunk_long_prompt_tokens tokens or more (chunks of 64, kernel 1 split): kernel 1's two parts at the configs
-# fastest at T = 4096 in the same setting (benchmarks/chunk_sweep.py, twenty-fourth session, call 2 at commit
-# d437362, `chunk-sweep-4096-maxnreg-...-d437362.json`; the two parts together, us): the inverse at 4 warps capped
+# fastest at T = 4096 in the same setting (benchmarks/chunk_sweep.py at commit d437362, docs/decisions.md, D65;
+# the two parts together, us): the inverse at 4 warps capped
 # at 168 registers 106.5 (110.9 uncapped, 113.6 at 8 warps), the products at 4 warps 106.6 (115.0 at 8 warps, the
 # engine's profile's pick at d1b830a: the autotuner's one-launch timings pick either).
 CHUNK_LONG_PROMPT_PICKS = {
@@ -101,14 +96,14 @@ CHUNK_LONG_PROMPT_PICKS = {
 # ---- the engine (engine/plan.py) ------------------------------------------------------------------------
 # The decode step's LM head is launched without PDL (the step's other kernels with it, where they are): with
 # PDL the step took 22.6 us longer at context 128 after the staged tail, 12.4 after the three-launch one
-# (benchmarks/engine_options.py; docs/perf-notes.md, fourteenth session). Alone after a tail, with PDL, its
-# kernel ran 19-21 us longer after the staged tail (benchmarks/after_staged_tail.py).
+# (benchmarks/engine_options.py; docs/decisions.md, D42). Alone after a tail, with PDL, its kernel runs 19-21 us
+# longer after the staged tail (D42).
 # The screened LM head's four kernels (lm_head/screened.py) with PDL: the first is one program, not a grid of
 # thousands placed early behind a staged layer tail.
 # A prefill of up to prefill_pdl_tokens tokens launches its projections (GEMMs, their prologues, the q/k norm),
 # convs and attention with PDL where the model uses it; the chunked delta rule's kernels and the LM head
-# without. Measured on the H200 (benchmarks/prefill_options.py, the graph's replay, docs/perf-notes.md
-# seventeenth session): 128 tokens 1,797 us without PDL, 1,772 so, 1,893 with the delta rule's kernels too
+# without. Measured on the H200 (benchmarks/prefill_options.py, the graph's replay; docs/decisions.md, D99,
+# D100): 128 tokens 1,797 us without PDL, 1,772 so, 1,893 with the delta rule's kernels too
 # (its next kernel's programs placed beside its latency-bound ones); 4096 tokens no gain (13.56-13.73 ms).
 
 TABLE = Tuning(

@@ -163,7 +163,7 @@ def test_chunked_long_memory(device, monkeypatch, chunk_size, split):
     """16-bit activations (U, V' and the chunk start states in float16) with long memory, G over the first 64
     tokens from -0.04 to -1.05, kernel 1 whole or in two parts: make_inputs' decays mostly forget the state
     within a chunk of 64 (G there mostly below -12), where a wrong sign on a state step's product went unseen
-    by the tests above (twenty-first session)."""
+    by the tests above (commit ca65ef3: docs/decisions.md, D71)."""
     inputs = make_inputs(150, 2, 4, 24, 40, torch.float16, device, seed=9)
     inputs["a"] = (inputs["a"].float() / 6 - 3).to(torch.float16)
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else 150)
@@ -764,8 +764,8 @@ def test_gpu_chunked(length, chunk_size):
 @pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
 def test_gpu_chunked_short_prompts(length, chunk_size):
     """Prompts of one partial chunk or two, at the real shape: with `chunks` specialised to 1, Triton unrolled
-    the state pass's loop for one-chunk prompts, without pipelining, where the eighth session's version of
-    the state pass reading stored decayed keys faulted with an illegal address on the H200 (2026-11-30);
+    the state pass's loop for one-chunk prompts, without pipelining, where the first form of
+    the state pass reading stored decayed keys faulted with an illegal address on the H200 (docs/decisions.md, D80);
     `chunks` is no longer specialised, and these prompts run the pipelined loop; the output norm as norming
     after."""
     inputs, initial, ref_out, ref_state = real_shape_chunked_case(length, seed=23)
@@ -788,7 +788,7 @@ def test_gpu_chunked_every_config(chunk_size, split, monkeypatch):
     """Each config of each kernel pinned in turn (the others at their autotuner's pick), at the real shape over
     four or seven chunks (the last partial), with and without the output norm, for each chunk size, with kernel
     1 whole and in its two parts (split): a config the compiler gets wrong fails here whatever the tuning
-    picks (one did, 2026-11-30, in a version of the output kernel: docs/perf-notes.md, tenth session)."""
+    picks (one did, in a version of the output kernel: docs/decisions.md, D81)."""
     length = 200
     monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", length - 1 if split else length)
     monkeypatch.setattr(chunk_module.state_pass, "applies", lambda *args: False)  # the Triton kernel 2 (Gluon's:

@@ -297,7 +297,7 @@ def test_linear_rejects_squares_out_over_its_inputs():
 
 
 # The GEMM with the folded norm's epilogues compiled for sm_90 on the CPU: the interpreter runs what the compiler
-# rejects (a kernel reading a global that is no constexpr, the twenty-third session's call 2), so this compiles the
+# rejects (a kernel reading a global that is no constexpr, commit 0320225; docs/decisions.md), so this compiles the
 # tiles the engine runs them with (benchmarks/sass_counts.py gemm-epilogues).
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 GEMM_EPILOGUE_SASS = f"""

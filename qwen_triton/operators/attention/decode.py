@@ -63,7 +63,7 @@ def _split_configs():
 
 
 # No pin: in the engine's decode step no pinned split or merge config was faster at both 128 and 32768 keys
-# than the autotuner's choice (docs/perf-notes.md, ninth session; TritonModel makes the choice at full length).
+# than the autotuner's choice (docs/decisions.md, D46; TritonModel makes the choice at full length).
 @triton.autotune(configs=_split_configs(), key=["HEAD_DIM", "GROUP", "num_splits", "split_align"],
                  cache_results=True)
 @triton.jit

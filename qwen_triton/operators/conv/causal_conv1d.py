@@ -15,7 +15,7 @@ programs of the first time block, the only readers of the old state, after a bar
 what another writes. Those programs and the others run two branches of the kernel (since 93cc029): the
 others load x alone, as 16-byte vectors, without the state's masked gathers and the layout conversions
 they brought: at 4096 tokens 72.9 us per layer with the 16 x 128 tile (profile of 4ca1bd6) -> 49.5 us with
-the same tile in the prefill (benchmarks/prefill_configs.py, 62e2f1a; PREFILL_PICK below); 3.68 -> 3.55 us
+the same tile in the prefill (62e2f1a; docs/decisions.md, D95; PREFILL_PICK below); 3.68 -> 3.55 us
 at 128 tokens (profiles of 501113a, fb3e19c). That tile kernel (WALK_BLOCKS = 0) still issues W loads per
 x element (3 of them L1/L2 hits) and reloads the taps, through a layout conversion, per tile.
 

@@ -17,16 +17,16 @@ o [T, Hv, Dv] in v's dtype.
 The chunk size. The fully parallel kernels' work per token grows with C (the [C, C] products, the inverse), the
 sequential state pass's steps with T / C. Prompts of up to SHORT_CHUNK_TOKENS (1024) tokens run chunks of 32,
 longer ones of 64 (`chunk_size_for`; gated_delta_rule_chunked(chunk_size=32 or 64) forces one). Measured on the
-H200 (docs/perf-notes.md, eighteenth session): at T = 128, back to back in a CUDA graph (benchmarks/chunk_sweep.py
+H200 (docs/decisions.md, D77): at T = 128, back to back in a CUDA graph (benchmarks/chunk_sweep.py
 --chunk-sizes 32,64, commit e5c4a2d), the call 28.6 us in chunks of 64 (prepare 18.8, state pass 6.9, output 5.9)
 against 18.1 in chunks of 32 (9.3, 9.4, 4.8): twice the programs and a 32 x 32 inverse for twice the state
 steps. In the engine's prefill (benchmarks/prefill_options.py, chunks of 32 against SHORT_CHUNK_TOKENS=0, us):
 64 tokens 1,497.4 against 1,671.2, 128 tokens 1,594.4 against 1,759.8, 256 tokens 2,029.3 against 2,131.3
 (e5c4a2d), 512 tokens 2,809.7 against 2,912.5, 1024 tokens 4,201.2 against 4,213.9 (7e98561), 2048 tokens
 7,281.2 against 7,350.0, and 4096 tokens 13,605.7 against 13,533.8 (e03104f): chunks of 64 from there. With the
-state pass in Gluon (below; twenty-second session) its steps cost less, and chunks of 64 won at 2048 tokens: 6,597.2
-against 6,720.3 and 6,706.8 us replayed (1f4aaed, `prefill-options-halves-chunks-2026-12-01-NVIDIA-H200-1f4aaed.json`),
-at 4096 tokens chunks of 32 lost by 0.35-0.45 ms; at 1024 tokens not separated: chunks of 64 from 1025 tokens.
+state pass in Gluon (below) its steps cost less, and chunks of 64 win at 2048 tokens: 6,597.2 against 6,720.3 and
+6,706.8 us replayed (1f4aaed; docs/decisions.md, D67), at 4096 tokens chunks of 32 lose by 0.35-0.45 ms; at 1024
+tokens not separated: chunks of 64 from 1025 tokens.
 
 Three kernels (four for long prompts: kernel 1 in two parts):
 1. `_chunk_prepare_kernel`, grid (chunks, Hv, 2), fully parallel, two programs per chunk and head: one stores
@@ -40,8 +40,8 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    substitution takes a dependent step of cross-thread reductions per row. It is as accurate (max
    error / max |X| ~3e-7 in float32 for 16 x 16 and 64 x 64 blocks of strongly correlated keys); the
    product form (I - N)(I + N^2)(I + N^4)(I + N^8), N = strictly-lower A, is not (7e-4 there: the powers
-   of N cancel). Measured slower in the prefill of 128 tokens on the H200 (benchmarks/prefill_configs.py,
-   2026-11-30, commit 80ffd3e: the kernel 18.0 us with these products at 8 warps): the same products with
+   of N cancel). Slower in the prefill of 128 tokens on the H200 (docs/decisions.md, D85;
+   commit 80ffd3e: the kernel 18.0 us with these products at 8 warps): the same products with
    three tf32 products each ("tf32x3", 27.6 us), the doubling on the whole 64 x 64 with masks (58.6 us),
    and W and U formed by two programs that each invert (23.8 us; faster alone, 16.6 against 20.5 us, in
    benchmarks/chunk_sweep.py, but not in the prefill); and V loaded after the inverse, which cuts the spills
@@ -59,7 +59,7 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    Its products but the inverse's take bf16 operands (Precision, below): at 4096 tokens, back to back in a CUDA
    graph (benchmarks/chunk_sweep.py, commit 0f920e6, against 8550a07's tf32), kernel 1 161.2 -> 117.3 us and
    the whole call 300.9 -> 256.1 us; in the engine's prefill (benchmarks/prefill_options.py,
-   `prefill-options-bf16-prepare-2026-12-01-NVIDIA-H200-0f920e6.json`, us) 13,580.3 -> 12,845.0 at 4096 tokens,
+   docs/decisions.md, D75, us) 13,580.3 -> 12,845.0 at 4096 tokens,
    4,246.4 -> 4,135.6 at 1024, 1,607.6 -> 1,577.1 at 128: the operands' shared memory halves (64 -> 32 KiB a
    program for sm_90, benchmarks/sass_counts.py).
    For prompts of more than SPLIT_PREPARE_TOKENS (2048) tokens, those in chunks of 64, it runs as two kernels
@@ -69,13 +69,13 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    The same values (bit for bit under the interpreter). Measured in the engine's prefill (prefill_options.py, us,
    split against one kernel): 12,845.0 against 12,926.8 at 4096 tokens (0f920e6), 13,441.6 against 13,567.6
    with tf32 operands (8550a07); but 4,135.6 against 4,086.5 at 1024 tokens, 4,251.0 against 4,217.3 (tf32), and
-   3,240.6 against 3,203.6 at 512 (tf32; `prefill-options-split-2026-12-01-NVIDIA-H200-8550a07.json`). At 4096
+   3,240.6 against 3,203.6 at 512 (tf32; docs/decisions.md, D76). At 4096
    tokens alone in a CUDA graph (chunk_sweep.py, 0f920e6) the first part takes 54.8 us, the second 63.4, the
    two together 115.5 (one kernel 117.3); in the engine's profile at 9362a54 47.9 and 53.2 us a layer.
    Where kernel 1 is split, kernel 3 forms the scores Q K^T itself (the scratch's scores_in_output) and the products
    kernel runs W and U alone, grid (chunks, Hv, 2). From 4096 tokens (LONG_PROMPT_PICKS) the two parts run the
    configs fastest in chunk_sweep.py: the inverse at 4 warps capped at 168 registers (three programs an SM for
-   sm_90 instead of two), the products at 4 warps. Measured (twenty-fourth session, the engine's profile at 4096
+   sm_90 instead of two), the products at 4 warps. Measured (docs/decisions.md, D63, D65; the engine's profile at 4096
    tokens, medians a layer): inverse 47.9 -> 43.9 us, products 50.0 -> 31.2, kernel 3 40.1 -> 52.8, the chunked
    rule 205.2 -> 196.3; in the prefill (prefill_options.py, one process, replayed) 12,037.0 us against 12,222.5
    with kernel 3 reading the scores and 12,070.2 without the pins.
@@ -93,14 +93,13 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    the software pipeliner (num_stages >= 2, every config) prefetches the next chunk's W, U, K~ and G_C
    behind those products. Reading K~ rather than re-reading and re-normalising the raw k: 117.1 / 120.1 ->
    104.3 / 104.6 us per layer and the prefill 14.14 / 14.16 -> 13.93 / 13.82 ms at 4096 tokens, 6.1 -> 5.1
-   us at 128 (benchmarks/prefill_configs.py, commits e5836ff and 031d180 alternating,
-   `prefill-decayed-keys-ab-2026-11-30-NVIDIA-H200-031d180.json`). The eighth session's version of it
+   us at 128 (commits e5836ff and 031d180 alternating; docs/decisions.md, D80). Its first form
    (commits a9e4d1b, e80ad2e) faulted with an illegal address on the H200 when compiled without pipelining:
    at num_stages=1, and for prompts of one chunk, whose loop Triton unrolled (chunks specialised to 1; the
-   engine's prefills of 3, 8 and 12 tokens and T = 1, benchmarks/fault_probe.py). So no config has one stage
+   engine's prefills of 3, 8 and 12 tokens and T = 1; D80). So no config has one stage
    and `chunks` is not specialised; test_gpu_chunked_every_config and test_gpu_chunked_short_prompts (1, 5,
    63 and 65 tokens) run those cases on the GPU.
-   Two other forms of the step, twenty-first session (docs/perf-notes.md). One dependent product a step,
+   Two other forms of the step are rejected (docs/decisions.md, D71, D70). One dependent product a step,
    S <- exp(G_C) S + K~^T U - N S with N = K~^T W [Dk, Dk] formed by kernel 1 and V' by kernel 3 (commit
    ca65ef3): slower, the prefill of 4096 tokens 13,237 against 12,865 us replayed, of 128 tokens 1,621 against
    1,568 (prefill_options.py in one process): Triton waits for each product's tensor-core group before the
@@ -116,31 +115,31 @@ Three kernels (four for long prompts: kernel 1 in two parts):
    O = diag(exp(G)) Q S + (Q K^T * exp(G_i - G_j), causal) V' from its start state S and V' (kernel 2's),
    its Q K^T (kernel 1's; where kernel 1 is split, formed here from q and k, re-read and re-normalised, as
    kernel 1 forms them) and q, re-read and re-normalised. Folding this into the state pass for short
-   prompts (one launch fewer) was measured no faster in the prefill of 128 tokens (commit 4ca1bd6: the
+   prompts (one launch fewer) is no faster in the prefill of 128 tokens (commit 4ca1bd6: the
    state pass 6.2 -> 9.8 us per layer against 4.0 us for this kernel; the prefill 2.126 / 2.243 ms without
-   it, 2.280 / 2.449 ms with it, two rounds, benchmarks/prefill_configs.py --settings) and was removed.
+   it, 2.280 / 2.449 ms with it, two rounds; docs/decisions.md, D86): not kept.
    With `output_norm` (the engine's prefill) each program takes whole head rows (BLOCK_D >= Dv columns, grid
    (chunks, Hv, 1)) and writes the layer's gated RMSNorm of O instead of O (gated_rms_norm.py's roundings:
    O rounded to the output dtype first), in place of the norm kernel's launch and its read and write of O:
    measured 33.7 + 21.3 (norm kernel) -> 39.7 us per layer at 4096 tokens (profiles 4ca1bd6 -> fb3e19c),
    4.0 + 1.8 -> 6.2 us at 128 (501113a -> fb3e19c; there the launch it saves is the gain).
 The kernels run one after the other. Kernel 3 beside the Gluon state pass on the SMs it leaves free (PDL, a flag
-per chunk and head that the state pass releases once the chunk's TMA stores land; commit 804aee0) was correct and no
-faster: 12,262 against 12,245 us at 4096 tokens, 4,050 against 3,913 at 1024 (prefill_options.py, twenty-second
-session). Side by side, waiting on per-chunk ready flags, both pairs were measured
-slower in the prefill of 4096 tokens (docs/perf-notes.md, eleventh session): the state pass beside kernel 1
+per chunk and head that the state pass releases once the chunk's TMA stores land; commit 804aee0) is correct and no
+faster: 12,262 against 12,245 us at 4096 tokens, 4,050 against 3,913 at 1024 (prefill_options.py;
+docs/decisions.md, D66). Side by side, waiting on per-chunk ready flags, both pairs are
+slower in the prefill of 4096 tokens (docs/decisions.md, D79, D78): the state pass beside kernel 1
 on a second stream (15.26-15.36 against 13.94-14.28 ms; it started only in kernel 1's last wave, and kernel 1
 had to run at 8 warps to leave it room), and kernel 3 beside the state pass through PDL (14.30-14.36 against
 13.85-13.95 ms: the state pass's steps slowed by the output programs on its SMs, 104 -> 134 us per layer).
 Nor do they take PDL as the prefill's other kernels do: with each letting the next launch at its entry, the
-engine's 128-token prefill took 1,893 against 1,772 us (benchmarks/prefill_options.py, seventeenth session; the
+engine's 128-token prefill takes 1,893 against 1,772 us (benchmarks/prefill_options.py; docs/decisions.md, D100; the
 next kernel's programs placed beside the few latency-bound ones); with every prefill kernel letting the next
-launch only at its exit, 1,800 against 1,797 without PDL. The twentieth session tried kernel 3 beside the state
-pass again, kept off the state pass's SMs (a persistent grid taking (chunk, head) blocks from a queue, its
-programs on an SM where a state-pass program runs waiting for the state pass to end; commits 774ab23 - 1c51172):
-the state pass still slowed, 105 -> 147 us per layer with a count per chunk on one flag (256 release atomics a
-program), 127 us with a slot per thread counted a step late, and the prefill of 4096 tokens took 12,975 and
-13,524 us against 12,890 and 13,146 without (benchmarks/prefill_options.py, docs/perf-notes.md).
+launch only at its exit, 1,800 against 1,797 without PDL. Kernel 3 beside the state pass but kept off the state
+pass's SMs (a persistent grid taking (chunk, head) blocks from a queue, its
+programs on an SM where a state-pass program runs waiting for the state pass to end; commits 774ab23 - 1c51172)
+slows the state pass too, 105 -> 147 us per layer with a count per chunk on one flag (256 release atomics a
+program), 127 us with a slot per thread counted a step late, and the prefill of 4096 tokens takes 12,975 and
+13,524 us against 12,890 and 13,146 without (benchmarks/prefill_options.py; docs/decisions.md, D74).
 
 Precision. The state, the gates, the norms and every accumulation are float32. The inverse (I + A)^-1
 is formed with float32 ("ieee") 16 x 16 and 32 x 32 products: it is reused by all 64 rows and errors
@@ -369,7 +368,7 @@ def _first_for_float32_operands(prune):
     with "tf32" the state pass's tuning faulted with an illegal address on the H200 (test_gpu_chunked, commit
     2323671): its config of BLOCK_V 16 at 8 warps and 2 stages faults with float32 operands, alone, where every
     other config of kernel 1's two parts, the state pass and the output kernel ran (one at a time in processes
-    of their own, `benchmarks/fault_probe.py --float32-configs`, commit 4f56a5a; BLOCK_V 32 at 8 warps and 3
+    of their own, commit 4f56a5a: docs/decisions.md, D73; BLOCK_V 32 at 8 warps and 3
     stages needs 240 KiB of shared memory, which the tuning skips). Not analysed further; with 16-bit operands
     the same config runs in every tuning at that length. (With "ieee" every product is an FMA chain: for sm_90
     ptxas took 65 s on the one-kernel prepare at 4 warps, 12 s at 8, its first config.)"""
@@ -494,15 +493,15 @@ def _chunk_prepare_kernel(
 SPLIT_PREPARE_TOKENS = active().chunk_split_prepare_tokens  # (tuning/h200.py)
 # Where kernel 1 is split, kernel 3 forms each chunk's Q K^T * exp(G_i - G_j) itself (from q and k, which it reads
 # beside the chunk's V' and start state) instead of reading scores stored by a third set of the products kernel's
-# programs: those programs, their reads of q and k and the scores' round trip through memory go. Measured in
-# docs/perf-notes.md, twenty-fourth session.
+# programs: those programs, their reads of q and k and the scores' round trip through memory go. Measured:
+# docs/decisions.md, D63.
 
 # The inverse's programs are chains of small dependent products (latency-bound): a register cap (maxnreg) puts more
 # programs on an SM (for sm_90, benchmarks/sass_counts.py inverse --maxnreg N: 4 warps at 182 registers, two programs
 # an SM; capped at 168, three, no spills; at 128, four, 264 bytes of spills). At T = 4096 (benchmarks/chunk_sweep.py,
-# twenty-fourth session, call 2, `chunk-sweep-4096-maxnreg-2026-12-01-NVIDIA-H200-d437362.json`; the two parts
-# together, the products at their pick, us): 106.5 capped at 168, 110.5 at 128, 110.9 uncapped; 8 warps (108
-# registers, two programs an SM) 113.6, capped at 80 113.8 and at 64 120.9 (three and four programs): those dropped.
+# commit d437362, docs/decisions.md, D65; the two parts together, the products at their pick, us): 106.5 capped at
+# 168, 110.5 at 128, 110.9 uncapped; 8 warps (108 registers, two programs an SM) 113.6, capped at 80 113.8 and at 64
+# 120.9 (three and four programs): those dropped.
 INVERSE_CONFIGS = [
     triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=8),
@@ -581,7 +580,7 @@ def _chunk_products_kernel(
 # num_stages >= 2: the next chunk's W, U, decayed keys and G_C prefetched (the software pipeliner's cp.async
 # copies). Every config is pipelined, and the kernel is compiled with `chunks` unspecialised, so that a one-chunk
 # prompt runs the same loop: the state pass reading stored decayed keys faulted with an illegal address on the
-# H200 (2026-11-30, eighth session) when compiled without pipelining, at num_stages=1 or with the loop unrolled
+# H200 (docs/decisions.md, D80) when compiled without pipelining, at num_stages=1 or with the loop unrolled
 # for one chunk (chunks specialised to 1). test_gpu_chunked_every_config and test_gpu_chunked_short_prompts
 # run those cases.
 STATE_CONFIGS = [
@@ -652,12 +651,12 @@ def _chunk_state_kernel(
 
 
 # No BLOCK_V of 32: forming the scores (SCORES_HERE) without the norm, the kernel at BLOCK_V 32 and 4 warps wrote
-# a wrong output and then faulted with an illegal address on the H200 (chunks of 64; twenty-fourth session, calls 3
-# and 4: benchmarks/scores_probe.py, `scores-probe-...-c5763f8.json`), where BLOCK_V 64 and 128 at 4 and 8 warps
+# a wrong output and then faulted with an illegal address on the H200 (chunks of 64; commit c5763f8:
+# docs/decisions.md, D64), where BLOCK_V 64 and 128 at 4 and 8 warps
 # matched the kernel reading the products kernel's scores (to the bit with the norm and at 128; within one bf16
 # rounding at 64). Not analysed further (its second product [64, 64] x [64, 32], the scores from the first product's
 # registers). It was never the pick either: at 4096 tokens 100.0 us against 35.7 at BLOCK_V 128 reading the scores
-# (chunk_sweep.py, call 2); short prompts pin 128. (A single config is not pruned, so it had to go from the list.)
+# (chunk_sweep.py; D64); short prompts pin 128. (A single config is not pruned, so it had to go from the list.)
 OUTPUT_CONFIGS = [
     triton.Config({"BLOCK_V": 64}, num_warps=4),
     triton.Config({"BLOCK_V": 64}, num_warps=8),

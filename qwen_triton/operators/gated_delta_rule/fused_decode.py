@@ -6,7 +6,7 @@ It computes exactly what this chain of launchers computes, with the same roundin
     y = gated_rms_norm(o, z, norm_weight, eps)
 but launches one kernel instead of three and never writes `mixed`. With normalize=False it stops at o
 (the engine's decode step: out_projection_mlp's first launch norms the row in its prologue, `head_norm`,
-measured 5 us a step faster on the H200; docs/perf-notes.md).
+5 us a step faster on the H200; docs/decisions.md, D14).
 
 `_fused_step_kernel`, grid (B x Hv, Dv / BLOCK_V), the recurrent kernel's blocking: a program runs the
 conv step of the channels it needs (its key head's q and k, recomputed by each of the head's programs from
@@ -22,8 +22,8 @@ state (read by every program of the key head). So each program then arrives at a
 program's stores and reads were released) applies the gated RMSNorm to the key head's value heads, shifts
 their q and k conv state and resets the counter, so a CUDA graph can replay the launch. Whichever program
 is last, it computes the same values: the results are deterministic. (One program per whole head, which
-needs no counter, measured slower on the H200: 6.5 against 4.5 us a step back to back, 16 programs for
-2 MiB of state; docs/perf-notes.md.)
+needs no counter, is slower on the H200: 6.5 against 4.5 us a step back to back, 16 programs for
+2 MiB of state; docs/decisions.md, D28.)
 
 Floor at the real shapes (Hk = Hv = 16, Dk = Dv = 128, C = 6144, W = 4, bf16), per sequence: the 1 MiB
 float32 state read and written (2 MiB), x, z and y (~16 KiB), the conv state read and written (72 KiB)

@@ -4,7 +4,7 @@ One sequence (B = 1, the single-stream decode). It computes what this chain comp
     projection = linear(hidden, W, norm_weight=input_norm)            the GEMV (linear/gemv.py), N = C + Hv Dv + 2 Hv
     o = gated_delta_rule_decode_fused(projection's q|k|v, z, a, b, ..., normalize=False)     (fused_decode.py)
 but without the kernel boundary between them, where the step waited for the whole projection grid to drain
-(a PDL wait: the fifth session measured ~2.5 us lost per boundary; docs/perf-notes.md).
+(a PDL wait: ~2.5 us lost per boundary; docs/decisions.md).
 
 Programs: one per tile of 16 weight rows, the GEMV's in-graph tile for K <= 1024 (tuning/h200.py), each
 summed exactly as that GEMV sums it (`row_rstd`, `accumulate_row`, the same shapes and warps), so a row's
@@ -30,10 +30,10 @@ on one stream (each PDL launch waits for the previous kernel before its first ar
 
 Floor at the real shapes (K 1024, N 8224, Hk = Hv = 16, Dk = Dv = 128, bf16): the 16.8 MB weight, the 2 MiB
 state read and written, the conv state and weights (~120 KB): ~19 MB, 4.5 us at the 4.2 TB/s the H200 copies
-at; ~19 MFLOP. Measured on the H200 (docs/perf-notes.md, twelfth session): its share of the decode step 9.30 us
+at; ~19 MFLOP. Measured on the H200 (docs/decisions.md, D24): its share of the decode step 9.30 us
 a layer, against 6.01 + 4.94 for the GEMV and the fused step; the whole step 12-21 us faster at context 128
 (benchmarks/engine_options.py). The layer's out-projection folded in the same way (tiles waiting for every
-step) measured at most 8 us a step faster and was not kept: that wait is grid-wide.
+step) is at most 8 us a step faster and is not kept: that wait is grid-wide (docs/decisions.md, D12).
 CUDA-graph capturable: no host reads, every output buffer passed in, states updated in place, no tuning.
 """
 

@@ -6,7 +6,7 @@ decayed keys K~ (kernel 1's), with S the state [Dk, Dv] at the chunk's start,
     V' = U - W S                                  store V' (rounded)
     S  = exp(G_C) S + K~^T V'
 Its time is the chain of the two dependent products a chunk, 64 steps at 4096 tokens. The Triton kernel spends
-about 1.6 us a step (102 us a layer at 4096 tokens, docs/perf-notes.md): Triton takes the right operand of a
+about 1.6 us a step (102 us a layer at 4096 tokens, docs/decisions.md, D69): Triton takes the right operand of a
 tensor-core product from shared memory only, so each step writes S and then V' there and waits for them.
 
 This kernel carries S^T [BLOCK_V, Dk] instead, so that both products take the carried operand as their left one,
@@ -34,12 +34,12 @@ Floor (the real shape, 4096 tokens, per layer): reads W, U, K~ (4 + 4 + 4 KiB a 
 V' and the chunk states (4 + 8 KiB a token: 50 MB): 101 MB, 25 us at 4.0 TB/s; FLOPs 2 x 2 x 64 x 128 x 128 a chunk
 and head, 4.3 GFLOP in all. As a chain: 64 steps of two dependent wgmma groups (m64 n64 k128, then m64 n128 k64),
 2.1 MFLOP a step and program, about 0.36 us of tensor-core work on one SM at the bf16 matmul rate measured beside
-the profile (766 TFLOP/s over 132 SMs, `profile-4096-2026-12-01-NVIDIA-H200-c0e27c0.json`).
-Measured on the H200 (docs/perf-notes.md, twenty-second session): 64.2-67.2 us a layer at 4096 tokens in the engine's
+the profile (766 TFLOP/s over 132 SMs, the profile of commit c0e27c0; docs/decisions.md).
+Measured on the H200 (docs/decisions.md, D69): 64.2-67.2 us a layer at 4096 tokens in the engine's
 profile (102.1 for the Triton kernel), about 1.0 us a step; the engine's prefill of 4096 tokens 0.5-0.65 ms faster
 replayed (benchmarks/prefill_options.py, commits 9626aa2, 4be166c), of 128 tokens within 7 us. The step's stores
 issued before the first product instead of beside it (9626aa2): the same within the machines' spread. The state as
-two halves of its keys, four independent chains of four wgmma instead of chains of eight and four (1f4aaed): no
+two halves of its keys, four independent chains of four wgmma instead of chains of eight and four (1f4aaed, D68): no
 faster. What the rest of a step's 1.0 us is was not separated.
 """
 

@@ -102,7 +102,7 @@ def accumulate(
     Both tiles go from memory straight to the dot, so the compiler pipelines their loads (num_stages
     buffers in shared memory); a prologue that transformed x here would take x through registers every step
     and, on the H200, made the projections 1.6-2.6x slower (benchmarks/gemm_sweep.py): the GEMM's prologue
-    runs as its own pass (gemm.py). Short prompts too (docs/perf-notes.md, eighteenth session: the engine's
+    runs as its own pass (gemm.py). Short prompts too (docs/decisions.md, D52: the engine's
     prefill of 128 tokens, benchmarks/prefill_options.py, commits 9f52f19 and 71d2f3b): 1,599 us with the pass,
     1,661 with only the attention gate in the main loop, 1,952-2,313 with the norms too (their rstd over the
     program's rows first).
@@ -206,8 +206,7 @@ def store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_
         value = rounded.to(tl.float32)
         row_sums = tl.sum(value * value, axis=1)
         # the tile's sums in the slot of its first column, zeros in its other slots: one [BLOCK_M, BLOCK_N /
-        # SQUARES_COLUMNS] store (measured faster than a [BLOCK_M] store per slot: docs/perf-notes.md, twenty-third
-        # session)
+        # SQUARES_COLUMNS] store (faster than a [BLOCK_M] store per slot: docs/decisions.md, D49)
         slots = tl.arange(0, offs_n.shape[0] // SQUARES_SLOT_COLUMNS)
         first_slot = tl.min(offs_n, axis=0) // SQUARES_SLOT_COLUMNS
         sums = tl.where((slots == 0)[None, :], row_sums[:, None], 0.0)

@@ -12,11 +12,11 @@ The engine's norms need no pass: their weights folded into the projections' (lin
 GEMM scales its accumulators' rows by 1/rms in the epilogue (FOLDED_NORM, from norm_squares [M, P]: P floats a
 row from L2), and the residual adds write the rows' sums of squares there for the next norm (WRITE_SQUARES: each
 tile its rows' sums, one float a row per SQUARES_COLUMNS output columns; needs BLOCK_N >= SQUARES_COLUMNS).
-Measured on the H200 (docs/perf-notes.md, twenty-third session; the profile at 4096 tokens, kernel medians): the
+Measured on the H200 (docs/decisions.md, D51; the profile at 4096 tokens, kernel medians): the
 GEMMs that scale by 1/rms 3.1-4.6 us over the same tiles without it (the pass they replace took 5.2), those that
 write the sums 0.7-0.8 us; in the engine's prefill (benchmarks/prefill_options.py, one process) 24-45 us faster at
-128 tokens, 34-65 us at 4096 replayed. The sums' load issued before the main loop and reduced after it (twenty-fourth
-session; the loop no longer waits for it): the scaling GEMMs 0.4-1.3 us a kernel faster at 4096 tokens.
+128 tokens, 34-65 us at 4096 replayed. The sums' load issued before the main loop and reduced after it
+(docs/decisions.md, D48; the loop does not wait for it): the scaling GEMMs 0.4-1.3 us a kernel faster at 4096 tokens.
 Applied inside the main loop instead, the transform takes every x tile through registers and the
 projections ran 1.6-2.6x slower on the H200 (benchmarks/gemm_sweep.py, 2026-11-29: the DeltaNet
 in-projection at M = 4096 in 262 us fused against 132 us for the same tiles without it).
@@ -48,20 +48,20 @@ its epilogues and its tile order are otherwise the same. Measured on the H200 (b
 back to back in a CUDA graph, 2026-11-30, commit 8e66760) at M = 4096, best pointer config -> best TMA
 config -> cuBLAS's bare product, us: DeltaNet in-projection 149.6 -> 116.5 -> 96.8, gate/up 127.0 ->
 106.2 -> 87.2, down 51.7 -> 46.7 -> 41.6, out-projection 32.2 -> 28.6 -> 26.5, attention in-projection
-92.0 -> 75.9 -> 65.8; at M = 1024 14-26% faster. In the engine's prefill (benchmarks/prefill_configs.py
---kernel gemm --configs pinned, commits 4109275, 8e66760, 657be08) 15.59-15.76 -> 14.34 ms at 4096
+92.0 -> 75.9 -> 65.8; at M = 1024 14-26% faster. In the engine's prefill (docs/decisions.md, D57;
+commits 4109275, 8e66760, 657be08) 15.59-15.76 -> 14.34 ms at 4096
 tokens, 3.58-3.77 -> 3.11-3.59 at 384 and 512 (the GEMMs' median 20 -> 14 us), 4.77-5.06 -> 4.72-4.80 at
-1024 (25 -> 22.5 us). At 128 tokens (split-K, the short prompts' pins) the TMA loads were slower in the
+1024 (25 -> 22.5 us). At 128 tokens (split-K, the short prompts' pins) the TMA loads are slower in the
 prefill (the GEMMs' median 9.0 -> 11.0 us), so short prompts keep the pointer loads.
 A persistent TMA kernel (one program per SM looping over tiles, the tile loop flattened into the K loop
-so that the next tile's loads overlap this one's epilogue: Triton's persistent matmul) was faster for
+so that the next tile's loads overlap this one's epilogue: Triton's persistent matmul) is faster for
 the in-projections in isolation (109.0 us) but slower for gate/up (127.1) and in the prefill (15.45 and
-15.59 ms at 4096 tokens against 14.34); removed (commit 657be08, docs/perf-notes.md).
+15.59 ms at 4096 tokens against 14.34): not kept (docs/decisions.md, D56).
 
 PDL: with gemm(pdl=True) (a prompt of up to 256 tokens in the engine: the plan's prefill_pdl_tokens) the prologue pass
 and the GEMM let the next kernel launch at their entry and wait for the previous kernel before their first
-load; in the engine's 128-token prefill, with the convs and attention alike, 1,785 -> 1,756 us (docs/perf-notes.md,
-seventeenth session). Asking the L2 for the program's weight rows before the wait was measured no faster.
+load; in the engine's 128-token prefill, with the convs and attention alike, 1,785 -> 1,756 us (docs/decisions.md,
+D99). Asking the L2 for the program's weight rows before the wait is no faster (D100).
 
 Autotuning: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages per (bucket of M = next power of two, N,
 K, epilogues, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps

@@ -15,13 +15,13 @@ whole row itself after its PDL wait, so the decode step before it needs no last 
 Each phase is a launch of this kernel that splits its output rows evenly over P programs, one per SM
 (ceil(N / P) rows each, one [BLOCK_N, BLOCK_K] tile of about 32 KiB per K step, the next tile loaded one
 step ahead, the first before the PDL wait; no split of K, so no reduction across programs). On the H200,
-back to back in a CUDA graph with PDL, the three launches took 12.3 us per layer against 13.1 us for the
-three split-K GEMVs (benchmarks/decode_sweep.py --parts tail; docs/perf-notes.md), for a 6.2 us floor.
-(The three phases in one launch, the programs meeting at grid-wide barriers, measured slower, 14.0 us,
-and its GPU test later failed on accuracy; it was removed: docs/perf-notes.md.)
+back to back in a CUDA graph with PDL, the three launches take 12.3 us per layer against 13.1 us for the
+three split-K GEMVs (benchmarks/decode_sweep.py --parts tail; docs/decisions.md, D17), for a 6.2 us floor.
+(The three phases in one launch, the programs meeting at grid-wide barriers, are slower, 14.0 us, and failed
+the GPU accuracy test: not kept; docs/decisions.md, D13.)
 For one sequence on Hopper the engine runs staged_out_projection_mlp.py instead: the three phases in one Gluon
-launch whose programs hold all of their weights in shared memory (10.8 us a layer back to back in
-benchmarks/staged_tail_trace.py, against 12.05-12.25 us for these three launches in decode_sweep.py).
+launch whose programs hold all of their weights in shared memory (10.8 us a layer back to back,
+docs/decisions.md, D8, D9, against 12.05-12.25 us for these three launches in decode_sweep.py).
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16, M = 1): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB
 (~6.2 us at the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP.

@@ -10,7 +10,7 @@ previous kernel's drain): 200 KB a program at the Qwen3.5-0.8B shape, 26.2 MB in
 the machine's shared memory. The phases meet at two grid-wide barriers (a counter in global memory: each
 program's release add, then a poll), and the weights of the later phases arrive while the earlier ones
 compute and the programs wait for each other. That is the difference from the one-launch tail built from
-`tl` (fifth session, docs/perf-notes.md), which could keep one tile ahead in registers and left HBM idle at
+`tl` (docs/decisions.md, D18), which can keep one tile ahead in registers and leaves HBM idle at
 every barrier, and from the three launches of out_projection_mlp.py, whose PDL boundaries each cost a drain
 and a ramp of the memory system.
 
@@ -37,12 +37,12 @@ barrier, so it cannot take an SM a program still needs. A poll gives up after SP
 counters' error flag (a wrong result and a flag the host can read, instead of a hung GPU).
 
 Pacing: the down projection's weights are requested once the program is past the first barrier.
-With every weight requested at once, the first barrier's adds and polls waited behind the whole layer's
-copies in the memory system's queues (measured with per-program clock marks, docs/perf-notes.md).
+With every weight requested at once, the first barrier's adds and polls wait behind the whole layer's
+copies in the memory system's queues (per-program clock marks: docs/decisions.md, D9).
 
 Floor at the real shapes (H 1024, A 2048, I 3584, bf16): the weights, 4.2 + 14.7 + 7.3 = 26.2 MB (~6.2 us at
-the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP. Measured on the H200 (docs/perf-notes.md,
-thirteenth session): 10.8 us a layer back to back in a CUDA graph with PDL (2.4 TB/s; the three
+the 4.25 TB/s the H200 copies at); activations a few KB; 26 MFLOP. Measured on the H200 (docs/decisions.md,
+D8): 10.8 us a layer back to back in a CUDA graph with PDL (2.4 TB/s; the three
 launches 12.05-12.25 us in `decode_sweep.py --parts tail`); in the engine's
 decode step 641.4 against 714.6 us at context 128 (`engine_options.py`)."""
 

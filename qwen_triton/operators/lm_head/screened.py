@@ -19,7 +19,7 @@ and the exact logit the check computes, E_i = fl(W_i . x_n) in float32, obeys
 upper bound c_i + B_i reaches tau is a candidate, r among them, and the argmax of E over the candidates, ties to
 the lowest index, is r. The result is the exact greedy choice, not an approximation; only the number of
 candidates depends on the data (at the 0.8B shape with random weights 1 to 410 of 248,320 in the measurements of
-docs/perf-notes.md; all rows in the worst case, equal rows say, which is then slow, never wrong).
+docs/decisions.md, D39; all rows in the worst case, equal rows say, which is then slow, never wrong).
 
 Four kernels (a row's result does not depend on its batch: its integers, bounds and checks are its own):
 0. `_quantize_kernel`, grid (M,): x_n, s_x, q_x and the norms of x_n and r_x of a row, into a workspace.
@@ -35,9 +35,9 @@ Four kernels (a row's result does not depend on its batch: its integers, bounds 
 
 Floor at M = 1 (Qwen3.5-0.8B): 254.3 MB of int8 weights + 3 MB of scales and bounds + 1 MB of upper bounds
 written and read + the candidates' rows (2 KB each): ~62 us at the H200's 4.2 TB/s, against the bf16 head's 120.
-Measured on the H200 (`benchmarks/screened_lm_head.py`, random weights, commit 1b1f8e1): 72.4 us a call against
+Measured on the H200 (random weights, commit 1b1f8e1; docs/decisions.md, D39): 72.4 us a call against
 124.8 for lm_head_argmax, the screen kernel 61.7 us (4.12 TB/s), 130 candidates; in the engine's decode step
-559.3 against 624.9 us at context 128 (docs/perf-notes.md, fifteenth session). For 4 rows (commit 0b19ff3): 85.8 us
+559.3 against 624.9 us at context 128 (D39). For 4 rows (commit 0b19ff3; D37): 85.8 us
 against 465.9 for lm_head_argmax, which reads the bf16 head once a row.
 """
 

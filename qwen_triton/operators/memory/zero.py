@@ -1,9 +1,9 @@
 """Zero a fixed list of tensors in one launch: a slot's conv and recurrent states, before each prompt.
 
 A prompt starts its sequence from zero states. The slot's states are 36 tensors at the Qwen3.5-0.8B shape (18
-DeltaNet layers x [the conv state, the recurrent state]), 19.5 MB; `torch._foreach_zero_` over their views cost
-the host 238 us a call on the H200 (`benchmarks/prefill_gap.py`, sixteenth session), which the bench's prefill
-of 128 tokens paid in full: the GPU waited for the host before the prefill's graph. Here the tensors' addresses
+DeltaNet layers x [the conv state, the recurrent state]), 19.5 MB; `torch._foreach_zero_` over their views costs
+the host 238 us a call on the H200 (docs/decisions.md, D101), which the bench's prefill of 128 tokens pays in
+full: the GPU waits for the host before the prefill's graph. Here the tensors' addresses
 and sizes go into a device table once (`ZeroPlan`), and every call is one launch of `_zero_kernel` over it: a
 program per (tensor, block of BLOCK words), each storing zeros at the tensor's address, which the table keeps as
 an offset in words from a pointer argument (the table's own). A pointer argument is known 16-byte aligned, so

@@ -9,7 +9,7 @@ position reaches max_position stays there (its later results are unused: the hos
 With host_ids (int64 [2, M], pinned host memory on a GPU: the kernel writes it over the bus, its address
 mapped into the device's), also host_ids[steps[r] % 2, r] = chosen[r] (steps before the increment): the
 host reads a step's ids there once the step is done, with no copy on the stream between two steps (a
-device-to-host copy there cost 10.6-19.0 us per step on the H200: benchmarks/step_gap.py). Two rows, so
+device-to-host copy there costs 10.6-19.0 us per step on the H200: docs/decisions.md, D103). Two rows, so
 that the step launched ahead writes the other row while the host reads this one.
 
 Floor: 5 * 8 bytes per row in, 4 * 8 out (at batch 1, 60 bytes) and 8 to the host: the cost is one launch,
