@@ -76,6 +76,14 @@ def check_generation_arguments(args) -> None:
         raise UsageError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1] (0 = off), got {args.min_p}")
+    for flag in ("presence_penalty", "frequency_penalty"):
+        value = getattr(args, flag)
+        if not -2 <= value <= 2:
+            raise UsageError(f"--{flag.replace('_', '-')} must be in [-2, 2] (0 = off), got {value}")
+    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+        raise UsageError(f"--repetition-penalty must be > 0 (1 = off), got {args.repetition_penalty}")
     for stop in getattr(args, "stop", None) or []:
         if not stop:
             raise UsageError("--stop must not be empty")
@@ -173,7 +181,8 @@ def template_variables(args) -> dict:
 
 def sampling_keywords(args) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed)
+                top_p=args.top_p, seed=args.seed, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
 
 
 def format_statistics(result, max_new_tokens: int) -> str:
@@ -405,6 +414,14 @@ def build_parser() -> ArgumentParser:
         sub.add_argument("--top-k", type=int, metavar="K", default=0, help="0 = off")
         sub.add_argument("--top-p", type=float, metavar="P", default=1.0, help="1 = off")
         sub.add_argument("--seed", type=int, metavar="N", default=0, help="the sampling seed")
+        sub.add_argument("--min-p", type=float, metavar="P", default=0.0,
+                         help="keep tokens at least this fraction as likely as the likeliest; 0 = off")
+        sub.add_argument("--presence-penalty", type=float, metavar="X", default=0.0,
+                         help="subtracted from a generated token's logit once it has appeared; 0 = off")
+        sub.add_argument("--frequency-penalty", type=float, metavar="X", default=0.0,
+                         help="subtracted from a generated token's logit per appearance; 0 = off")
+        sub.add_argument("--repetition-penalty", type=float, metavar="R", default=1.0,
+                         help="divides positive (multiplies negative) logits of tokens already seen; 1 = off")
         sub.add_argument("--thinking", action=argparse.BooleanOptionalAction,
                          help="Qwen3.5's thinking mode through the chat template (default: the template's own)")
 

@@ -69,6 +69,10 @@ def no_loading(monkeypatch):
     (["--top-p", "1.5", "x"], "--top-p must be in (0, 1]"),
     (["--seed", "-3", "x"], "--seed must be >= 0"),
     (["--stop", "", "x"], "--stop must not be empty"),
+    (["--min-p", "1.5", "x"], "--min-p must be in [0, 1]"),
+    (["--presence-penalty", "3", "x"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-2.5", "x"], "--frequency-penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0", "x"], "--repetition-penalty must be > 0"),
     (["--max-length", "3", "a prompt of more than three tokens"], "no room to reply within --max-length 3"),
     ([], "no prompt"),
     ([""], "the prompt is empty"),
@@ -115,6 +119,15 @@ def test_prompt_from_a_file_and_from_standard_input(tiny, capsys, monkeypatch, t
     assert capsys.readouterr().out.rstrip("\n") == expected
     monkeypatch.setattr("sys.stdin", io.StringIO("From a file\n"))
     assert main(["generate", "--model", str(tiny), "--max-new-tokens", "4", "-"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == expected
+
+
+def test_penalties_reach_the_engine(tiny, capsys):
+    llm = LLM(tiny, backend="reference", dtype=torch.float32)
+    expected = llm.generate("Hi there", max_new_tokens=6, repetition_penalty=1.3, presence_penalty=0.5).text
+    assert expected != llm.generate("Hi there", max_new_tokens=6).text  # the penalties change this reply
+    assert main(["generate", "--model", str(tiny), "--max-new-tokens", "6", "--repetition-penalty", "1.3",
+                 "--presence-penalty", "0.5", "Hi there"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == expected
 
 

@@ -53,6 +53,15 @@ class DecodeBuffers:
         self.top_p = torch.ones(size, device=device, dtype=torch.float32)
         self.seed = torch.zeros(size, device=device, dtype=torch.int64)
         self.step = torch.zeros(size, device=device, dtype=torch.int64)
+        self.min_p = torch.zeros(size, device=device, dtype=torch.float32)
+        self.repetition_penalty = torch.ones(size, device=device, dtype=torch.float32)
+        self.frequency_penalty = torch.zeros(size, device=device, dtype=torch.float32)
+        self.presence_penalty = torch.zeros(size, device=device, dtype=torch.float32)
+        # the penalties' history of each row's sequence: int32 counts of its generated tokens and a bool mask of
+        # its prompt's tokens [size, vocab], made on the first penalized generation (penalty_history)
+        self.token_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+        self._vocab, self._device = c.vocab_size, device
         # the ids of a step with feedback, written by its last kernel into row step % 2 (pinned host memory on a
         # GPU, read by the host once the step is done: engine/decode_pipeline.py)
         self.host_ids = torch.zeros(2, size, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -62,8 +71,26 @@ class DecodeBuffers:
 
     @property
     def inputs(self) -> tuple[torch.Tensor, ...]:
-        """The tensors a step reads from the host (or, with feedback, from the step before)."""
-        return self.token_ids, self.positions, self.lengths, self.step
+        """The tensors a step reads from the host (or, with feedback, from the step before), and the token
+        counts a penalized step advances."""
+        counts = () if self.token_counts is None else (self.token_counts,)
+        return (self.token_ids, self.positions, self.lengths, self.step) + counts
+
+    def penalty_history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token_counts, prompt_mask), allocated on the first call."""
+        if self.token_counts is None:
+            self.token_counts = torch.zeros(self.size, self._vocab, device=self._device, dtype=torch.int32)
+            self.prompt_mask = torch.zeros(self.size, self._vocab, device=self._device, dtype=torch.bool)
+        return self.token_counts, self.prompt_mask
+
+    def start_history(self, row: int, prompt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s history at its prompt: no token generated, the prompt's ids marked. Returns its
+        (counts, prompt_mask) rows, [1, vocab] views."""
+        counts, prompt_mask = self.penalty_history()
+        counts[row].zero_()
+        prompt_mask[row].zero_()
+        prompt_mask[row].index_fill_(0, prompt_ids.to(self._device, torch.int64), True)
+        return counts[row:row + 1], prompt_mask[row:row + 1]
 
     def load(self, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """The first rows' inputs; the bucket's padding rows run on their own slots at position 0, unused."""

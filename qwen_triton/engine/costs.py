@@ -89,5 +89,14 @@ def sampling(c: ModelConfig, rows: int):
     return 2 * rows * c.vocab_size * 4, 0
 
 
+def penalties(c: ModelConfig, rows: int):
+    """The penalties kernel: the logits read and written, the counts and the prompt mask read."""
+    return 13 * rows * c.vocab_size, 4 * rows * c.vocab_size
+
+
+def token_count(rows: int):
+    return 16 * rows, 0
+
+
 def feedback(rows: int):
     return 72 * rows, 0

@@ -1,5 +1,16 @@
-"""Sampling glue of the Triton backend: a batch's sampling parameters as device tensors, and the first token's
-choice from a prefill's logits (the decode step chooses the others inside its CUDA graph)."""
+"""Sampling glue of the Triton backend: a batch's sampling parameters as device tensors, the decode mode they
+need, and the first token's choice from a prefill's logits (the decode step chooses the others inside its CUDA
+graph).
+
+The modes, each a fixed list of kernels after the layers (so a CUDA graph per mode):
+  greedy            the screened (or plain) argmax LM head
+  temperature       the Gumbel-max LM head (no logits written)
+  min-p             the logits, then sample's stats and draw kernels (min-p needs no search pass)
+  sample            the logits, then sample with its top-k / top-p search passes
+  penalized         the logits, the penalties kernel, sample's stats and draw, the counting kernel
+  penalized-sample  the logits, the penalties kernel, sample with its search passes, the counting kernel
+A batch without penalties or min-p runs the modes it ran before they existed, kernel for kernel.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +18,57 @@ from dataclasses import dataclass
 
 import torch
 
-from ..operators.sampling import sample
+from ..operators.sampling import apply_penalties, count_tokens, sample
+
+PENALIZED_MODES = ("penalized", "penalized-sample")
+SEARCH_MODES = ("sample", "penalized-sample")  # sample's top-k / top-p search passes
+LOGITS_MODES = ("min-p", "sample") + PENALIZED_MODES  # the LM head writes logits, sample chooses
 
 
 @dataclass
 class DeviceSampling:
     """The sampling parameters of a batch's rows as device tensors, and the decode mode they need."""
 
-    mode: str  # "greedy" | "temperature" (Gumbel-max in the LM head) | "sample" (top-k / top-p filtering)
+    mode: str  # one of the module's modes
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
 
     @classmethod
     def build(cls, rows, device) -> "DeviceSampling":
         """rows: one SamplingParams per batch row."""
-        if all(p.temperature == 0 for p in rows):
+        sampled = [p for p in rows if p.temperature > 0]  # greedy rows ignore the filters
+        if any(p.penalized for p in rows):
+            mode = "penalized-sample" if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else "penalized"
+        elif not sampled:
             mode = "greedy"
         elif all(p.top_k == 0 and p.top_p >= 1.0 for p in rows):
-            mode = "temperature"
+            mode = "min-p" if any(p.min_p > 0 for p in sampled) else "temperature"
         else:
             mode = "sample"
+
+        def column(name, dtype):
+            return torch.tensor([getattr(p, name) for p in rows], device=device, dtype=dtype)
+
         return cls(
             mode=mode,
-            temperature=torch.tensor([p.temperature for p in rows], device=device, dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in rows], device=device, dtype=torch.int32),
-            top_p=torch.tensor([p.top_p for p in rows], device=device, dtype=torch.float32),
-            seed=torch.tensor([p.seed for p in rows], device=device, dtype=torch.int64),
+            temperature=column("temperature", torch.float32),
+            top_k=column("top_k", torch.int32),
+            top_p=column("top_p", torch.float32),
+            seed=column("seed", torch.int64),
+            min_p=column("min_p", torch.float32),
+            repetition_penalty=column("repetition_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
         )
+
+    def penalties(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.repetition_penalty[rows], self.frequency_penalty[rows], self.presence_penalty[rows]
 
 
 def lm_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -47,12 +80,22 @@ def lm_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
                   torch.zeros(rows, device=logits.device, dtype=torch.int64), filtering=False)
 
 
-def choose_first(logits: torch.Tensor, sampling: DeviceSampling, row: int) -> torch.Tensor:
+def choose_first(logits: torch.Tensor, sampling: DeviceSampling, row: int, counts: torch.Tensor | None = None,
+                 prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The first generated id of row `row` from its prefill logits [1, V], drawn as decode draws (same noise
-    stream at step 0)."""
+    stream at step 0). In a penalized mode, counts and prompt_mask [1, V] are the row's (zero counts, the
+    prompt's tokens marked): the penalties apply to a copy of the logits, and the chosen id is counted."""
     if sampling.mode == "greedy":
         return lm_argmax_rows(logits)
     pick = slice(row, row + 1)
+    if sampling.mode in PENALIZED_MODES:
+        if counts is None or prompt_mask is None:
+            raise ValueError(f"mode {sampling.mode!r} needs the row's counts and prompt_mask")
+        logits = apply_penalties(logits.float().clone(), counts, prompt_mask, *sampling.penalties(pick))
     step = torch.zeros(1, device=logits.device, dtype=torch.int64)
-    return sample(logits, sampling.temperature[pick], sampling.top_k[pick], sampling.top_p[pick],
-                  sampling.seed[pick], step, filtering=sampling.mode == "sample")
+    chosen = sample(logits, sampling.temperature[pick], sampling.top_k[pick], sampling.top_p[pick],
+                    sampling.seed[pick], step, filtering=sampling.mode in SEARCH_MODES,
+                    min_p=sampling.min_p[pick] if sampling.mode != "temperature" else None)
+    if sampling.mode in PENALIZED_MODES:
+        count_tokens(chosen, counts)
+    return chosen

@@ -28,7 +28,7 @@ from ..config import ModelConfig, load_config
 from ..hub import resolve_model
 from ..progress import progress_printer
 from ..weights import load_weights
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, penalize, sample, token_counts
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -241,6 +241,12 @@ class LLM:
         top_p: float = 1.0,
         seed: int = 0,
         stop: str | Sequence[str] | None = None,
+        *,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Generation | list[Generation]:
         """Generate for one prompt (a string or a list of token ids) or a list of prompts.
 
@@ -248,6 +254,11 @@ class LLM:
         max_new_tokens. Prompts of a list run together as one batch (up to max_batch at a time), each
         with its own stop; the results equal generating them one at a time. Returns a Generation, or a
         list of them for a list of prompts.
+
+        Sampling (engine/sampling.py): temperature (0 = greedy), top_k, top_p, min_p, seed, and the penalties
+        presence_penalty, frequency_penalty (OpenAI's, 0 = off) and repetition_penalty (1.0 = off); the
+        defaults are all off. sampling_params, one SamplingParams or one per prompt, replaces these keywords
+        (which must then be left at their defaults).
         """
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
@@ -255,12 +266,15 @@ class LLM:
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise ValueError("no prompts given: the prompt list is empty")
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                        repetition_penalty=repetition_penalty)
+        params = sampling_rows(len(batch), sampling_params, keywords)
         encoded = [self._encode_prompt(p) for p in batch]
         results: list[Generation] = []
         for first in range(0, len(encoded), self.max_batch):
             group = encoded[first:first + self.max_batch]
-            for _ in self._generate_rows(group, max_new_tokens, params, stop, results):
+            for _ in self._generate_rows(group, max_new_tokens, params[first:first + self.max_batch], stop, results):
                 pass
         return results[0] if single else results
 
@@ -274,17 +288,25 @@ class LLM:
         seed: int = 0,
         stop: str | Sequence[str] | None = None,
         chat_template_kwargs: dict | None = None,
+        *,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Generation | list[Generation]:
         """Reply to a conversation, a list of {"role", "content"} messages (system, user and assistant
         turns), or to each conversation of a list of them, as `generate` does for prompts: the checkpoint's
         chat template renders the prompt, with the assistant's turn opened. chat_template_kwargs reach the
-        template (`{"enable_thinking": False}` turns Qwen3.5's thinking off)."""
+        template (`{"enable_thinking": False}` turns Qwen3.5's thinking off). The sampling keywords are generate's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("no messages given: a conversation needs at least one message")
         prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
         results = self.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, stop=stop)
+                                top_p=top_p, seed=seed, stop=stop, min_p=min_p, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                sampling_params=sampling_params)
         return results[0] if len(conversations) == 1 and isinstance(messages[0], dict) else results
 
     def chat_prompt(self, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> str:
@@ -301,19 +323,25 @@ class LLM:
                                                   **(chat_template_kwargs or {}))
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, stop=None) -> Iterator[str]:
+               top_p: float = 1.0, seed: int = 0, stop=None, *, min_p: float = 0.0, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+               sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one prompt (a string or token ids) as it is generated, in pieces of whole UTF-8
         characters, with the sampling arguments of `generate`. When the iteration ends, the finished
         Generation (ids, finish reason, timings) is in `self.last_generation`."""
         results: list[Generation] = []
-        params = SamplingParams(temperature, top_k, top_p, seed)
+        keywords = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                        repetition_penalty=repetition_penalty)
+        params = sampling_rows(1, sampling_params, keywords)
         for _, piece in self._generate_rows([self._encode_prompt(prompt)], max_new_tokens, params, stop, results):
             yield piece
         self.last_generation = results[0]
 
-    def _generate_rows(self, prompts: list[list[int]], max_new_tokens, params, stop, results) -> Iterator:
-        """Generate for up to max_batch prompts at once, slot i holding prompt i. Yields (row, text piece)
-        as text is produced and appends one Generation per prompt to `results` at the end."""
+    def _generate_rows(self, prompts: list[list[int]], max_new_tokens, params: list[SamplingParams], stop,
+                       results) -> Iterator:
+        """Generate for up to max_batch prompts at once, slot i holding prompt i with params[i]. Yields (row, text
+        piece) as text is produced and appends one Generation per prompt to `results` at the end."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         rows = len(prompts)
@@ -338,7 +366,7 @@ class LLM:
             self.model.reset(slot)
             logits = self.model.prefill(torch.tensor(ids, device=self.device), slot=slot, all_logits=False)
             self._check_finite(logits)
-            tokens.append(chooser.first(logits, slot))
+            tokens.append(chooser.first(logits, slot, ids))
         first_token_time = time.perf_counter() - start
         generated: list[list[int]] = [[] for _ in range(rows)]
         texts = [""] * rows
@@ -387,28 +415,63 @@ class LLM:
             }
             results.append(Generation(texts[row], generated[row], prompts[row], finish[row], timings))
 
-    def _chooser(self, rows: int, params: SamplingParams):
+    def _chooser(self, rows: int, params: list[SamplingParams]):
+        if len(params) != rows:
+            raise ValueError(f"{len(params)} sampling parameters for {rows} prompts")
         if self.backend_name == "triton":
-            return DeviceChooser(self, rows, params)
-        return HostChooser(self, rows, params)
+            return DeviceChooser(self, params)
+        return HostChooser(self, params)
+
+
+def sampling_rows(rows: int, sampling_params, keywords: dict) -> list[SamplingParams]:
+    """One SamplingParams per prompt: sampling_params (one for all, or one per prompt), else the keywords."""
+    if sampling_params is None:
+        return [SamplingParams(**keywords)] * rows
+    changed = [name for name, value in keywords.items() if value != getattr(SamplingParams, name)]
+    if changed:
+        raise ValueError(f"sampling_params replaces the sampling keywords: leave {', '.join(changed)} at the "
+                         "default, or set them in the SamplingParams")
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * rows
+    params = list(sampling_params)
+    if len(params) != rows or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {rows} (one per prompt), "
+                         f"got {len(params)} items")
+    return params
 
 
 class HostChooser:
     """Next ids from materialised logits with the PyTorch sampler; a generator per row, so a row's draws
-    do not depend on the batch it runs in."""
+    do not depend on the batch it runs in. A penalized row keeps its history: its prompt's tokens and the
+    counts of the ids chosen for it."""
 
-    def __init__(self, llm: LLM, rows: int, params: SamplingParams):
+    def __init__(self, llm: LLM, params: list[SamplingParams]):
         self.llm, self.params = llm, params
-        self.generators = [torch.Generator().manual_seed(params.seed) for _ in range(rows)]
+        self.generators = [torch.Generator().manual_seed(p.seed) for p in params]
+        self.prompt_masks: list[torch.Tensor | None] = [None] * len(params)
+        self.counts: list[torch.Tensor | None] = [None] * len(params)
 
-    def first(self, logits: torch.Tensor, row: int) -> int:
-        return int(sample(logits[-1:], self.params, self.generators[row])[0])
+    def first(self, logits: torch.Tensor, row: int, prompt_ids: list[int]) -> int:
+        if self.params[row].penalized:
+            vocab = logits.shape[-1]
+            self.prompt_masks[row] = token_counts(prompt_ids, vocab) > 0
+            self.counts[row] = torch.zeros(vocab, dtype=torch.int32)
+        return self._choose(logits[-1:], row)
+
+    def _choose(self, logits: torch.Tensor, row: int) -> int:
+        params = self.params[row]
+        if params.penalized:
+            logits = penalize(logits, params, self.counts[row], self.prompt_masks[row])
+        token = int(sample(logits, params, self.generators[row])[0])
+        if params.penalized:
+            self.counts[row][token] += 1
+        return token
 
     def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
         device = self.llm.device
         logits = self.llm.model.decode(torch.tensor(inputs, device=device), torch.tensor(positions, device=device))
         self.llm._check_finite(logits)
-        return [int(sample(logits[r:r + 1], self.params, self.generators[r])[0]) for r in range(len(inputs))]
+        return [self._choose(logits[r:r + 1], r) for r in range(len(inputs))]
 
 
 class DeviceChooser:
@@ -416,16 +479,18 @@ class DeviceChooser:
     step's inputs, one step launched ahead of the host (engine/decode_pipeline.py); one host read per step
     for the stop checks. Rows draw from (seed, row's step) streams, independent of the batch."""
 
-    def __init__(self, llm: LLM, rows: int, params: SamplingParams):
+    def __init__(self, llm: LLM, params: list[SamplingParams]):
         from .decode_pipeline import DecodePipeline
-        from .device_sampling import DeviceSampling
+        from .device_sampling import PENALIZED_MODES, DeviceSampling
 
         self.llm = llm
-        self.sampling = DeviceSampling.build([params] * rows, llm.device)
+        self.sampling = DeviceSampling.build(params, llm.device)
+        self.penalized = self.sampling.mode in PENALIZED_MODES
         self.pipeline = DecodePipeline(llm.model, self.sampling, ahead=llm.run_ahead)
 
-    def first(self, logits: torch.Tensor, row: int) -> int:
-        return int(self.llm.model.choose_first(logits[-1:], self.sampling, row)[0])
+    def first(self, logits: torch.Tensor, row: int, prompt_ids: list[int]) -> int:
+        prompt = torch.tensor(prompt_ids, device=self.llm.device) if self.penalized else None
+        return int(self.llm.model.choose_first(logits[-1:], self.sampling, row, prompt)[0])
 
     def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
         ids = self.pipeline.step(inputs, positions, steps, running)

@@ -141,7 +141,9 @@ class Plan:
         return DELTA_FUSED if norm_later else DELTA_FUSED_NORM
 
     def decode_lm_head(self, rows: int, mode: str) -> str:
-        """A decode step's LM head for a sampling mode ("greedy", "temperature", "sample", "logits")."""
+        """A decode step's LM head for a sampling mode ("greedy", "temperature", "logits", or a mode whose LM head
+        writes logits for the sampling kernels: "min-p", "sample", "penalized", "penalized-sample";
+        engine/device_sampling.py)."""
         if mode == "greedy":
             return HEAD_SCREENED if rows <= self.screened_rows else HEAD_ARGMAX
         return HEAD_GUMBEL if mode == "temperature" else HEAD_LOGITS
@@ -287,6 +289,8 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
         "LM head (greedy)": _HEAD_KERNELS[head] + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED
                                                               else plan.lm_head_pdl) else ""),
         "LM head (temperature / top-k, top-p)": "lm_head.argmax (Gumbel-max) / lm_head logits + sampling.sample",
+        "LM head (min-p / penalties)": "lm_head logits + sampling.sample (stats + draw; the search for top-k, top-p) "
+                                       "/ + sampling.penalties:_penalties_kernel before it, _count_kernel after",
         "PDL": "yes" if plan.pdl else "no",
         "CUDA graph": "yes" if plan.cuda_graph else "no",
     }

@@ -49,13 +49,13 @@ from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.fusion import SQUARES_COLUMNS
 from ..operators.memory import ZeroPlan
 from ..operators.norm import row_squares
-from ..operators.sampling import feed_back, sample
+from ..operators.sampling import apply_penalties, count_tokens, feed_back, sample
 from ..progress import progress_printer
 from ..state import ModelState
 from ..tuning import active
 from . import costs
 from .buffers import DecodeBuffers, bucket
-from .device_sampling import DeviceSampling, choose_first
+from .device_sampling import LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, DeviceSampling, choose_first
 from .graphs import DecodeGraphs, PrefillGraphs
 from .packing import AttentionWeights, DeltaNetWeights, MLPWeights, pack_weights
 from .plan import (DELTA_FUSED, DELTA_FUSED_NORM, DELTA_PROJECTED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_SCREENED,
@@ -390,10 +390,20 @@ class TritonModel:
                                seed=buffers.seed, step=buffers.step, **final)
             else:
                 lm_head_logits(x, self.lm_head, out=buffers.logits, **final)
-        if mode == "sample":
-            with self._traced("sampling (top-k / top-p)", None, costs.sampling, c, size):
+        penalized = mode in PENALIZED_MODES
+        if penalized:
+            with self._traced("penalties (repetition, frequency, presence)", None, costs.penalties, c, size):
+                apply_penalties(buffers.logits, buffers.token_counts, buffers.prompt_mask, buffers.repetition_penalty,
+                                buffers.frequency_penalty, buffers.presence_penalty)
+        if mode in LOGITS_MODES:
+            search = mode in SEARCH_MODES
+            with self._traced("sampling (" + ("top-k / top-p" if search else "min-p / temperature") + ")", None,
+                              costs.sampling, c, size):
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
-                       buffers.step, out=buffers.next_tokens)
+                       buffers.step, out=buffers.next_tokens, filtering=search, min_p=buffers.min_p)
+        if penalized:
+            with self._traced("penalties: count the chosen ids", None, costs.token_count, size):
+                count_tokens(buffers.next_tokens, buffers.token_counts)
         if feedback:
             with self._traced("feedback: chosen ids -> next inputs", None, costs.feedback, size):
                 feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
@@ -476,6 +486,13 @@ class TritonModel:
             buffers.top_k[:batch].copy_(sampling.top_k)
             buffers.top_p[:batch].copy_(sampling.top_p)
             buffers.seed[:batch].copy_(sampling.seed)
+        if sampling.mode in LOGITS_MODES:
+            buffers.min_p[:batch].copy_(sampling.min_p)
+        if sampling.mode in PENALIZED_MODES:
+            buffers.penalty_history()  # (made on a prompt by choose_first; here only if none was)
+            buffers.repetition_penalty[:batch].copy_(sampling.repetition_penalty)
+            buffers.frequency_penalty[:batch].copy_(sampling.frequency_penalty)
+            buffers.presence_penalty[:batch].copy_(sampling.presence_penalty)
         self.run_step(buffers, sampling.mode, feedback)
         buffers.fed_back = batch if feedback else 0
         return buffers.next_tokens[:batch]
@@ -487,7 +504,15 @@ class TritonModel:
         return self.buffers_for(batch).host_ids
 
     @torch.no_grad()
-    def choose_first(self, logits: torch.Tensor, sampling: DeviceSampling, row: int) -> torch.Tensor:
+    def choose_first(self, logits: torch.Tensor, sampling: DeviceSampling, row: int,
+                     prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The first generated id of row `row` from its prefill logits [1, V], drawn as decode draws
-        (same noise stream at step 0)."""
-        return choose_first(logits, sampling, row)
+        (same noise stream at step 0). A penalized mode needs the row's prompt_ids [T]: they start the row's
+        history (its prompt's tokens marked, nothing counted), which the decode steps then advance."""
+        if sampling.mode not in PENALIZED_MODES:
+            return choose_first(logits, sampling, row)
+        if prompt_ids is None:
+            raise ValueError(f"prompt_ids: mode {sampling.mode!r} (penalties) needs the row's prompt")
+        buffers = self.buffers_for(sampling.temperature.shape[0])
+        counts, prompt_mask = buffers.start_history(row, prompt_ids)
+        return choose_first(logits, sampling, row, counts, prompt_mask)

@@ -110,10 +110,13 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("26", "final RMSNorm", (PROLOGUE_PREFILL, LINEAR_DECODE), ("lm_head.argmax:_lm_head_argmax_kernel",),
              "the LM head's prologue, or its row pass when it projects more than 16 rows "
              "(standalone: norm.rms_norm:_rms_norm_kernel)"),
-    Operator("27", "sampling: temperature, top-k, top-p, seeded",
-             ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
-             ("sampling.sample:_stats_kernel", "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel"),
-             "on the device, inside the decode CUDA graph"),
+    Operator("27", "sampling: penalties, temperature, min-p, top-k, top-p, seeded",
+             ("sampling.penalties:_penalties_kernel", "sampling.sample:_stats_kernel",
+              "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel", "sampling.penalties:_count_kernel"),
+             ("sampling.penalties:_penalties_kernel", "sampling.sample:_stats_kernel",
+              "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel", "sampling.penalties:_count_kernel"),
+             "on the device, inside the decode CUDA graph; the penalties (on the logits, in place) and the counts "
+             "of the generated ids only when a row has a penalty (engine/device_sampling.py's modes)"),
 )
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qwen_triton import LLM
+from qwen_triton.engine.sampling import SamplingParams, penalize, token_counts
 from tests.support import small_config, write_checkpoint
 
 
@@ -54,6 +55,29 @@ def test_top_k_one_is_greedy(llm):
     assert llm.generate([3, 4], max_new_tokens=5, temperature=0.8, top_k=1, seed=4).token_ids == greedy
 
 
+def test_greedy_generate_with_penalties_follows_the_argmax_of_the_penalised_score(llm):
+    prompt = [5, 17, 42, 9, 42]
+    params = SamplingParams(repetition_penalty=1.8, presence_penalty=0.6, frequency_penalty=0.4)
+    result = llm.generate(prompt, max_new_tokens=6, sampling_params=params)
+    assert result.token_ids == llm.generate(prompt, max_new_tokens=6, repetition_penalty=1.8, presence_penalty=0.6,
+                                            frequency_penalty=0.4).token_ids
+    sequence = prompt + result.token_ids
+    logits = llm.score(sequence, prefill=len(prompt))
+    vocab = logits.shape[-1]
+    prompt_mask = token_counts(prompt, vocab) > 0
+    for index, token in enumerate(result.token_ids):
+        counts = token_counts(result.token_ids[:index], vocab)
+        assert token == int(penalize(logits[len(prompt) - 1 + index], params, counts, prompt_mask).argmax())
+
+
+def test_sampling_params_per_prompt(llm):
+    prompts = [[3, 4], [7, 8, 9]]
+    rows = [SamplingParams(temperature=1.5, seed=1, min_p=0.05), SamplingParams(repetition_penalty=1.3)]
+    results = llm.generate(prompts, max_new_tokens=4, sampling_params=rows)
+    assert [r.token_ids for r in results] == [llm.generate(p, max_new_tokens=4, sampling_params=s).token_ids
+                                              for p, s in zip(prompts, rows)]
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -65,6 +89,13 @@ def test_top_k_one_is_greedy(llm):
         (lambda m: m.generate([1], max_new_tokens=0), "max_new_tokens"),
         (lambda m: m.generate([1], temperature=-1.0), "temperature"),
         (lambda m: m.generate([1], top_p=0.0), "top_p"),
+        (lambda m: m.generate([1], min_p=1.5), "min_p"),
+        (lambda m: m.generate([1], presence_penalty=3.0), "presence_penalty"),
+        (lambda m: m.generate([1], frequency_penalty=-2.5), "frequency_penalty"),
+        (lambda m: m.generate([1], repetition_penalty=0.0), "repetition_penalty"),
+        (lambda m: list(m.stream([1], repetition_penalty=-1.0)), "repetition_penalty"),
+        (lambda m: m.generate([[1], [2]], sampling_params=[SamplingParams()]), "sampling_params"),
+        (lambda m: m.generate([1], top_k=3, sampling_params=SamplingParams()), "leave top_k"),
         (lambda m: m.score([1, 2], prefill=3), "prefill"),
     ],
 )
@@ -181,3 +212,13 @@ def test_the_triton_backend_on_a_cpu_sets_up_the_interpreter(tmp_path):
     assert fresh["ids"] == reference.generate([5, 17, 42], max_new_tokens=3).token_ids
     late = run("import qwen_triton.operators.embedding")
     assert "set TRITON_INTERPRET=1 before importing qwen_triton" in late["error"]
+
+
+def test_chat_passes_the_penalties_and_min_p_on(chat_llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = chat_llm.chat_prompt(messages)
+    sampling = dict(min_p=0.1, temperature=0.7, seed=5, repetition_penalty=1.5, presence_penalty=0.5)
+    assert (chat_llm.chat(messages, max_new_tokens=3, **sampling).token_ids
+            == chat_llm.generate(prompt, max_new_tokens=3, **sampling).token_ids)
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        chat_llm.chat(messages, frequency_penalty=9.0)

@@ -1,4 +1,5 @@
-"""Device sampling (temperature, top-k, top-p, seeded Gumbel-max) against the engine's PyTorch sampler.
+"""Device sampling (penalties, temperature, min-p, top-k, top-p, seeded Gumbel-max) against the engine's PyTorch
+sampler.
 
 The oracle of the kept set is qwen_triton/engine/sampling.py's `filtered_probabilities`; the oracle of
 the noise is `gumbel_noise_reference` (Philox-4x32-10 in PyTorch). A draw is argmax over kept tokens of
@@ -16,13 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen_triton.engine.sampling import SamplingParams, filtered_probabilities
-from qwen_triton.operators.sampling import benchmark_cases, gumbel_noise, gumbel_noise_reference, sample
+from qwen_triton.engine.sampling import SamplingParams, filtered_probabilities, penalize
+from qwen_triton.operators.sampling import (apply_penalties, benchmark_cases, count_tokens, gumbel_noise,
+                                            gumbel_noise_reference, sample)
 
 NEAR_TIE = 1e-4
 
 
-def expected_draws(logits, temperature, top_k, top_p, seed, step):
+def expected_draws(logits, temperature, top_k, top_p, seed, step, min_p=None):
     """Per row: the kept set by the engine's sampler, then argmax of logits / T + G (G from the reference)."""
     M, V = logits.shape
     rows = torch.arange(M)
@@ -36,7 +38,8 @@ def expected_draws(logits, temperature, top_k, top_p, seed, step):
         if t == 0.0:
             scores.append(values.double())
             continue
-        kept = filtered_probabilities(values, SamplingParams(temperature=t, top_k=k, top_p=p)) > 0
+        m = 0.0 if min_p is None else float(min_p[row])
+        kept = filtered_probabilities(values, SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)) > 0
         score = (values / t + noise[row]).double()
         scores.append(score.masked_fill(~kept, float("-inf")))
     return torch.stack(scores)
@@ -326,3 +329,197 @@ def test_gpu_feed_back_needs_pinned_host_ids():
     for host_ids in (torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2, 2, dtype=torch.int64, device="cuda")):
         with pytest.raises(ValueError, match="pinned host memory"):
             feed_back(**arguments, max_position=10, host_ids=host_ids)
+
+
+# ---- min-p: a threshold at max(s) + ln(min_p), found with the row's max -------------------------------------
+
+def kernel_kept(logits, temperature):
+    """The tokens the last `sample` call kept per row: its draw threshold (the key of the workspace's LO) applied
+    to s = logits / T."""
+    from qwen_triton.operators.sampling.sample import LO, _workspace
+
+    M, V = logits.shape
+    threshold = _workspace(logits.device, M, V)["state_int"][:, int(LO.value)].cpu()
+    scaled = logits.float().cpu() / temperature.cpu()[:, None]
+    bits = scaled.contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >= threshold[:, None]
+
+
+# (temperature, top_k, top_p, min_p) per row: min-p alone, with top-k, with top-p, with both, off, min_p 1 (the
+# max and its ties), a min-p looser than top-k, greedy with min-p
+MIN_P_SETTINGS = [(1.0, 0, 1.0, 0.1), (0.7, 8, 1.0, 0.05), (1.3, 0, 0.8, 0.05), (1.0, 10, 0.7, 0.2),
+                  (1.0, 0, 1.0, 0.0), (0.5, 0, 1.0, 1.0), (1.0, 3, 1.0, 0.001), (0.0, 0, 1.0, 0.5)]
+
+
+@pytest.mark.parametrize("filtering", [True, False])
+def test_min_p_keeps_the_reference_set_and_draws_from_it(device, filtering):
+    settings = MIN_P_SETTINGS if filtering else [row for row in MIN_P_SETTINGS if row[1] == 0 and row[2] == 1.0]
+    M, V = len(settings), 40
+    generator = torch.Generator().manual_seed(8)
+    logits = (torch.randn(M, V + 2, generator=generator) * 1.5).to(device)[:, 2:]  # strided rows
+    logits[:, 7] = logits.max(dim=1).values  # a tie at the max: min_p 1.0 keeps both
+    temperature, top_k, top_p, min_p = zip(*settings)
+    args = tensors(device, temperature, top_k, top_p, [77], [5 + row for row in range(M)])
+    min_p = torch.tensor(min_p, dtype=torch.float32, device=device)
+    ids = sample(logits, *args, filtering=filtering, min_p=min_p)
+    kept = kernel_kept(logits, args[0])
+    for row, (t, k, p, m) in enumerate(settings):
+        if t == 0.0:
+            continue
+        expected = filtered_probabilities(logits[row].cpu(), SamplingParams(t, k, p, min_p=m)) > 0
+        assert torch.equal(kept[row], expected), f"row {row} {settings[row]}"
+    assert 1 < int(kept[0].sum()) < V  # min-p alone cut some tokens and kept several
+    assert int(kept[settings.index((0.5, 0, 1.0, 1.0))].sum()) == 2
+    assert_draws(ids, expected_draws(logits, *args, min_p=min_p))
+
+
+def test_min_p_draws_reproducible_by_seed(device):
+    M, V = 8, 40
+    logits = (torch.randn(M, V, generator=torch.Generator().manual_seed(9)) * 0.5).to(device)
+    min_p = torch.full((M,), 0.3, device=device)
+
+    def draw(seed):
+        args = tensors(device, [1.0] * M, [0] * M, [1.0] * M, [seed], list(range(M)))
+        return sample(logits, *args, filtering=False, min_p=min_p)
+
+    assert torch.equal(draw(21), draw(21))
+    assert not torch.equal(draw(21), draw(22))
+
+
+def test_min_p_long_row(device):
+    """A row past the interpreter's INTERPRETER_WIDE_V (its wide tiles)."""
+    M, V = 3, 5000
+    logits = (torch.randn(M, V, generator=torch.Generator().manual_seed(10)) * 2).to(device)
+    args = tensors(device, [1.0, 0.8, 1.2], [0, 30, 0], [1.0, 1.0, 0.9], [4], [1, 2, 3])
+    min_p = torch.tensor([0.05, 0.01, 0.02], device=device)
+    ids = sample(logits, *args, min_p=min_p)
+    kept = kernel_kept(logits, args[0])
+    for row in range(M):
+        params = SamplingParams(float(args[0][row]), int(args[1][row]), float(args[2][row]), min_p=float(min_p[row]))
+        assert torch.equal(kept[row], filtered_probabilities(logits[row].cpu(), params) > 0)
+    assert_draws(ids, expected_draws(logits, *args, min_p=min_p))
+
+
+# ---- penalties: repetition, frequency, presence on the logits, in place --------------------------------------
+
+# (repetition, frequency, presence) per row: off, each alone, all three, below 1, negative ones, off again
+PENALTY_SETTINGS = [(1.0, 0.0, 0.0), (1.3, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 1.5), (2.0, 1.0, -1.0),
+                    (0.7, 0.0, 0.0), (1.0, -0.4, -2.0), (1.0, 0.0, 0.0)]
+
+
+def penalty_case(device, M, V, seed):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(M, V, generator=generator) * 3
+    logits[:, 0] = -0.0  # signed zero, kept as it is
+    counts = torch.randint(0, 4, (M, V), generator=generator, dtype=torch.int32)
+    counts *= (torch.rand(M, V, generator=generator) < 0.3).int()
+    prompt_mask = torch.rand(M, V, generator=generator) < 0.2
+    return logits.to(device), counts.to(device), prompt_mask.to(device)
+
+
+@pytest.mark.parametrize("V", [40, 5000])
+def test_penalties_match_the_reference(device, V):
+    M = len(PENALTY_SETTINGS)
+    logits, counts, prompt_mask = penalty_case(device, M, V, seed=V)
+    wide = torch.full((M, V + 5), float("nan"), device=device)
+    penalised = wide[:, 3:V + 3]  # strided rows
+    penalised.copy_(logits)
+    repetition, frequency, presence = (torch.tensor(column, dtype=torch.float32, device=device)
+                                       for column in zip(*PENALTY_SETTINGS))
+    assert apply_penalties(penalised, counts, prompt_mask, repetition, frequency, presence) is penalised
+    for row, (r, f, p) in enumerate(PENALTY_SETTINGS):
+        params = SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+        expected = penalize(logits[row].cpu(), params, counts[row].cpu(), prompt_mask[row].cpu())
+        torch.testing.assert_close(penalised[row].cpu(), expected, rtol=1e-6, atol=1e-6)
+        touched = prompt_mask[row].cpu() | (counts[row].cpu() > 0)
+        assert torch.equal(penalised[row].cpu()[~touched], logits[row].cpu()[~touched])  # untouched tokens
+    for row in (0, M - 1):  # everything off: bit for bit, signed zero included
+        assert torch.equal(penalised[row].cpu().view(torch.int32), logits[row].cpu().view(torch.int32))
+    assert torch.isnan(wide[:, :3]).all() and torch.isnan(wide[:, V + 3:]).all()  # nothing outside the rows
+    assert not torch.equal(penalised[4].cpu(), logits[4].cpu())
+
+
+def test_penalised_draws_match_the_reference_sampler(device):
+    """Penalties, then temperature / top-k / top-p / min-p: the draws are the argmax over the reference's kept
+    set of the penalised logits / T + G; greedy rows the argmax of the penalised logits."""
+    M, V = len(PENALTY_SETTINGS), 40
+    logits, counts, prompt_mask = penalty_case(device, M, V, seed=3)
+    repetition, frequency, presence = (torch.tensor(column, dtype=torch.float32, device=device)
+                                       for column in zip(*PENALTY_SETTINGS))
+    penalised = apply_penalties(logits.clone(), counts, prompt_mask, repetition, frequency, presence)
+    args = tensors(device, [0.0, 1.0, 0.8, 0.0, 1.2, 1.0, 0.9, 1.0], [0, 5, 0, 0, 0, 10, 0, 0],
+                   [1.0, 1.0, 0.9, 1.0, 1.0, 0.8, 1.0, 1.0], [6], list(range(M)))
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0, 0.0, 0.0], device=device)
+    ids = sample(penalised, *args, min_p=min_p)
+    expected = torch.stack([penalize(logits[row].cpu(), SamplingParams(repetition_penalty=r, frequency_penalty=f,
+                                                                         presence_penalty=p),
+                                     counts[row].cpu(), prompt_mask[row].cpu())
+                            for row, (r, f, p) in enumerate(PENALTY_SETTINGS)])
+    assert_draws(ids, expected_draws(expected, *args, min_p=min_p))
+    for row in (0, 3):
+        assert int(ids[row]) == int(expected[row].argmax())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_count_tokens_counts_each_rows_chosen_id(device, rows):
+    V = 40
+    counts = torch.randint(0, 3, (rows, V), generator=torch.Generator().manual_seed(rows), dtype=torch.int32)
+    chosen = torch.tensor([(7 * row + 3) % V for row in range(rows)], dtype=torch.int64)
+    expected = counts.clone()
+    expected[torch.arange(rows), chosen] += 2
+    on_device = counts.to(device)
+    count_tokens(chosen.to(device), on_device)
+    assert count_tokens(chosen.to(device), on_device) is on_device
+    assert torch.equal(on_device.cpu(), expected)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(logits=torch.zeros(3, 40, dtype=torch.float16)), "logits has dtype"),
+    (dict(counts=torch.zeros(3, 40, dtype=torch.int64)), "counts has dtype"),
+    (dict(counts=torch.zeros(2, 40, dtype=torch.int32)), "counts has shape"),
+    (dict(prompt_mask=torch.zeros(3, 40, dtype=torch.int8)), "prompt_mask has dtype"),
+    (dict(repetition=torch.ones(3, dtype=torch.float64)), "repetition has dtype"),
+    (dict(frequency=torch.zeros(4)), "frequency has shape"),
+    (dict(presence=torch.zeros(3, 1)), "presence has shape"),
+    (dict(logits=torch.zeros(40, 3).t()), "logits must have unit stride"),
+])
+def test_apply_penalties_rejects_bad_arguments(change, message):
+    args = dict(logits=torch.zeros(3, 40), counts=torch.zeros(3, 40, dtype=torch.int32),
+                prompt_mask=torch.zeros(3, 40, dtype=torch.bool), repetition=torch.ones(3), frequency=torch.zeros(3),
+                presence=torch.zeros(3))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        apply_penalties(**args)
+
+
+def test_count_tokens_and_min_p_reject_bad_arguments():
+    with pytest.raises(ValueError, match="chosen has dtype"):
+        count_tokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, 40, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counts has shape"):
+        count_tokens(torch.zeros(2, dtype=torch.int64), torch.zeros(3, 40, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counts has dtype"):
+        count_tokens(torch.zeros(2, dtype=torch.int64), torch.zeros(2, 40))
+    args = tensors("cpu", [1.0] * 3, [0] * 3, [1.0] * 3, [0], [0] * 3)
+    with pytest.raises(ValueError, match="min_p has shape"):
+        sample(torch.zeros(3, 40), *args, min_p=torch.zeros(2))
+    with pytest.raises(ValueError, match="min_p has dtype"):
+        sample(torch.zeros(3, 40), *args, min_p=torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.gpu
+def test_gpu_penalties_and_min_p_at_the_real_vocabulary():
+    M = len(PENALTY_SETTINGS)
+    logits, counts, prompt_mask = penalty_case("cuda", M, VOCAB, seed=12)
+    repetition, frequency, presence = (torch.tensor(column, dtype=torch.float32, device="cuda")
+                                       for column in zip(*PENALTY_SETTINGS))
+    penalised = apply_penalties(logits.clone(), counts, prompt_mask, repetition, frequency, presence)
+    for row, (r, f, p) in enumerate(PENALTY_SETTINGS):
+        params = SamplingParams(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+        torch.testing.assert_close(penalised[row], penalize(logits[row], params, counts[row], prompt_mask[row]),
+                                   rtol=1e-6, atol=1e-6)
+    args = tensors("cuda", [1.0] * M, [0, 50, 0, 0, 100, 0, 0, 20], [1.0, 1.0, 0.9, 1.0, 0.95, 1.0, 1.0, 1.0],
+                   [31], list(range(M)))
+    min_p = torch.tensor([0.05, 0.1, 0.02, 0.0, 0.01, 0.2, 0.3, 0.0], device="cuda")
+    ids = sample(penalised, *args, min_p=min_p)
+    assert_draws(ids, expected_draws(penalised, *args, min_p=min_p))
+    assert torch.equal(ids, sample(penalised, *args, min_p=min_p))

@@ -1,7 +1,10 @@
-"""Sampling on the device: temperature, top-k, top-p and a seeded Gumbel-max draw, without sorting."""
+"""Sampling on the device: penalties, temperature, min-p, top-k, top-p and a seeded Gumbel-max draw, without
+sorting."""
 
 from .feedback import feed_back
 from .noise import gumbel_noise, gumbel_noise_reference
+from .penalties import apply_penalties, count_tokens
 from .sample import benchmark_cases, sample
 
-__all__ = ["sample", "feed_back", "gumbel_noise", "gumbel_noise_reference", "benchmark_cases"]
+__all__ = ["sample", "apply_penalties", "count_tokens", "feed_back", "gumbel_noise", "gumbel_noise_reference",
+           "benchmark_cases"]

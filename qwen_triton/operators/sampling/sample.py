@@ -1,10 +1,11 @@
-"""Token sampling on the device: temperature, top-k, top-p, then a seeded draw; no sort, no host sync.
+"""Token sampling on the device: temperature, min-p, top-k, top-p, then a seeded draw; no sort, no host sync.
 
 logits [M, V] float32 -> ids [M] int64. Per row: temperature T (0 = greedy: argmax, lowest id on ties),
-top_k (0 = off), top_p (1.0 = off), a seed and a step (device tensors). The distribution is the one of
-qwen_triton/engine/sampling.py: s = logits / T; keep the tokens with s >= the k-th largest s (ties
-kept); then keep the smallest set of most likely tokens whose probability (renormalised over what top-k
-kept) reaches top_p (ties at the boundary kept); draw one token in proportion to exp(s).
+min_p (0 = off), top_k (0 = off), top_p (1.0 = off), a seed and a step (device tensors). The distribution is
+the one of qwen_triton/engine/sampling.py: s = logits / T; keep the tokens with s >= max(s) + ln(min_p);
+of those, the tokens with s >= the k-th largest s (ties kept); then the smallest set of most likely tokens
+whose probability (renormalised over what min-p and top-k kept) reaches top_p (ties at the boundary kept);
+draw one token in proportion to exp(s).
 
 How, without sorting: both filters are thresholds on s, found by a search over the order-preserving
 integer key of the float32 s (monotone, so "s >= t" is "key >= key(t)"). Each search pass splits the
@@ -12,6 +13,9 @@ current key interval [lo, hi) into 63 equal bins and counts, in one read of the 
 (and how much unnormalised mass exp(s - max)) fall in each bin or above hi; the new interval is the bin
 where the count reaches k (the mass reaches top_p * the mass top-k kept). 63^6 > 2^32, so 6 passes pin
 each threshold exactly: 12 search passes at most (top-k first, then top-p inside what top-k kept).
+min-p's threshold is known once the row's max is: the stats kernel starts the search interval there (so
+top-k counts only what min-p kept; with neither top-k nor top-p it is the draw's threshold, and the search
+passes are not needed), and the first top-p pass takes the mass at or above it as the mass kept.
 Tiles with no token inside [lo, hi) skip the bin counting, so late passes cost little more than a read.
 The draw is the Gumbel-max trick on the kept tokens: argmax(s + G), G from noise.gumbel_noise.
 
@@ -86,10 +90,10 @@ def _arrive(counter_ptr, row, NUM_CHUNKS):
 
 @triton.jit
 def _stats_kernel(
-    logits_ptr, stride_lm, temperature_ptr, top_k_ptr, top_p_ptr,
+    logits_ptr, stride_lm, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     chunk_ptr, state_int_ptr, state_float_ptr, counter_ptr,
     V, CHUNK, NUM_CHUNKS,
-    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -128,8 +132,16 @@ def _stats_kernel(
         top_p = tl.load(top_p_ptr + row)
         phase = tl.where((top_k > 0) & (top_k < V), TOP_K, tl.where(top_p < 1.0, TOP_P, DONE))
         phase = tl.where(temperature > 0, phase, DONE)
-        # the whole row is at or above lo: its mass is s_sum
-        phase, hi, target = _settle(phase, lo, key_end, key_end, s_sum, top_p, top_p * s_sum)
+        # the whole row is at or above lo: its mass is s_sum; min-p raises lo, and the mass at or above the new lo
+        # is then unknown (-1: the first top-p pass counts it)
+        mass_lo = s_sum
+        if HAS_MIN_P:
+            min_p = tl.load(min_p_ptr + row)
+            floor = _key((s_max + tl.log(tl.maximum(min_p, 1e-38))).to(tl.float32))
+            cut = (min_p > 0) & (temperature > 0) & (floor > lo)
+            lo = tl.where(cut, floor, lo)
+            mass_lo = tl.where(cut, -1.0, s_sum)
+        phase, hi, target = _settle(phase, lo, key_end, key_end, mass_lo, top_p, top_p * mass_lo)
         state_int = state_int_ptr + row * 4
         tl.store(state_int + LO, lo)
         tl.store(state_int + HI, hi)
@@ -195,8 +207,11 @@ def _search_kernel(
             top_k = tl.load(top_k_ptr + row)
             top_p = tl.load(top_p_ptr + row)
             target = tl.load(state_float + TARGET)
+            # negative: min-p raised lo in the stats kernel; the mass kept is the mass at or above lo
+            target = tl.where(target < 0, top_p * tl.sum(mass, axis=0), target)
             meets = tl.where(phase == TOP_K, at_or_above_count >= top_k, at_or_above_mass >= target)
-            # the last pivot meeting the target; pivot 0 (lo) meets it by construction
+            # the last pivot meeting the target; pivot 0 (lo) meets it by construction, but for top-k inside a
+            # min-p cut that kept fewer than k tokens, when none does and lo stays
             best = tl.max(tl.where(meets & (slots < BINS), slots, 0), axis=0).to(tl.int64)
             new_lo = lo + (best * width + BINS - 1) // BINS
             new_hi = lo + ((best + 1) * width + BINS - 1) // BINS
@@ -327,6 +342,7 @@ def sample(
     out: torch.Tensor | None = None,
     *,
     filtering: bool = True,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token id per row of logits [M, V] (float32, rows may be strided): int64 [M].
 
@@ -335,18 +351,22 @@ def sample(
     step int64 [M] (a draw is a pure function of seed, step, the logits and, with one shared seed, the
     row). filtering=False skips the 12 top-k/top-p search launches: only when every row has top_k 0
     and top_p 1.0 (the caller knows this on the host; nothing is read from the device here).
+    min_p float32 [M] (0 = off; None: off for every row) needs no search pass.
     """
     check_tensor("logits", logits, shape=(None, None), dtype=torch.float32)
     M, V = logits.shape
     check_tensor("temperature", temperature, shape=(M,), dtype=torch.float32)
     check_tensor("top_k", top_k, shape=(M,), dtype=torch.int32)
     check_tensor("top_p", top_p, shape=(M,), dtype=torch.float32)
+    if min_p is not None:
+        check_tensor("min_p", min_p, shape=(M,), dtype=torch.float32)
     check_noise_keys(seed, step, M)
     if out is None:
         out = torch.empty(M, dtype=torch.int64, device=logits.device)
     else:
         check_tensor("out", out, shape=(M,), dtype=torch.int64)
-    check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, step=step, out=out)
+    check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, step=step, out=out,
+                      min_p=min_p)
     if V == 0 or V >= 2**31:
         raise ValueError(f"logits has {V} columns, expected 1 to 2**31 - 1")
     if M == 0:
@@ -356,9 +376,9 @@ def sample(
     grid = (work["num_chunks"], M)
     geometry = dict(V=V, CHUNK=work["chunk"], NUM_CHUNKS=work["num_chunks"])
     _stats_kernel[grid](
-        logits, logits.stride(0), temperature, top_k, top_p,
+        logits, logits.stride(0), temperature, top_k, top_p, top_p if min_p is None else min_p,
         work["chunk_stats"], work["state_int"], work["state_float"], work["counters"],
-        **geometry, BLOCK_V=block_v, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
+        **geometry, BLOCK_V=block_v, BLOCK_P=work["block_p"], HAS_MIN_P=min_p is not None, num_warps=NUM_WARPS,
     )
     if filtering:
         for _ in range(2 * PASSES_PER_FILTER):
