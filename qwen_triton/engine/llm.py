@@ -281,32 +281,19 @@ class LLM:
     def chat(
         self,
         messages: Sequence[dict] | Sequence[Sequence[dict]],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop: str | Sequence[str] | None = None,
         chat_template_kwargs: dict | None = None,
-        *,
-        min_p: float = 0.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **generate_keywords,
     ) -> Generation | list[Generation]:
         """Reply to a conversation, a list of {"role", "content"} messages (system, user and assistant
-        turns), or to each conversation of a list of them, as `generate` does for prompts: the checkpoint's
-        chat template renders the prompt, with the assistant's turn opened. chat_template_kwargs reach the
-        template (`{"enable_thinking": False}` turns Qwen3.5's thinking off). The sampling keywords are generate's."""
+        turns), or to each conversation of a list of them, as `generate` does for prompts, with generate's
+        keywords (max_new_tokens, the sampling parameters, stop): the checkpoint's chat template renders the
+        prompt, with the assistant's turn opened. chat_template_kwargs reach the template
+        (`{"enable_thinking": False}` turns Qwen3.5's thinking off)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("no messages given: a conversation needs at least one message")
         prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
-        results = self.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, stop=stop, min_p=min_p, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                                sampling_params=sampling_params)
+        results = self.generate(prompts, **generate_keywords)
         return results[0] if len(conversations) == 1 and isinstance(messages[0], dict) else results
 
     def chat_prompt(self, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> str:
