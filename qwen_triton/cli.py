@@ -379,6 +379,13 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+def preset_names() -> list[str]:
+    """The random-checkpoint presets (checkpoint.PRESETS), for --preset's choices."""
+    from .checkpoint import PRESETS
+
+    return list(PRESETS)
+
+
 def _versions() -> str:
     parts = []
     for package in ("torch", "triton"):
@@ -395,7 +402,7 @@ def build_parser() -> ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     make = commands.add_parser("make-checkpoint", help="write a random checkpoint in the official layout")
-    make.add_argument("--preset", choices=["tiny", "0.8b"], required=True, help="the model shape")
+    make.add_argument("--preset", choices=preset_names(), required=True, help="the model shape")
     make.add_argument("--out", required=True, type=Path, help="the directory to write")
     make.add_argument("--seed", type=int, default=0, help="the random weights' seed")
     make.set_defaults(run=command_make_checkpoint)
@@ -443,7 +450,7 @@ def build_parser() -> ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200 (GPU)")
     bench.add_argument("--ops", action="store_true", help="time each operator instead of the whole model")
     bench.add_argument("--out", help="where the JSON and the plot go (default: ~/.cache/qwen-triton/bench)")
-    bench.add_argument("--preset", choices=["0.8b", "tiny"], help="default: 0.8b on cuda, tiny on cpu")
+    bench.add_argument("--preset", choices=preset_names(), help="default: 0.8b on cuda, tiny on cpu")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
     bench.add_argument("--steps", type=int, help="timed decode steps per measurement (default: 200 on cuda, 3 on cpu)")
     bench.add_argument("--prefill", help="comma-separated prefill lengths (default: 128,4096 on cuda, 16 on cpu)")
@@ -454,14 +461,14 @@ def build_parser() -> ArgumentParser:
     profile.add_argument("--context", type=int, default=128, help="decode context in tokens")
     profile.add_argument("--prefill", type=int, default=128, help="prefill length in tokens")
     profile.add_argument("--steps", type=int, default=20, help="decode steps profiled; medians are reported")
-    profile.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b", help="the model shape")
+    profile.add_argument("--preset", choices=preset_names(), default="0.8b", help="the model shape")
     profile.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
     profile.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     profile.add_argument("--out", help="write the full report (every kernel) as JSON here")
     profile.set_defaults(run=command_profile)
 
     ops = commands.add_parser("ops", help="the table of operators and the plan: which kernel runs at which size")
-    ops.add_argument("--preset", choices=["0.8b", "tiny"], default="0.8b", help="the model shape (default 0.8b)")
+    ops.add_argument("--preset", choices=preset_names(), default="0.8b", help="the model shape (default 0.8b)")
     ops.add_argument("--model", metavar="DIR_OR_REPO_ID",
                      help="a checkpoint directory or repo id: its config.json's shape instead of a preset")
     ops.add_argument("--gpu", choices=["h200", "cpu"],
