@@ -314,6 +314,8 @@ def command_bench(args) -> None:
                                      "says otherwise): the harness runs, its numbers mean nothing")
     out = Path(args.out) if args.out else DEFAULT_CACHE / "bench"
     steps = args.steps or (CPU_BENCH["steps"] if on_cpu else 20 if args.quick else 200)
+    if args.ops and args.workloads:
+        raise UsageError("--ops and --workloads are separate runs: choose one")
     if args.ops:
         if device != "cuda":
             raise CommandError("the operator benchmark (--ops) needs a CUDA GPU")
@@ -334,6 +336,15 @@ def command_bench(args) -> None:
     report = run_benchmark(variants, preset=preset, prefill_lengths=prefill, decode_contexts=contexts,
                            steps=steps, out_dir=out, device=device)
     print(format_table(report))
+    if args.workloads:
+        from .benchmark.harness import write_report
+        from .benchmark.workloads import format_workloads, run_workloads
+
+        report["workloads"] = run_workloads(preset, device, hbm=report["hbm_copy_TBps"],
+                                            matmul=report["matmul_TFLOPs"])
+        write_report(report, out)
+        print()
+        print(format_workloads(report["workloads"]))
     note(f"wrote {out / 'latest.json'}")
 
 
@@ -449,6 +460,9 @@ def build_parser() -> ArgumentParser:
     bench.add_argument("--variants", help="comma-separated subset of the variants (default: all)")
     bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200 (GPU)")
     bench.add_argument("--ops", action="store_true", help="time each operator instead of the whole model")
+    bench.add_argument("--workloads", action="store_true",
+                       help="also time chat, batched decode and prefill, sampling and streaming through "
+                            "LLM.generate / stream (benchmark/workloads.py)")
     bench.add_argument("--out", help="where the JSON and the plot go (default: ~/.cache/qwen-triton/bench)")
     bench.add_argument("--preset", choices=preset_names(), help="default: 0.8b on cuda, tiny on cpu")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")

@@ -18,6 +18,7 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     report = json.loads((tmp_path / "latest.json").read_text())
     for key in ("gpu", "date", "commit", "torch", "triton", "hbm_copy_TBps", "matmul_TFLOPs", "results"):
         assert key in report
+    assert "workloads" not in report  # only with --workloads (tests/benchmark/test_workloads.py)
     rows = report["results"]
     assert {r["variant"] for r in rows} == set(VARIANTS.split(","))
     for row in rows:

@@ -24,3 +24,23 @@ def test_state_and_cache_bytes():
 def test_prefill_flops_grow_with_tokens_and_context():
     assert prefill_flops(CONFIG, 256) > 2 * prefill_flops(CONFIG, 128) - 2 * 248320 * 1024
     assert prefill_flops(CONFIG, 128, start=1000) > prefill_flops(CONFIG, 128)
+
+
+def test_batched_decode_bytes_share_the_weights_and_add_each_rows_state_and_cache():
+    one = decode_bytes(CONFIG, context=128)
+    assert decode_bytes(CONFIG, context=128, batch=1) == one
+    row = 2 * 18 * 16 * 128 * 128 * 4 + 2 * 18 * 6144 * 3 * 2 + 12_288 * 129  # one more row's states and KV
+    for batch in (2, 16, 128):
+        rows = decode_bytes(CONFIG, context=128, batch=batch)
+        assert rows.weights == one.weights
+        assert rows.total - one.total == (batch - 1) * row
+        assert rows.recurrent_state == batch * one.recurrent_state and rows.kv_cache == batch * one.kv_cache
+
+
+def test_decode_run_bytes_grow_the_context_a_token_a_step():
+    from qwen_triton.benchmark.floor import decode_run_bytes
+
+    assert decode_run_bytes(CONFIG, 128, steps=1, batch=4) == decode_bytes(CONFIG, 128, batch=4).total
+    three = decode_run_bytes(CONFIG, 128, steps=3, batch=4)
+    assert three == 3 * decode_bytes(CONFIG, 129, batch=4).total  # the mean context is the middle step's
+    assert three - 3 * decode_bytes(CONFIG, 128, batch=4).total == 4 * 12_288 * (0 + 1 + 2)

@@ -38,7 +38,9 @@ class DecodeBytes:
 
 def decode_bytes(config: ModelConfig, context: int, batch: int = 1, weight_bytes: int = 2,
                  activation_bytes: int = 2) -> DecodeBytes:
-    """Bytes one decode step must move at `context` tokens of context per sequence."""
+    """Bytes one decode step of `batch` sequences must move at `context` tokens of context per sequence: every
+    weight once (shared by the rows), each row's recurrent and conv states read and written and its KV cache
+    read (and the new token's K and V written)."""
     c = config
     linear_layers = len(c.linear_attention_layers)
     attention_layers = len(c.full_attention_layers)
@@ -51,6 +53,14 @@ def decode_bytes(config: ModelConfig, context: int, batch: int = 1, weight_bytes
         conv_state=2 * linear_layers * conv * batch,
         kv_cache=kv_per_token * (context + 1) * batch,
     )
+
+
+def decode_run_bytes(config: ModelConfig, context: int, steps: int, batch: int = 1, weight_bytes: int = 2,
+                     activation_bytes: int = 2) -> int:
+    """Bytes `steps` decode steps of `batch` sequences must move, the first at `context` tokens of context per
+    sequence and each later one a token further (as generate runs them: step j reads context + j tokens)."""
+    return sum(decode_bytes(config, context + step, batch, weight_bytes, activation_bytes).total
+               for step in range(steps))
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, activation_bytes: int = 2) -> int:
