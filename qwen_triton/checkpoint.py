@@ -5,7 +5,8 @@ Real weights cannot be downloaded here, so the engine is tested and benchmarked 
 Hugging Face repo. The weights are random but scaled so that every sub-layer changes the output: a
 projection of fan-in n has entries of standard deviation 1/sqrt(n) (unit-variance outputs), norm
 weights vary around their neutral value, decays and gates land in their working ranges.
-Speed does not depend on the values, so the `0.8b` preset benchmarks the real model.
+Speed does not depend on the values, so the `0.8b` preset benchmarks the real model, and `4b`, `9b`, `27b` the
+rest of the dense family (the 27B's 54 GB is made on the device by benchmark/models.py's `random_llm`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,27 @@ PRESETS: dict[str, dict] = {
         },
     },
 }
+
+
+def _family_size(*, hidden_size: int, intermediate_size: int, layers: int, attention_heads: int, value_heads: int,
+                 tied: bool) -> dict:
+    """A dense Qwen3.5 size's text config: the 0.8B's with the size's own shapes (4 KV heads)."""
+    config = copy.deepcopy(PRESETS["0.8b"])
+    config.update(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
+                  num_attention_heads=attention_heads, num_key_value_heads=4, linear_num_value_heads=value_heads,
+                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                  tie_word_embeddings=tied)
+    return config
+
+
+# the dense family beyond 0.8B: exactly the text shapes of ../shared/models/qwen3.5-family/text_config-*.json
+# (whether the official 4B ties its LM head is unverified: both load)
+PRESETS["4b"] = _family_size(hidden_size=2560, intermediate_size=9216, layers=32, attention_heads=16,
+                             value_heads=32, tied=True)
+PRESETS["9b"] = _family_size(hidden_size=4096, intermediate_size=12288, layers=32, attention_heads=16,
+                             value_heads=32, tied=False)
+PRESETS["27b"] = _family_size(hidden_size=5120, intermediate_size=17408, layers=64, attention_heads=24,
+                              value_heads=48, tied=False)
 
 # The official repos' top level around text_config (a vision tower this engine does not run).
 _VISION_CONFIG = {

@@ -1,6 +1,7 @@
 """config.json in both layouts, every field that changes the math, and configs that must be refused."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,24 @@ def test_preset_is_exactly_the_shared_config():
     real = json.loads(REAL_CONFIG.read_text())["text_config"]
     ours = official_config(PRESETS["0.8b"])["text_config"]
     assert ours == real
+
+
+FAMILY = REAL_CONFIG.parents[1] / "qwen3.5-family"
+
+
+@pytest.mark.parametrize("preset, parameters", [("4b", 4.21e9), ("9b", 8.95e9), ("27b", 26.9e9)])
+def test_family_presets_are_exactly_the_shared_text_configs(preset, parameters):
+    # and hold the parameters the family's README counts (embedding and, where untied, the LM head included)
+    from qwen_triton.weights import expected_shapes
+
+    file = FAMILY / f"text_config-{preset}.json"
+    if not file.exists():
+        pytest.skip("the shared model folder is not beside this checkout")
+    assert official_config(PRESETS[preset])["text_config"] == json.loads(file.read_text())
+    config = parse_config(official_config(PRESETS[preset]))
+    assert config.linear_num_value_heads % config.linear_num_key_heads == 0
+    count = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    assert abs(count - parameters) <= 0.005 * parameters
 
 
 def test_causal_layout_and_interval():

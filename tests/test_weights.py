@@ -45,6 +45,24 @@ def test_sharded_causal_layout_untied(tmp_path):
     assert weights["layers.0.linear_attn.A_log"].dtype == torch.float32  # gating parameters stay fp32
 
 
+@pytest.mark.parametrize("layout", ["conditional", "causal"])
+def test_sharded_untied_family_shape_in_both_layouts(tmp_path, layout):
+    # the 9B / 27B's features: an untied LM head and 3 DeltaNet value heads a key head, over 3 shards
+    config_json = small_config(tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=6)
+    directory = write_checkpoint(tmp_path, config_json, layout=layout, shards=3, seed=4)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    stored = {}
+    for file in sorted(set(index["weight_map"].values())):
+        stored.update(load_file(str(directory / file)))
+    config = load_config(directory)
+    weights = load_weights(directory, config, dtype=torch.float32)
+    assert set(weights) == set(expected_shapes(config)) and not config.tie_word_embeddings
+    assert weights["layers.0.linear_attn.A_log"].shape == (6,)
+    prefix = PREFIX if layout == "conditional" else "model."
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, stored[name if name == "lm_head.weight" else prefix + name]), name
+
+
 def test_missing_tensor_is_named(checkpoint):
     _rewrite(checkpoint, lambda t: t.pop(PREFIX + "layers.2.mlp.down_proj.weight"))
     with pytest.raises(WeightError, match=r"layers\.2\.mlp\.down_proj\.weight.*missing"):

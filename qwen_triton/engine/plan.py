@@ -4,8 +4,9 @@
 `Options`, and answers every question the forward pass asks ("which layer tail for a decode of 3 rows?", "PDL
 for a prefill of 1,500 tokens?") from fields fixed at load. An option the device cannot take at all is refused
 there with a ValueError naming it (pdl=True off Hopper); a variant that cannot serve a shape or a device (the
-staged tail on a CPU, the projected DeltaNet step for head dims it does not tile) is left out silently, and the
-plan says what runs instead. `qwen-triton ops` prints `describe()`.
+staged tail on a CPU or past the 0.8B's sizes, the projected DeltaNet step for head dims it does not tile, the
+screened LM head past 4,096 columns) is left out, and the plan says what runs instead and, for a shape, why.
+`qwen-triton ops` prints `describe()`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
 from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemm import MAX_SPLIT_ROWS
 from ..operators.linear.gemv import MAX_ROWS
+from ..operators.lm_head.screened import MAX_COLUMNS as SCREEN_MAX_COLUMNS
 from ..tuning import Tuning, active, for_device_name
 from .buffers import bucket
 
@@ -178,6 +180,12 @@ def staged_tail_fits(config: ModelConfig, device: DeviceProperties) -> bool:
             and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
 
 
+def screened_head_fits(config: ModelConfig) -> bool:
+    """Whether lm_head_argmax_screened takes this model's hidden size (its row statistics and exact check hold a
+    whole row of x in one program: at most 4,096 columns, so not the 27B's 5,120)."""
+    return config.hidden_size <= SCREEN_MAX_COLUMNS
+
+
 def _given(value, default):
     return default if value is None else value
 
@@ -213,7 +221,7 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         delta_step=DELTA_FUSED if options.fused_delta_decode else DELTA_UNFUSED,
         output_norm_in_projection=options.output_norm_in_projection,
         projected_delta=projected,
-        screened_rows=tuning.screened_rows if options.screened_lm_head else 0,
+        screened_rows=tuning.screened_rows if options.screened_lm_head and screened_head_fits(config) else 0,
         lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
         screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
         prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
@@ -305,6 +313,23 @@ def _table(title: str, buckets, rows_of) -> list[str]:
     return lines
 
 
+def _left_out(plan: Plan, config: ModelConfig) -> list[str]:
+    """The variants the options asked for that this model's shape cannot take, with the reason."""
+    options, reasons = plan.options, []
+    if (options.staged_out_projection_mlp and options.out_projection_mlp and plan.device.hopper_or_later
+            and not plan.device.interpreter and not staged_tail_fits(config, plan.device)):
+        reasons.append(f"the staged layer tail (hidden {config.hidden_size}, MLP {config.intermediate_size}: its "
+                       f"launch plan needs sizes of multiples of 256 whose weights fit the {plan.device.sm_count} "
+                       "SMs' shared memory, one attended width)")
+    if options.screened_lm_head and not screened_head_fits(config):
+        reasons.append(f"the screened LM head (hidden {config.hidden_size} > its {SCREEN_MAX_COLUMNS} columns; "
+                       "the bf16 argmax head serves greedy decode)")
+    if options.projected_delta_decode and options.fused_delta_decode and not plan.projected_delta and (
+            config.linear_key_head_dim % PROJECTED_ROWS or config.linear_value_head_dim % PROJECTED_ROWS):
+        reasons.append(f"the projected DeltaNet step (head dims not multiples of {PROJECTED_ROWS})")
+    return reasons
+
+
 def describe_plan(plan: Plan, config: ModelConfig, decode_rows, prefill_tokens) -> list[str]:
     d = plan.device
     lines = [
@@ -317,6 +342,9 @@ def describe_plan(plan: Plan, config: ModelConfig, decode_rows, prefill_tokens) 
         f"screened_rows={plan.screened_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens}",
         "",
     ]
+    left_out = _left_out(plan, config)
+    if left_out:
+        lines += ["Left out for this shape: " + "; ".join(left_out), ""]
     buckets = list(dict.fromkeys(bucket(rows) for rows in decode_rows))  # a step runs its rows' bucket
     lines += _table("decode rows (bucket)", buckets, lambda rows: _decode_rows(plan, rows))
     lines.append("")

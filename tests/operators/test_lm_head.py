@@ -60,6 +60,17 @@ def test_lm_head_logits_and_argmax(device, dtype, M, norm):
     assert_argmax(ids, ref, 1e-3)
 
 
+@pytest.mark.parametrize("K", [4160, 5120])  # past the screened head's 4,096 columns (the 27B: 5,120)
+def test_lm_head_logits_and_argmax_at_hidden_sizes_past_4096(device, K):
+    x = make((2, K), torch.float32, device, seed=K)
+    weight = make((37, K), torch.float32, device, seed=3, scale=K**-0.5)
+    norm_weight = make((K,), torch.float32, device, seed=4, scale=0.3)
+    ref = reference_logits(x, weight, norm_weight)
+    torch.testing.assert_close(lm_head_logits(x, weight, norm_weight=norm_weight).double(), ref, rtol=1e-5,
+                               atol=1e-4)
+    assert_argmax(lm_head_argmax(x, weight, norm_weight=norm_weight), ref, 1e-3)
+
+
 @pytest.mark.parametrize("M", [1, 3])
 def test_lm_head_argmax_ties_take_the_lowest_id(device, M):
     weight = make((101, 40), torch.float32, device, seed=3, scale=0.1)
@@ -134,6 +145,19 @@ def test_gpu_lm_head(M):
     ids = lm_head_argmax(x, weight, norm_weight=norm_weight)
     assert_argmax(ids, ref, 1e-2)
     assert torch.equal(ids, lm_head_argmax(x, weight, norm_weight=norm_weight))
+
+
+@pytest.mark.gpu
+def test_gpu_lm_head_at_the_27b_shape():
+    # 248320 x 5120: the head greedy decode runs at the 27B (the screened one takes at most 4,096 columns)
+    torch.manual_seed(3)
+    x = torch.randn(1, 5120, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(VOCAB, 5120, device="cuda") * 5120**-0.5).to(torch.bfloat16)
+    norm_weight = (torch.randn(5120, device="cuda") * 0.3).to(torch.bfloat16)
+    ref = reference_logits(x, weight, norm_weight)
+    logits = lm_head_logits(x, weight, norm_weight=norm_weight)
+    assert ((logits.double() - ref).norm() / ref.norm()).item() < 1e-4
+    assert_argmax(lm_head_argmax(x, weight, norm_weight=norm_weight), ref, 1e-2)
 
 
 @pytest.mark.gpu

@@ -119,10 +119,24 @@ def test_build_screen(device):
     assert screen.quantized.dtype == torch.int8 and screen.quantized.abs().max() <= 127
     dequantized = screen.scales.double()[:, None] * screen.quantized.double()
     residual = (w - dequantized).norm(dim=1)
-    assert (screen.residual_bounds.double() >= residual + screened.SUMMATION_BOUND * w.norm(dim=1)).all()
+    assert (screen.residual_bounds.double() >= residual + screened.summation_bound(48) * w.norm(dim=1)).all()
     assert (residual <= 0.6 * screen.scales.double() * 48**0.5).all()  # half a step an element at most
     assert (screen.quantized_norms.double() >= dequantized.norm(dim=1)).all()
     assert screen.scales[7].item() == 1.0 and screen.quantized[7].abs().max().item() == 0
+
+
+def test_the_summation_bound_grows_with_the_columns(device):
+    # h_i covers the float32 summation of a row of K terms (K u / (1 - K u), u = 2^-24, with a factor of 2 to
+    # spare): SUMMATION_BOUND up to 1024 columns (the 0.8B), in proportion beyond (the 4B's 2560, the 9B's 4096)
+    unit = 2.0**-24
+    assert screened.summation_bound(48) == screened.summation_bound(1024) == screened.SUMMATION_BOUND
+    for columns in (1024, 2560, 4096):
+        assert screened.summation_bound(columns) >= 1.96 * columns * unit / (1 - columns * unit)
+    weight = make((40, 2560), torch.float32, device, seed=31)
+    screen = build_screen(weight)
+    residual = (weight.double() - screen.scales.double()[:, None] * screen.quantized.double()).norm(dim=1)
+    assert (screen.residual_bounds.double() >= residual + screened.summation_bound(2560)
+            * weight.double().norm(dim=1)).all()
 
 
 def test_errors_name_the_argument(device):

@@ -158,14 +158,15 @@ integers = ("M", "stride_xm", "stride_gm", "stride_hm", "stride_am", "stride_zm"
 signature = {name: "*bf16" if name.endswith("_ptr") else
              "fp32" if name == "eps" else "i32" if name in integers else "constexpr" for name in kernel.arg_names}
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+H, A, I, HEADS = 1024, 2048, 3584, 16  # SIZES
 stacks = {}
 for phase, head_norm in ((1, False), (1, True), (2, False), (3, False)):
-    constants = dict(HIDDEN=1024, ATTENDED=2048, INTERMEDIATE=3584, HAS_GATE=not head_norm, PHASE=phase,
-                     USE_PDL=True, HEAD_NORM=head_norm, HEADS=16 if head_norm else 1,
-                     HEAD_DIM=128 if head_norm else 1, ROUND_PRODUCT=True, BLOCK_H=16 if head_norm else 1,
+    constants = dict(HIDDEN=H, ATTENDED=A, INTERMEDIATE=I, HAS_GATE=not head_norm, PHASE=phase,
+                     USE_PDL=True, HEAD_NORM=head_norm, HEADS=HEADS if head_norm else 1,
+                     HEAD_DIM=128 if head_norm else 1, ROUND_PRODUCT=True,
+                     BLOCK_H=triton.next_power_of_2(HEADS) if head_norm else 1,
                      BLOCK_D=128 if head_norm else 1)
-    for suffix, (N, K, pair) in dict(OUT=(1024, 2048, False), UP=(3584, 1024, True),
-                                     DOWN=(1024, 3584, False)).items():
+    for suffix, (N, K, pair) in dict(OUT=(H, A, False), UP=(I, H, True), DOWN=(H, I, False)).items():
         constants["BLOCK_N_" + suffix], constants["BLOCK_K_" + suffix] = block._tile(N, K, 132, pair)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=block.WARPS, num_stages=1))
@@ -177,10 +178,20 @@ print(json.dumps(stacks))
 """
 
 
-def test_compiles_for_hopper():
+# Past the 0.8B the kernel spills (cuobjdump, 2026-12-01): the head-norm out-projection 9,656 stack bytes, the MLP's
+# up phase 640-656, at the 4B and the 9B; the 27B's compile alone outlasts this test's 600 s. Correct (the CPU tests
+# of tests/engine/test_family_shapes.py run it), but its speed at those sizes is to be measured on the GPU.
+_SPILLS = pytest.mark.xfail(strict=True, reason="out_projection_mlp spills past the 0.8B's sizes")
+
+
+@pytest.mark.parametrize("sizes", [(1024, 2048, 3584, 16), pytest.param((2560, 4096, 9216, 32), marks=_SPILLS),
+                                   pytest.param((4096, 4096, 12288, 32), marks=_SPILLS)], ids=["0.8b", "4b", "9b"])
+def test_compiles_for_hopper(sizes):
     # the interpreter never compiles a kernel: compile this one for sm_90 (Triton's bundled ptxas) in a
-    # process without it, and read the per-thread stack (register spills) from cuobjdump's resource usage
-    stacks = run_without_interpreter(COMPILE_FOR_HOPPER)
+    # process without it at each size's (hidden, attended, MLP, DeltaNet value heads), and read the per-thread
+    # stack (register spills) from cuobjdump's resource usage
+    script = COMPILE_FOR_HOPPER.replace("1024, 2048, 3584, 16  # SIZES", ", ".join(map(str, sizes)))
+    stacks = run_without_interpreter(script)
     assert set(stacks) == {"1", "1-head-norm", "2", "3"}
     assert all(stack <= 64 for stack in stacks.values()), stacks
 

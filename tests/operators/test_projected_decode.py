@@ -205,8 +205,11 @@ print(json.dumps(dict(registers=int(usage.split("REG:")[1].split()[0]), stack=in
 """
 
 
-def test_compiles_for_hopper():
-    # the interpreter never compiles the kernel: compile it for sm_90 at the real shape (Triton's bundled ptxas)
+@pytest.mark.parametrize("value_heads", [16, 32, 48])  # 0.8B; 4B and 9B; 27B (over 16 key heads)
+def test_compiles_for_hopper(value_heads):
+    # the interpreter never compiles the kernel: compile it for sm_90 at the real shapes (Triton's bundled ptxas)
     # and read its registers and stack: no spills under the register bound that puts four programs on an SM
-    usage = run_without_interpreter(COMPILE_FOR_HOPPER)
+    heads = f"V_HEADS={value_heads}, GROUP={value_heads // 16}"
+    script = COMPILE_FOR_HOPPER.replace("V_HEADS=16, GROUP=1", heads)
+    usage = run_without_interpreter(script)
     assert usage["stack"] == 0 and usage["registers"] <= 128, usage

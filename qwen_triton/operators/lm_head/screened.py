@@ -13,7 +13,8 @@ For the row x_n (x after the final RMSNorm, rounded to x's dtype as the projecti
 and the exact logit the check computes, E_i = fl(W_i . x_n) in float32, obeys
     |E_i - c_i| <= B_i = (||d_i|| + h_i) ||x_n|| + s_i ||q_i|| ||r_x||  (x 1.001, + 1e-6 |c_i|: the float32
                                 roundings of c_i and of the norms), h_i = 1.2e-4 ||W_i|| bounding the float32
-                                summation of E_i over 1024 terms (K u / (1 - K u) = 6.1e-5 for any order)
+                                summation of E_i over 1024 terms (K u / (1 - K u) = 6.1e-5 for any order;
+                                in proportion to K beyond: `summation_bound`)
 (Cauchy-Schwarz on W_i . x_n - s_i s_x q_i . q_x = d_i . x_n + s_i q_i . r_x.) With tau = max_i (c_i - B_i)
 <= max_i E_i, the row r of the greatest E (lowest index on ties) has c_r + B_r >= E_r >= tau: every row whose
 upper bound c_i + B_i reaches tau is a candidate, r among them, and the argmax of E over the candidates, ties to
@@ -60,7 +61,7 @@ SCREEN_WARPS = 4
 SCREEN_STAGES = 3
 CHECK_ROWS = 128  # BLOCK_R of kernel 2
 QUANTIZED_MAX = 127.0
-SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24
+SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24 (summation_bound)
 MAX_COLUMNS = 4096  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row)
 # The interpreter pays per program and per operation, each over a whole tile: a head of more than
 # INTERPRETER_WIDE_V rows gets INTERPRETER_ROWS rows a program there in kernels 1 and 2, and kernel 1 no
@@ -86,6 +87,12 @@ class LmHeadScreen(NamedTuple):
     quantized_norms: torch.Tensor
 
 
+def summation_bound(columns: int) -> float:
+    """h_i / ||W_i|| for rows of `columns` entries: SUMMATION_BOUND up to 1024 columns, beyond in proportion to K
+    (K u / (1 - K u) grows as K while K u << 1: at 4096 columns 4.8e-4, twice 2.44e-4)."""
+    return SUMMATION_BOUND * max(1.0, columns / 1024)
+
+
 def build_screen(weight: torch.Tensor, rows_per_piece: int = 16384) -> LmHeadScreen:
     """The screen of weight [V, K] (bf16, fp16 or fp32), on its device, a piece of rows at a time (float64 norms,
     rounded up to float32)."""
@@ -102,7 +109,7 @@ def build_screen(weight: torch.Tensor, rows_per_piece: int = 16384) -> LmHeadScr
         # the scale rounded to the float32 the kernels multiply by, so q and the bounds are about that scale
         scale = torch.where(largest > 0, largest / QUANTIZED_MAX, torch.ones_like(largest)).float().double()
         q = torch.round(piece / scale[:, None]).clamp(-QUANTIZED_MAX, QUANTIZED_MAX)
-        residual = (piece - scale[:, None] * q).norm(dim=1) + SUMMATION_BOUND * piece.norm(dim=1)
+        residual = (piece - scale[:, None] * q).norm(dim=1) + summation_bound(columns) * piece.norm(dim=1)
         quantized[start:start + rows_per_piece] = q.to(torch.int8)
         scales[start:start + rows_per_piece] = scale.float()
         residual_bounds[start:start + rows_per_piece] = _rounded_up(residual)
