@@ -52,6 +52,13 @@ def checkpoints(tmp_path_factory):
             for name, overrides in SHAPES.items()}
 
 
+def _oracle_greedy(oracle, prompt: list[int], count: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`, `count` tokens, no end-of-sequence stop."""
+    with torch.no_grad():
+        return oracle.generate(torch.tensor([prompt]), max_new_tokens=count, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_score_and_greedy_generation_match_transformers(checkpoints, name):
     directory = checkpoints[name]
@@ -62,10 +69,7 @@ def test_score_and_greedy_generation_match_transformers(checkpoints, name):
     assert relative_error(llm.score(token_ids, prefill=34), transformers_score(oracle, token_ids, 34)) <= TOLERANCE
     prompt = [11, 200, 3, 47, 150]
     result = llm.generate(prompt, max_new_tokens=4)
-    with torch.no_grad():
-        expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=len(result.token_ids), do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert result.token_ids == expected
+    assert result.token_ids == _oracle_greedy(oracle, prompt, len(result.token_ids))
     reference = LLM(directory, backend="reference", device="cpu", dtype=torch.float32, max_length=48)
     assert reference.generate(prompt, max_new_tokens=4).token_ids == result.token_ids
 
@@ -108,10 +112,7 @@ def test_hidden_past_the_screened_heads_columns(tmp_path):
     assert relative_error(llm.score(token_ids, prefill=17), transformers_score(oracle, token_ids, 17)) <= TOLERANCE
     prompt = [11, 20, 3, 47, 15]
     result = llm.generate(prompt, max_new_tokens=3)
-    with torch.no_grad():
-        expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=len(result.token_ids), do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert result.token_ids == expected
+    assert result.token_ids == _oracle_greedy(oracle, prompt, len(result.token_ids))
 
 
 FAMILY = ("4b", "9b", "27b")
