@@ -56,9 +56,9 @@ def default_model(device: str) -> Path:
 
 
 def _default_device() -> str:
-    import torch
+    from .engine.llm import default_device  # one rule for the command line and the Python API
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device()
 
 
 # ---- checks made before anything loads ------------------------------------------------------------
