@@ -161,7 +161,8 @@ class Loaded:
 
         print(f"loading {self.path} ({self.describe()})", file=sys.stderr, flush=True)
         return LLM(self.path, backend=self.backend, device=self.device, dtype=self.dtype,
-                   max_length=self.args.max_length, progress=True, tokenizer=self.tokenizer)
+                   max_length=self.args.max_length, progress=True, tokenizer=self.tokenizer,
+                   warm_up=False if self.args.no_warm_up else None)
 
 
 def budget_note(prompt_tokens: int, max_new_tokens: int, max_length: int) -> str | None:
@@ -316,6 +317,8 @@ def command_bench(args) -> None:
     steps = args.steps or (CPU_BENCH["steps"] if on_cpu else 20 if args.quick else 200)
     if args.ops and args.workloads:
         raise UsageError("--ops and --workloads are separate runs: choose one")
+    if args.no_warm_up and not args.workloads:
+        raise UsageError("--no-warm-up is for --workloads (the variants and --ops never warm up)")
     if args.ops:
         if device != "cuda":
             raise CommandError("the operator benchmark (--ops) needs a CUDA GPU")
@@ -341,7 +344,8 @@ def command_bench(args) -> None:
         from .benchmark.workloads import format_workloads, run_workloads
 
         report["workloads"] = run_workloads(preset, device, hbm=report["hbm_copy_TBps"],
-                                            matmul=report["matmul_TFLOPs"])
+                                            matmul=report["matmul_TFLOPs"],
+                                            **(dict(warm_up=False) if args.no_warm_up else {}))
         write_report(report, out)
         print()
         print(format_workloads(report["workloads"]))
@@ -442,6 +446,9 @@ def build_parser() -> ArgumentParser:
                          help="divides positive (multiplies negative) logits of tokens already seen; 1 = off")
         sub.add_argument("--thinking", action=argparse.BooleanOptionalAction,
                          help="Qwen3.5's thinking mode through the chat template (default: the template's own)")
+        sub.add_argument("--no-warm-up", action="store_true",
+                         help="start without the warm-up that compiles and tunes the kernels of every prompt length "
+                              "up to --max-length (on a GPU; a prompt of a new length may then stall)")
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streaming")
     generate.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from standard input")
@@ -463,6 +470,9 @@ def build_parser() -> ArgumentParser:
     bench.add_argument("--workloads", action="store_true",
                        help="also time chat, batched decode and prefill, sampling and streaming through "
                             "LLM.generate / stream (benchmark/workloads.py)")
+    bench.add_argument("--no-warm-up", action="store_true",
+                       help="--workloads: build its LLM without the warm-up (the chat run's requests then compile "
+                            "and tune); the variants never warm up, each measurement warms its shape itself")
     bench.add_argument("--out", help="where the JSON and the plot go (default: ~/.cache/qwen-triton/bench)")
     bench.add_argument("--preset", choices=preset_names(), help="default: 0.8b on cuda, tiny on cpu")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")

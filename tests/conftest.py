@@ -14,6 +14,9 @@ if not HAS_GPU:
 
 import pytest  # noqa: E402
 
+# no model of a test warms up every bucket at load unless the test asks (LLM(warm_up=True), tests/engine/test_warmup.py)
+os.environ.setdefault("QWEN_TRITON_WARM_UP", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:

@@ -169,3 +169,23 @@ def test_errors_of_the_run_are_one_line_with_exit_status_1(tiny, capsys):
     assert main(["generate", "--model", str(broken), "x"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not valid JSON" in err[0]
+
+
+def test_no_warm_up_reaches_the_llm_and_bench_takes_it_with_workloads_only(tiny, capsys, monkeypatch):
+    """generate and chat pass --no-warm-up on as LLM(warm_up=False) (without it: None, the device's default)."""
+    from qwen_triton.engine import llm as llm_module
+
+    given = []
+    original = llm_module.LLM.__init__
+
+    def record(self, *args, warm_up=None, **kwargs):
+        given.append(warm_up)
+        original(self, *args, warm_up=warm_up, **kwargs)
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", record)
+    for flags in ([], ["--no-warm-up"]):
+        assert main(["generate", "--model", str(tiny), "--max-new-tokens", "2", *flags, "Hi"]) == 0
+    assert given == [None, False]
+    capsys.readouterr()
+    assert main(["bench", "--device", "cpu", "--no-warm-up"]) == 2
+    assert "--no-warm-up is for --workloads" in capsys.readouterr().err

@@ -167,7 +167,10 @@ class EngineRunner:
         self.device = device
         if variant.startswith("triton"):
             options = dict(options, split_k="split_k" in variant, cuda_graph="cuda_graph" in variant)
-            self.llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max_length, **options)
+            # no LLM warm-up (engine/warmup.py): each measurement warms its own shape up first, and a warm-up of
+            # every length up to the longest context would cost each variant minutes
+            self.llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max_length,
+                                  warm_up=False, **options)
         else:
             self.llm = random_llm(preset, "reference", device=device, dtype=dtype, max_length=max_length)
         self.model = self.llm.model

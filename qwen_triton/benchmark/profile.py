@@ -193,8 +193,9 @@ def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 
     hbm = measure_hbm_bandwidth(device)
     matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, matmul {matmul:.0f} TFLOP/s")
+    # no LLM warm-up: the profile warms its two shapes up itself, and its autotune choices list only theirs
     llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max(context, prefill_tokens) + 2,
-                     pdl=pdl)
+                     pdl=pdl, warm_up=False)
     model = llm.model
     log("profiling a decode step")
     decode = profile_decode(model, context, steps, hbm, matmul)

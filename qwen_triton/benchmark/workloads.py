@@ -9,9 +9,12 @@ the tokens actually generated. ms per step = (total - time to first token) / ste
 
 The rows (the JSON's `workloads.rows`, one table line each; `floor_ms` and `pct_of_floor` = 100 * floor / time):
 
-  chat       `requests` prompts of distinct random lengths in `chat_lengths` (random ids, seed `seed`; no length
-             the process has run before), Qwen's sampling (temperature 0.7, top_p 0.8, top_k 20), `chat_new_tokens`
-             each, one `generate` after another. Rows: time to first token p50 and max, ms per token p50 (per
+  chat       first "ready in": the time from making the random weights to `LLM(...)` returning, its warm-up
+             included (engine/warmup.py: every prompt length's kernels compiled and tuned; on by default on a GPU,
+             `--no-warm-up` leaves it out; `warm_up_s` its part; no floor). Then `requests` prompts of distinct
+             random lengths in `chat_lengths` (random ids, seed `seed`; no length the process has run before),
+             Qwen's sampling (temperature 0.7, top_p 0.8, top_k 20), `chat_new_tokens` each, one `generate` after
+             another. Rows: time to first token p50 and max, ms per token p50 (per
              request (total - first token) / its decode steps). Floors per request: its prefill's FLOPs
              (floor.prefill_flops) over the measured matmul rate; its steps' bytes (floor.decode_run_bytes,
              batch 1) over the measured copy bandwidth. The p50 rows quote the median request floor, the max row
@@ -31,11 +34,12 @@ The rows (the JSON's `workloads.rows`, one table line each; `floor_ms` and `pct_
              consumed) and through `generate`: ms per token each (from the timings; stream's from
              `llm.last_generation`) and `ratio` = stream / generate. Floor: the decode floor at batch 1.
 
-Each shape is generated once before it is timed (`warmup`: compilation, autotuning, CUDA-graph capture), but the
-chat run's lengths, which are new to the process on purpose (the warm-up request has its own length). The sizes
-come from one `WorkloadSizes` per device (GPU_SIZES, CPU_SIZES; the JSON's `workloads.sizes`), the logic is the
-same. On a CPU (the tiny preset, Triton interpreted, float32, host timers) the sizes are tiny and the numbers mean
-nothing: the section runs there so that it is tested.
+Each shape is generated once before it is timed (`warmup`: CUDA-graph capture, and without the LLM's warm-up
+compilation and autotuning), but the chat run's lengths, which are new to the process on purpose (the warm-up
+request has its own length): after the LLM's warm-up their times to first token hold no compilation or tuning.
+The sizes come from one `WorkloadSizes` per device (GPU_SIZES, CPU_SIZES; the JSON's `workloads.sizes`), the
+logic is the same. On a CPU (the tiny preset, Triton interpreted, float32, host timers) the sizes are tiny and the
+numbers mean nothing: the section runs there so that it is tested.
 """
 
 from __future__ import annotations
@@ -120,8 +124,12 @@ class Workloads:
         self.config = parse_config(official_config(PRESETS[preset]))
         dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot is wrong in bf16
         # the bundled tokenizer given (the random checkpoint has none): the same one, without the warning
+        started = time.perf_counter()
         self.llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=sizes.max_length(),
                               max_batch=sizes.max_batch(), tokenizer=Tokenizer.default(), **options)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        self.ready_s = time.perf_counter() - started  # the weights made and LLM(...) returned, its warm-up done
         self.random = random.Random(sizes.seed)
         self.rows: list[dict] = []
 
@@ -159,11 +167,13 @@ class Workloads:
         flops = sum(prefill_flops(self.config, length) for length in lengths)
         return flops / (self.matmul * 1e12) * 1e3, flops
 
-    def add(self, workload: str, case: str, metric: str, ms: float, floor_ms: float, **extra) -> dict:
+    def add(self, workload: str, case: str, metric: str, ms: float, floor_ms: float | None, **extra) -> dict:
+        """A row; floor_ms None for a time without a floor (the ready row)."""
         row = dict(workload=workload, case=case, metric=metric, ms=ms, floor_ms=floor_ms,
-                   pct_of_floor=100 * floor_ms / ms, **extra)
+                   pct_of_floor=None if floor_ms is None else 100 * floor_ms / ms, **extra)
         self.rows.append(row)
-        log(f"workloads: {workload} {case}: {metric} {ms:.3f} ms ({row['pct_of_floor']:.1f}% of floor)")
+        against = "" if floor_ms is None else f" ({row['pct_of_floor']:.1f}% of floor)"
+        log(f"workloads: {workload} {case}: {metric} {ms:.3f} ms{against}")
         return row
 
     def timed_decode(self, batch: int, prompt: int, new_tokens: int, **sampling) -> dict:
@@ -192,6 +202,9 @@ class Workloads:
         lengths = self.random.sample(choices, s.chat_requests)
         if s.warmup:
             self.generate(self.prompts(1, s.chat_warmup_length), s.chat_new_tokens, **QWEN_SAMPLING)
+        warm_up = self.llm.warm_up_report
+        self.add("chat", "LLM(...) " + ("with its warm-up" if warm_up else "without a warm-up"), "ready in",
+                 self.ready_s * 1e3, None, floor="none", warm_up_s=None if warm_up is None else warm_up.seconds)
         requests = []
         for index, length in enumerate(lengths):
             result = self.generate(self.prompts(1, length), s.chat_new_tokens, seed=index, **QWEN_SAMPLING)[0]
@@ -318,6 +331,12 @@ def format_workloads(section: dict) -> str:
             notes.append(f"{row['ratio']:.2f}x generate")
         if "prompt_tokens" in row and row["workload"] == "chat":
             notes.append(f"{row['prompt_tokens']}-token prompt")
+        if row.get("warm_up_s") is not None:
+            notes.append(f"warm-up {row['warm_up_s']:.1f} s")
+        if row["floor"] == "none":
+            lines.append(f"| {row['workload']} | {row['case']} | {row['metric']} | {row['ms']:.3f} | - | - | "
+                         f"{'; '.join(notes + ['no floor'])} |")
+            continue
         notes.append(f"floor: {'FLOPs / matmul rate' if row['floor'] == 'flops' else 'bytes / copy bandwidth'}")
         lines.append(f"| {row['workload']} | {row['case']} | {row['metric']} | {row['ms']:.3f} | "
                      f"{row['floor_ms']:.4f} | {row['pct_of_floor']:.1f}% | {'; '.join(notes)} |")

@@ -78,6 +78,20 @@ def use_interpreter_for_cpu_kernels() -> None:
                   "(TRITON_INTERPRET=1), a test tool: correct, and slow", stacklevel=3)
 
 
+def default_warm_up(device) -> bool:
+    """Warm the triton backend up at load on a GPU; not on a CPU, where the interpreter compiles and tunes nothing
+    and a warm-up would only cost its time. QWEN_TRITON_WARM_UP=0 (or 1) overrides the default (the GPU tests
+    set 0: each test's model would otherwise warm up every bucket)."""
+    from ..operators.common import interpreting
+
+    chosen = os.environ.get("QWEN_TRITON_WARM_UP", "").strip()
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    if chosen:
+        raise ValueError(f"QWEN_TRITON_WARM_UP must be 0 or 1, got {chosen!r}")
+    return torch.device(device).type == "cuda" and not interpreting()
+
+
 def resolve_device(device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -105,6 +119,10 @@ class LLM:
     downloaded where the network allows; `revision` picks a branch, tag or commit). backend "triton" or
     "reference", device "cuda" or "cpu", dtype bf16 / fp16 / fp32: None picks the defaults above.
     max_length: tokens of context per sequence (prompt + reply); max_batch: sequences decoded together.
+    warm_up: the triton backend compiles and autotunes every kernel variant a generation can reach (every prompt
+    length up to max_length, every batch up to max_batch, every sampling mode) before the constructor returns,
+    so that no request does (engine/warmup.py; what it ran is `warm_up_report`); None: on a GPU, not on a CPU.
+    progress: the loading's and the warm-up's progress on stderr.
     tokenizer: a `Tokenizer` to use instead of the checkpoint's. The triton backend's options
     (`backend_options`) switch its optimisations off one by one (README, "The engine on the kernels").
     """
@@ -121,6 +139,7 @@ class LLM:
         weights: dict[str, torch.Tensor] | None = None,
         tokenizer=None,
         revision: str | None = None,
+        warm_up: bool | None = None,
         **backend_options,
     ):
         if backend is not None and backend not in BACKENDS:
@@ -160,6 +179,11 @@ class LLM:
                 self.config, weights, max_batch=max_batch, max_length=self.max_length,
                 device=self.device, dtype=self.dtype, progress=progress, **backend_options,
             )
+        self.warm_up_report = None  # engine/warmup.py's WarmUp: what the warm-up ran, its time
+        if backend == "triton" and (default_warm_up(self.device) if warm_up is None else warm_up):
+            from .warmup import warm_up as run_warm_up
+
+            self.warm_up_report = run_warm_up(self.model, progress=progress)
         self._tokenizer = tokenizer
         # triton backend: launch each decode step before the host reads the previous one's ids
         # (engine/decode_pipeline.py); None = on a GPU only. Results are the same either way.

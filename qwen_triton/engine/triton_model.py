@@ -516,3 +516,11 @@ class TritonModel:
         buffers = self.buffers_for(sampling.temperature.shape[0])
         counts, prompt_mask = buffers.start_history(row, prompt_ids)
         return choose_first(logits, sampling, row, counts, prompt_mask)
+
+    # ---- the warm-up (engine/warmup.py) ------------------------------------------------------------
+    @torch.no_grad()
+    def warm_up_step(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
+        """One decode step on `buffers` launched now, as run_step's first step of a graph runs it (the decode
+        attention's one pick over the whole cache before it), nothing captured."""
+        self._tune_decode_attention(buffers)
+        self.decode_step(buffers, mode, feedback)

@@ -50,11 +50,17 @@ def test_the_section_and_its_rows(run):
     assert section["matmul_TFLOPs"] == run.report["matmul_TFLOPs"] > 0
     assert {r["variant"] for r in run.report["results"]} == {"reference"}  # the variants ran as before
     counts = {w: len(rows_of(section, w)) for w in ("chat", "decode", "prefill", "sampling", "streaming")}
-    assert counts == dict(chat=3, decode=len(CPU_SIZES.decode_batches), prefill=len(CPU_SIZES.prefill),
+    assert counts == dict(chat=4, decode=len(CPU_SIZES.decode_batches), prefill=len(CPU_SIZES.prefill),
                           sampling=len(CPU_SIZES.sampling_batches) * len(SAMPLING_SETTINGS), streaming=2)
     assert len(section["rows"]) == sum(counts.values())
+    ready = rows_of(section, "chat")[0]
+    assert (ready["metric"], ready["floor"], ready["floor_ms"], ready["pct_of_floor"]) == ("ready in", "none", None,
+                                                                                           None)
+    assert ready["ms"] > 0 and ready["warm_up_s"] is None  # no warm-up on the CPU by default
     for row in section["rows"]:
         assert set(row) >= ROW_KEYS, row
+        if row is ready:
+            continue
         assert row["ms"] > 0 and row["floor_ms"] > 0, row
         assert row["pct_of_floor"] == pytest.approx(100 * row["floor_ms"] / row["ms"])
         assert row["floor"] == ("flops" if row["workload"] == "prefill" or "first token" in row["metric"]
@@ -114,7 +120,7 @@ def test_chat_run_lengths_and_requests(run):
     requests = chat["requests"]
     assert [r["prompt_tokens"] for r in requests] == lengths
     assert all(1 <= r["generated_tokens"] <= s.chat_new_tokens for r in requests)
-    p50, worst, per_token = rows_of(run.section, "chat")
+    _, p50, worst, per_token = rows_of(run.section, "chat")
     ttft = [r["time_to_first_token_ms"] for r in requests]
     assert p50["ms"] == pytest.approx(statistics.median(ttft)) and worst["ms"] == max(ttft)
     assert worst["prompt_tokens"] == requests[ttft.index(max(ttft))]["prompt_tokens"]
@@ -128,6 +134,7 @@ def test_the_table_is_printed_with_every_row(run):
     assert "| workload | case | measure | ms | floor (ms) | % of floor | notes |" in table
     for row in run.section["rows"]:
         assert f"| {row['workload']} | {row['case']} | {row['metric']} | {row['ms']:.3f} | " in table
+    assert "| chat | LLM(...) without a warm-up | ready in | " in table
     assert "x greedy" in table and "x generate" in table
 
 

@@ -1,0 +1,225 @@
+"""The warm-up: every kernel variant at every autotuning key a generation can reach, run once when `LLM(...)`
+loads, so that no request compiles or autotunes (measured before it on the H200: a 1,764-token prompt of a bucket
+never tuned on the machine took 27.8 s to its first token, BENCHMARKS.md, "Workloads through the API").
+
+A kernel compiles once per specialisation (its constexprs and launch options, and for each other argument
+Triton's class: an integer 1, a multiple of 16 or neither, a pointer 16-byte aligned or not) and autotunes once per
+key (its key arguments and the dtypes of its tensors); Triton keeps both in memory for the process and on disk for
+the machine. What a request's kernels compile and tune on is a function of a few numbers, and the warm-up runs one
+case of each value they take up to the model's max_length and max_batch:
+
+- A prefill of T tokens from position 0 (generation's: the logits of its last token only). Its keys take T's
+  length bucket (T rounded up to a power of two: the GEMM's M, the attention's length and context, the chunked
+  rule's chunk count; at most 4096 for the conv and the q/k norm, `plan.triton_bucket`), so a max_length past
+  4096 brings buckets of its own (8192, ...) to the GEMMs, the attention and the chunked rule. Its variants
+  change at the thresholds of the plan and of the tuning table (the GEMV up to 16 tokens, then the GEMM with the
+  folded norm; split-K up to 256; the TMA loads from `gemm.TMA_ROWS`; PDL up to `plan.prefill_pdl_tokens`;
+  chunks of 64 past `chunk.SHORT_CHUNK_TOKENS`, kernel 1 in two parts past `chunk.SPLIT_PREPARE_TOKENS`; the
+  conv's, the q/k norm's and the picks' thresholds are length buckets). Its kernels specialise on T and on the
+  chunk count (the Gluon state pass), its LM head on the alignment of the last row. `prefill_signature` is that
+  tuple; `prefill_lengths` takes the longest length of each signature, a bucket's longest first, so that each
+  bucket is tuned at its longest prompt. The prefills run in slot 0, and in any slot whose states differ from
+  slot 0's in alignment (none at the presets' shapes).
+- A decode step: its batch bucket (1, 2, 4, ... up to max_batch) and its sampling mode (device_sampling.py's,
+  with feedback as generation runs them; "logits" without, as `LLM.score` runs it). The context is device data
+  (positions, lengths): no kernel of the step specialises on it, and the decode attention makes its one pick over
+  the whole cache first (`TritonModel.warm_up_step`). The steps are launched, not captured: a CUDA graph is
+  captured on its first use in a request (graphs.py: one eager step and the capture, which compile and tune
+  nothing once the step has run here).
+- The first token's choice from the prefill's logits in each mode, at each row whose parameter views differ in
+  alignment (a row's views start at row x 4 or 8 bytes, its penalty rows at row x vocabulary).
+- Each slot's reset (its zeroing launch).
+
+Not covered: a prefill from a position past 0 (`TritonModel.prefill(start=...)`, which no `LLM` call makes: the
+attention's key adds the context bucket of start + T) and `LLM.score`'s prefill, whose LM head writes the logits of
+every position (a GEMM per length bucket over the whole vocabulary: 4 GB of float32 logits at 4096 tokens of the
+0.8B, too much to allocate at load).
+
+The warm-up leaves no state behind: its decode steps run on buffers of their own, and it resets every slot at the
+end (the KV cache needs no zeroing: no kernel reads past a sequence's length). The model's own progress lines of
+a first run ("first prefill: compiling and autotuning ...") are switched off, since no first run compiles any more.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..operators.gated_delta_rule.chunk import SPLIT_PREPARE_TOKENS, chunk_size_for
+from ..operators.linear.gemm import MAX_SPLIT_ROWS, TMA_ROWS
+from ..operators.linear.gemv import MAX_ROWS
+from ..progress import progress_printer
+from .buffers import DecodeBuffers
+from .device_sampling import PENALIZED_MODES, DeviceSampling, choose_first
+from .plan import Plan
+from .sampling import SamplingParams
+
+# the decode modes and whether their steps feed back (device_sampling.py), each with parameters that choose it
+DECODE_MODES = (
+    ("greedy", True, SamplingParams()),
+    ("temperature", True, SamplingParams(temperature=1.0)),
+    ("min-p", True, SamplingParams(temperature=1.0, min_p=0.05)),
+    ("sample", True, SamplingParams(temperature=1.0, top_k=20, top_p=0.9)),
+    ("penalized", True, SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.1,
+                                       repetition_penalty=1.1)),
+    ("penalized-sample", True, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, presence_penalty=0.5,
+                                              frequency_penalty=0.1, repetition_penalty=1.1)),
+    ("logits", False, None),  # LLM.score's steps: the logits, no choice
+)
+
+
+def specialization(value: int) -> str:
+    """How Triton specialises an integer argument (a kernel compiles once per class)."""
+    return "one" if value == 1 else "multiple of 16" if value % 16 == 0 else "other"
+
+
+def prefill_signature(plan: Plan, tokens: int, row_bytes: int) -> tuple:
+    """Everything a prefill of `tokens` tokens from position 0 compiles and tunes on (the module docstring):
+    prefills of equal signatures run the same kernels at the same keys and specialisations. row_bytes: a hidden
+    row's bytes (the LM head reads the last row: its alignment)."""
+    chunk = chunk_size_for(tokens)
+    chunks = triton.cdiv(tokens, chunk)
+    starts = (MAX_ROWS + 1, MAX_SPLIT_ROWS + 1, TMA_ROWS, plan.prefill_pdl_tokens + 1, plan.folded_norm_from,
+              SPLIT_PREPARE_TOKENS + 1)  # the lengths from which a variant changes
+    return (triton.next_power_of_2(tokens), chunk, tuple(tokens >= start for start in starts),
+            specialization(tokens), specialization(chunks), (tokens - 1) * row_bytes % 16 == 0)
+
+
+def prefill_lengths(plan: Plan, max_length: int, row_bytes: int) -> list[int]:
+    """One prompt length of each prefill signature up to max_length: the longest of each, by bucket, each bucket's
+    longest first."""
+    chosen: dict[tuple, int] = {}
+    for tokens in range(max_length, 0, -1):
+        chosen.setdefault(prefill_signature(plan, tokens, row_bytes), tokens)
+    return sorted(chosen.values(), key=lambda tokens: (triton.next_power_of_2(tokens), -tokens))
+
+
+def decode_batches(max_batch: int) -> list[int]:
+    """The decode batch buckets a model of max_batch sequences runs (a bucket past max_batch is refused)."""
+    sizes = [1]
+    while sizes[-1] * 2 <= max_batch:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def prefill_slots(state, slots: int) -> list[int]:
+    """The slots whose states differ in alignment (a prefill's kernels take one slot's rows of the caches): the
+    first of each class; slot 0 alone at every shape the presets have."""
+    tensors = [*state.key.values(), *state.value.values(), *state.conv.values(), *state.recurrent.values()]
+    chosen: dict[tuple, int] = {}
+    for slot in range(slots):
+        chosen.setdefault(tuple(t[slot].data_ptr() % 16 == 0 for t in tensors), slot)
+    return sorted(chosen.values())
+
+
+def first_token_rows(rows: int, vocab: int) -> list[int]:
+    """The rows below `rows` whose sampling parameter views differ in alignment: the first of each class (the
+    4- and 8-byte parameters at row x 4 or 8 bytes, the penalties' counts and prompt mask at row x vocab x 4 and
+    row x vocab bytes)."""
+    chosen: dict[tuple, int] = {}
+    for row in range(rows):
+        chosen.setdefault(tuple(row * size % 16 == 0 for size in (4, 8, 4 * vocab, vocab)), row)
+    return sorted(chosen.values())
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up ran and how long it took."""
+
+    prefill_lengths: tuple[int, ...]
+    prefill_slots: tuple[int, ...]
+    batches: tuple[int, ...]
+    modes: tuple[str, ...]
+    first_token_rows: tuple[int, ...]
+    seconds: float
+
+    def summary(self) -> str:
+        lengths = self.prefill_lengths
+        buckets = sorted({triton.next_power_of_2(tokens) for tokens in lengths})
+        return (f"warm-up: {len(lengths)} prefill lengths ({len(buckets)} buckets, {lengths[0]} to "
+                f"{max(lengths)} tokens), decode at batch {', '.join(map(str, self.batches))} in "
+                f"{len(self.modes)} modes: {self.seconds:.1f} s")
+
+
+def _load_sampling(buffers: DecodeBuffers, sampling: DeviceSampling | None) -> None:
+    """Inputs at position 0 and every row's sampling parameters, as decode_tokens loads them."""
+    size = buffers.size
+    buffers.load(torch.zeros(size, dtype=torch.int64, device=buffers.token_ids.device),
+                 torch.zeros(size, dtype=torch.int32, device=buffers.positions.device))
+    buffers.step.zero_()
+    if sampling is None:
+        return
+    for name in ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        getattr(buffers, name).copy_(getattr(sampling, name)[:size])
+    if sampling.mode in PENALIZED_MODES:
+        counts, prompt_mask = buffers.penalty_history()
+        counts.zero_()
+        prompt_mask.zero_()
+
+
+@torch.no_grad()
+def warm_up(model, progress: bool = False) -> WarmUp:
+    """Run every prefill length of `prefill_lengths`, the first token's choice and every decode step of
+    `decode_batches` x DECODE_MODES on `model` (a TritonModel), then reset every slot. progress: a line per phase
+    on stderr and the summary."""
+    started = time.perf_counter()
+    config, device = model.config, model.device
+    model.progress = False  # its first-run lines (they would say compiling): the warm-up's own instead
+    row_bytes = config.hidden_size * model.embed.element_size()
+    lengths = prefill_lengths(model.plan, model.max_length, row_bytes)
+    buckets = sorted({triton.next_power_of_2(tokens) for tokens in lengths})
+    slots = prefill_slots(model.state, model.max_batch)
+    report = progress_printer("warm-up: prefill buckets") if progress else None
+    logits = None
+    for index, length_bucket in enumerate(buckets):
+        for tokens in (t for t in lengths if triton.next_power_of_2(t) == length_bucket):
+            for slot in slots:
+                model.reset(slot)
+                logits = model.prefill_eager(torch.zeros(tokens, dtype=torch.int64, device=device), slot, 0, False)
+        if report is not None:
+            report(index + 1, len(buckets))
+
+    batches = decode_batches(model.max_batch)
+    rows = first_token_rows(batches[-1], config.vocab_size)
+    samplings = {mode: DeviceSampling.build([params] * batches[-1], device)
+                 for mode, _, params in DECODE_MODES if params is not None}
+    for mode, sampling in samplings.items():
+        if sampling.mode != mode:
+            raise AssertionError(f"the warm-up's parameters for mode {mode!r} choose {sampling.mode!r}")
+    history = DecodeBuffers(config, batches[-1], device, model.dtype)
+    prompt = torch.zeros(1, dtype=torch.int64, device=device)
+    for sampling in samplings.values():
+        for row in rows:
+            if sampling.mode in PENALIZED_MODES:
+                counts, prompt_mask = history.start_history(row, prompt)
+                choose_first(logits, sampling, row, counts, prompt_mask)
+            else:
+                choose_first(logits, sampling, row)
+    del history
+
+    report = progress_printer("warm-up: decode batches") if progress else None
+    for index, size in enumerate(batches):
+        buffers = DecodeBuffers(config, size, device, model.dtype)  # its own: the model's stay as they were
+        for mode, feedback, _ in DECODE_MODES:
+            _load_sampling(buffers, samplings.get(mode))
+            model.warm_up_step(buffers, mode, feedback)
+        del buffers
+        if report is not None:
+            report(index + 1, len(batches))
+    model.reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    done = WarmUp(tuple(lengths), tuple(slots), tuple(batches), tuple(mode for mode, _, _ in DECODE_MODES),
+                  tuple(rows), time.perf_counter() - started)
+    if progress:
+        print(done.summary(), file=sys.stderr, flush=True)
+    return done
+
+
+__all__ = ["DECODE_MODES", "WarmUp", "decode_batches", "first_token_rows", "prefill_lengths",
+           "prefill_signature", "prefill_slots", "specialization", "warm_up"]
