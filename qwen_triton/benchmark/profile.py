@@ -122,7 +122,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     counter = torch.zeros(1, device=device, dtype=torch.int64)
     model.decode_tokens(token, position, sampling, counter, feedback=True)  # warm-up: compile, autotune, capture
     buffers = model.buffers_for(1)
-    saved = save_states(model.state, buffers.size)
+    saved = save_states(model.state, model.history, buffers.slots)
     model.trace_context = context
     on_gpu = device.type == "cuda"
     model.trace = KernelTrace()
@@ -133,7 +133,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     finally:
         model.trace = None
     if not on_gpu:
-        restore_states(model.state, buffers.size, saved)
+        restore_states(model.state, model.history, saved)
         return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     torch.cuda.synchronize()
     timeline = _timeline(lambda: model.run_step(buffers, mode, feedback=True), trace, steps)
@@ -143,7 +143,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
         where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
     if timeline is None:
         raise RuntimeError("the CUDA profiler's kernels do not match the launches of the step")
-    restore_states(model.state, buffers.size, saved)
+    restore_states(model.state, model.history, saved)
     report = _report(trace, timeline, hbm, matmul)
     report["bytes_counted_by_floor"] = decode_bytes(model.config, context).total
     return dict(context=context, timeline=where, pdl=model.plan.pdl, **report)

@@ -1,10 +1,10 @@
 """The interface both backends serve (reference/model.py, engine/triton_model.py): what `LLM` calls.
 
 A backend holds `max_batch` sequence slots of up to `max_length` tokens. `prefill` runs one prompt into a slot
-after `start` cached tokens; `decode` runs one token for each of slots 0..B-1 at its own position (row r: slot r).
-The next steps widen these, keeping the names: a decode over any set of slots (a `slots` tensor beside
-`positions`, each row with its sampling parameters: TritonModel.decode_tokens's DeviceSampling rows already are
-per row), and a prefill of several prompts (lists of token_ids, slots and starts).
+after `start` cached tokens; `decode` runs one token for each of B sequences at its own position, row r being the
+sequence in slot `slots[r]` (any distinct slots below max_batch, in any order; None means row r is slot r).
+The next step widens prefill, keeping the names: a prefill of several prompts (lists of token_ids, slots and
+starts).
 """
 
 from __future__ import annotations
@@ -14,6 +14,22 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..config import ModelConfig
+
+
+def check_decode_slots(slots: torch.Tensor | None, rows: int, max_batch: int) -> None:
+    """Raise ValueError unless slots (None, or [rows] of integers) can be a decode step's: on the host, also
+    distinct and in 0..max_batch-1 (values on a device are not read: no synchronisation)."""
+    if slots is None:
+        return
+    if not isinstance(slots, torch.Tensor) or slots.shape != (rows,):
+        shape = list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+        raise ValueError(f"slots must be a tensor of shape [{rows}] (one per row), got {shape}")
+    if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+        raise ValueError(f"slots has dtype {slots.dtype}, expected an integer dtype")
+    if slots.device.type == "cpu" and rows:
+        values = slots.tolist()
+        if min(values) < 0 or max(values) >= max_batch or len(set(values)) != rows:
+            raise ValueError(f"slots {values} must be distinct slots in 0..{max_batch - 1}")
 
 
 @runtime_checkable
@@ -29,8 +45,12 @@ class Backend(Protocol):
         """Tokens [T] of the sequence in `slot` after `start` cached ones: float32 logits [T or 1, vocab]."""
         ...
 
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step for slots 0..B-1 (token_ids, positions [B]): float32 logits [B, vocab]."""
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of B sequences (token_ids, positions, slots [B]; row r: slot slots[r], None: slot r).
+
+        Returns float32 logits [B, vocab].
+        """
         ...
 
     def reset(self, slot: int | None = None) -> None:

@@ -6,10 +6,14 @@ The modes, each a fixed list of kernels after the layers (so a CUDA graph per mo
   greedy            the screened (or plain) argmax LM head
   temperature       the Gumbel-max LM head (no logits written)
   min-p             the logits, then sample's stats and draw kernels (min-p needs no search pass)
-  sample            the logits, then sample with its top-k / top-p search passes
+  top-k             the logits, then sample's top-k candidates and draw kernels (every sampled row has
+                    0 < top_k <= K_MAX; top-p and min-p over the candidates): 2 launches
+  sample            the logits, then sample with its top-k / top-p search passes: 14 launches
   penalized         the logits, the penalties kernel, sample's stats and draw, the counting kernel
+  penalized-top-k   the logits, the penalties kernel, sample's top-k candidates and draw, the counting kernel
   penalized-sample  the logits, the penalties kernel, sample with its search passes, the counting kernel
-A batch without penalties or min-p runs the modes it ran before they existed, kernel for kernel.
+The top-k modes choose the ids the search modes would (operators/sampling/sample.py); they run at one candidate
+width, K_MAX, whatever the batch's largest top_k, so the mode alone names the launch list (and the CUDA graph).
 """
 
 from __future__ import annotations
@@ -18,11 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..operators.sampling import apply_penalties, count_tokens, sample
+from ..operators.sampling import K_MAX, apply_penalties, count_tokens, sample
 
-PENALIZED_MODES = ("penalized", "penalized-sample")
+PENALIZED_MODES = ("penalized", "penalized-top-k", "penalized-sample")
 SEARCH_MODES = ("sample", "penalized-sample")  # sample's top-k / top-p search passes
-LOGITS_MODES = ("min-p", "sample") + PENALIZED_MODES  # the LM head writes logits, sample chooses
+TOP_K_MODES = ("top-k", "penalized-top-k")  # sample's top-k candidates
+LOGITS_MODES = ("min-p", "top-k", "sample") + PENALIZED_MODES  # the LM head writes logits, sample chooses
+
+
+def sample_options(mode: str) -> dict:
+    """sample's keyword arguments for a mode's filters: the search passes, the top-k candidates (at the width
+    K_MAX), or neither (min-p alone, or none)."""
+    top_k = mode in TOP_K_MODES
+    return dict(filtering=mode in SEARCH_MODES or top_k, top_k_bound=K_MAX if top_k else None)
 
 
 @dataclass
@@ -43,14 +55,18 @@ class DeviceSampling:
     def build(cls, rows, device) -> "DeviceSampling":
         """rows: one SamplingParams per batch row."""
         sampled = [p for p in rows if p.temperature > 0]  # greedy rows ignore the filters
+        candidates = all(0 < p.top_k <= K_MAX for p in sampled)  # every sampled row's top-k by candidates
         if any(p.penalized for p in rows):
-            mode = "penalized-sample" if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else "penalized"
+            if not any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
+                mode = "penalized"
+            else:
+                mode = "penalized-top-k" if candidates else "penalized-sample"
         elif not sampled:
             mode = "greedy"
         elif all(p.top_k == 0 and p.top_p >= 1.0 for p in rows):
             mode = "min-p" if any(p.min_p > 0 for p in sampled) else "temperature"
         else:
-            mode = "sample"
+            mode = "top-k" if candidates else "sample"
 
         def column(name, dtype):
             return torch.tensor([getattr(p, name) for p in rows], device=device, dtype=dtype)
@@ -94,8 +110,8 @@ def choose_first(logits: torch.Tensor, sampling: DeviceSampling, row: int, count
         logits = apply_penalties(logits.float().clone(), counts, prompt_mask, *sampling.penalties(pick))
     step = torch.zeros(1, device=logits.device, dtype=torch.int64)
     chosen = sample(logits, sampling.temperature[pick], sampling.top_k[pick], sampling.top_p[pick],
-                    sampling.seed[pick], step, filtering=sampling.mode in SEARCH_MODES,
-                    min_p=sampling.min_p[pick] if sampling.mode != "temperature" else None)
+                    sampling.seed[pick], step, min_p=sampling.min_p[pick] if sampling.mode != "temperature" else None,
+                    **sample_options(sampling.mode))
     if sampling.mode in PENALIZED_MODES:
         count_tokens(chosen, counts)
     return chosen

@@ -1,8 +1,9 @@
 """The CUDA-graph manager of the Triton backend: decode steps by batch bucket, and repeated prefills.
 
 Decode: each (bucket, mode, feedback) step is captured once after a warm-up outside the graph (compilation,
-autotuning, workspaces) and replayed: inputs are copied into static buffers, nothing is allocated and nothing
-waits on the host. The warm-up runs the step for real, so the states it advances are restored before capture.
+autotuning, workspaces) and replayed: inputs are copied into static buffers (the rows' slots too: a graph serves
+any slot set), nothing is allocated and nothing waits on the host. The warm-up runs the step for real, so the
+states it advances (those of its rows' slots) are restored before capture.
 
 Prefill: a prefill from position 0 that repeats an earlier (length, slot, all_logits) is captured on its second
 call and replayed from then on: the ~180 launches of a prefill cost the host far more than the GPU work at short
@@ -17,31 +18,40 @@ from collections.abc import Callable
 import torch
 
 
-def save_states(states, size: int):
-    """Copies of the conv and recurrent states of slots 0..size-1 (ModelState), which a step advances."""
-    return ({i: t[:size].clone() for i, t in states.conv.items()},
-            {i: t[:size].clone() for i, t in states.recurrent.items()})
+def _advanced(states, history) -> list[torch.Tensor]:
+    """The [slot, ...] tensors a decode step advances: every conv and recurrent state (ModelState) and the
+    penalties' token counts (PenaltyHistory), once allocated."""
+    tensors = list(states.conv.values()) + list(states.recurrent.values())
+    if history is not None and history.counts is not None:
+        tensors.append(history.counts)
+    return tensors
 
 
-def restore_states(states, size: int, saved) -> None:
-    conv, recurrent = saved
-    for i, t in conv.items():
-        states.conv[i][:size].copy_(t)
-    for i, t in recurrent.items():
-        states.recurrent[i][:size].copy_(t)
+def save_states(states, history, slots: torch.Tensor):
+    """Copies of what a step on rows' slots `slots` (int32 [bucket], a padding row's negative) advances, gathered
+    on the device: the step's own slots, a padding row's read as slot 0's (saved and restored unchanged)."""
+    index = slots.clamp(min=0).long()
+    return index, [t.index_select(0, index) for t in _advanced(states, history)]
+
+
+def restore_states(states, history, saved) -> None:
+    index, copies = saved
+    for t, copy in zip(_advanced(states, history), copies):
+        t.index_copy_(0, index, copy)  # a repeated slot's copies are equal
 
 
 class DecodeGraphs:
-    def __init__(self, device: torch.device, states):
+    def __init__(self, device: torch.device, states, history=None):
         self.device = device
         self.states = states  # ModelState: the conv and recurrent states a warm-up advances
+        self.history = history  # PenaltyHistory: the token counts a penalized warm-up advances
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
 
     def run(self, key: tuple, buffers, step: Callable[[], None], warm_up: Callable[[Callable], None]) -> None:
         """Replay the graph of `key`, capturing it first: warm_up(step) runs the step once on a side stream."""
         graph = self.graphs.get(key)
         if graph is None:
-            saved = save_states(self.states, buffers.size)
+            saved = save_states(self.states, self.history, buffers.slots)
             inputs = [t.clone() for t in buffers.inputs]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -51,7 +61,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
-            restore_states(self.states, buffers.size, saved)
+            restore_states(self.states, self.history, saved)
             for buffer, value in zip(buffers.inputs, inputs):
                 buffer.copy_(value)
             self.graphs[key] = graph

@@ -7,9 +7,9 @@ elsewhere the reference backend in float32 on the CPU. The triton backend on the
 Triton's interpreter (a test tool: correct, and slow).
 
 A backend owns the weights and the per-sequence state (caches) and offers three calls:
-`prefill(token_ids, slot)` -> float32 logits of every position, `decode(token_ids, positions)` -> float32
-logits of one step for slots 0..B-1, and `reset(slot)`. The reference backend is the PyTorch model;
-the triton backend composes the Triton kernels.
+`prefill(token_ids, slot)` -> float32 logits of every position, `decode(token_ids, positions, slots)` -> float32
+logits of one step of B sequences (row r: the sequence in slot slots[r]; generation here runs slots 0..B-1), and
+`reset(slot)`. The reference backend is the PyTorch model; the triton backend composes the Triton kernels.
 """
 
 from __future__ import annotations

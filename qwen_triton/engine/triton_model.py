@@ -54,8 +54,10 @@ from ..progress import progress_printer
 from ..state import ModelState
 from ..tuning import active
 from . import costs
-from .buffers import DecodeBuffers, bucket
-from .device_sampling import LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, DeviceSampling, choose_first
+from .backend import check_decode_slots
+from .buffers import DecodeBuffers, PenaltyHistory, bucket
+from .device_sampling import (LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, TOP_K_MODES, DeviceSampling, choose_first,
+                              sample_options)
 from .graphs import DecodeGraphs, PrefillGraphs
 from .packing import AttentionWeights, DeltaNetWeights, MLPWeights, pack_weights
 from .plan import (DELTA_FUSED, DELTA_FUSED_NORM, DELTA_PROJECTED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_SCREENED,
@@ -68,7 +70,7 @@ __all__ = ["TritonModel", "DeviceSampling", "DecodeBuffers", "bucket"]
 @dataclass
 class ForwardPass:
     """What the layers of one forward pass need beside their weights and x: prefill (one sequence in `slot`
-    after `start` cached tokens) or a decode step on `buffers`."""
+    after `start` cached tokens) or a decode step on `buffers` (row r: the sequence in slot slots[r])."""
 
     rows: int
     positions: torch.Tensor
@@ -129,7 +131,8 @@ class TritonModel:
         self.state = ModelState(config, max_batch, max_length, self.device, dtype)
         self._reset_plans: dict[int, ZeroPlan] = {}  # slot -> the one launch that zeroes its states
         self._buffers: dict[int, DecodeBuffers] = {}
-        self.decode_graphs = DecodeGraphs(self.device, self.state) if plan.cuda_graph else None
+        self.history = PenaltyHistory(max_batch, c.vocab_size, self.device)  # each slot's, for the penalties
+        self.decode_graphs = DecodeGraphs(self.device, self.state, self.history) if plan.cuda_graph else None
         self.prefill_graphs = PrefillGraphs(plan.prefill_graphs) if plan.cuda_graph else None
         self._decode_attention_tuned = False  # _tune_decode_attention has run
         # progress of the warm-ups on stderr (the first prefill, each decode graph's first step): they compile
@@ -197,7 +200,7 @@ class TritonModel:
         with self._traced("attention (split-KV decode + merge)", i, costs.attention_decode, c, step.rows,
                           self.trace_context, element):
             return attention_decode(q, key, value, step.buffers.lengths, out=step.buffers.attention_out,
-                                    num_splits=self.decode_splits, pdl=step.pdl)
+                                    slots=step.slots, num_splits=self.decode_splits, pdl=step.pdl)
 
     def _split_projection(self, projection):
         c = self.config
@@ -237,16 +240,16 @@ class TritonModel:
             with self._traced("deltanet in-projection + step (conv, gating, delta rule)", i,
                               costs.delta_projected_step, c, element):
                 out = gated_delta_rule_decode_projected(
-                    x, w.input_norm, c.rms_norm_eps, w.projection, w.conv, self.state.conv[i][:1], w.A_log,
-                    w.dt_bias, self.state.recurrent[i][:1], scratch["delta_projection"], scratch["delta_qk"],
-                    scratch["delta_out"], pdl=step.pdl)
+                    x, w.input_norm, c.rms_norm_eps, w.projection, w.conv, self.state.conv[i], w.A_log,
+                    w.dt_bias, self.state.recurrent[i], scratch["delta_projection"], scratch["delta_qk"],
+                    scratch["delta_out"], pdl=step.pdl, slots=step.slots)
             _, z, _, _ = self._split_projection(scratch["delta_projection"])
             return self._layer_tail(i, "deltanet gated norm + out-projection", out.view(1, -1), w.out, x, mlp, step,
                                     head_norm=(z, w.norm))
         projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
                                   eps=c.rms_norm_eps, out=scratch["delta_projection"], pdl=step.pdl)
         mixed, z, b, a = self._split_projection(projection)
-        conv_state, state = self.state.conv[i][:size], self.state.recurrent[i][:size]
+        conv_state, state = self.state.conv[i], self.state.recurrent[i]  # row r's at slot step.slots[r]
         cost = (costs.delta_step, c, size, w.conv.numel(), projection.shape[1], element)
         head_norm = None
         if variant in (DELTA_FUSED, DELTA_FUSED_NORM):
@@ -256,15 +259,16 @@ class TritonModel:
                 out = gated_delta_rule_decode_fused(
                     mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
                     out=scratch["delta_normed"], delta_out=scratch["delta_out"], pdl=step.pdl,
-                    normalize=not norm_later,
+                    normalize=not norm_later, slots=step.slots,
                 )
             if norm_later:
                 out, head_norm = out.view(size, -1), (z, w.norm)
         else:
             with self._traced("deltanet step (unfused: conv, delta rule, gated norm)", i, *cost):
-                mixed = causal_conv1d_step(mixed, w.conv, conv_state, out=scratch["conv_out"])
+                mixed = causal_conv1d_step(mixed, w.conv, conv_state, out=scratch["conv_out"], slots=step.slots)
                 q, k, v = self._heads(mixed)
-                out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state, out=scratch["delta_out"])
+                out = gated_delta_rule_recurrent(q, k, v, a, b, w.A_log, w.dt_bias, state, out=scratch["delta_out"],
+                                                 slots=step.slots)
                 out = gated_rms_norm(out, z, w.norm, c.rms_norm_eps, out=scratch["delta_normed"])
         return self._layer_tail(i, "deltanet " + ("gated norm + " if head_norm else "") + "out-projection", out,
                                 w.out, x, mlp, step, head_norm=head_norm)
@@ -356,7 +360,7 @@ class TritonModel:
         with self._traced("final norm + lm head", None, costs.lm_head, self.lm_head, rows.shape[0], True):
             return lm_head_logits(rows, self.lm_head, norm_weight=self.final_norm, eps=c.rms_norm_eps)
 
-    # ---- decode: one token for each of slots 0..B-1 ---------------------------------------------
+    # ---- decode: one token for each of B sequences, row r's in slot slots[r] --------------------
     def buffers_for(self, batch: int) -> DecodeBuffers:
         """The static buffers of batch's bucket."""
         size = bucket(batch)
@@ -367,8 +371,9 @@ class TritonModel:
         return self._buffers[size]
 
     def decode_step(self, buffers: DecodeBuffers, mode: str, feedback: bool = False) -> None:
-        """One decode step on static buffers, its kernels launched now; allocation-free once every kernel has been
-        warmed up. With feedback, its last kernel makes the chosen ids the next step's inputs (positions + 1)."""
+        """One decode step on static buffers, its kernels launched now (row r: the sequence in slot
+        buffers.slots[r], read by the kernels); allocation-free once every kernel has been warmed up. With
+        feedback, its last kernel makes the chosen ids the next step's inputs (positions + 1)."""
         c, plan = self.config, self.plan
         size = buffers.size
         with self._traced("embedding", None, costs.rows_read, size, c.hidden_size, self.embed.element_size()):
@@ -393,17 +398,18 @@ class TritonModel:
         penalized = mode in PENALIZED_MODES
         if penalized:
             with self._traced("penalties (repetition, frequency, presence)", None, costs.penalties, c, size):
-                apply_penalties(buffers.logits, buffers.token_counts, buffers.prompt_mask, buffers.repetition_penalty,
-                                buffers.frequency_penalty, buffers.presence_penalty)
+                apply_penalties(buffers.logits, self.history.counts, self.history.prompt_mask,
+                                buffers.repetition_penalty, buffers.frequency_penalty, buffers.presence_penalty,
+                                slots=buffers.slots)
         if mode in LOGITS_MODES:
-            search = mode in SEARCH_MODES
-            with self._traced("sampling (" + ("top-k / top-p" if search else "min-p / temperature") + ")", None,
-                              costs.sampling, c, size):
+            filters = ("top-k / top-p" if mode in SEARCH_MODES else
+                       "top-k candidates" if mode in TOP_K_MODES else "min-p / temperature")
+            with self._traced(f"sampling ({filters})", None, costs.sampling, c, size):
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
-                       buffers.step, out=buffers.next_tokens, filtering=search, min_p=buffers.min_p)
+                       buffers.step, out=buffers.next_tokens, min_p=buffers.min_p, **sample_options(mode))
         if penalized:
             with self._traced("penalties: count the chosen ids", None, costs.token_count, size):
-                count_tokens(buffers.next_tokens, buffers.token_counts)
+                count_tokens(buffers.next_tokens, self.history.counts, slots=buffers.slots)
         if feedback:
             with self._traced("feedback: chosen ids -> next inputs", None, costs.feedback, size):
                 feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,
@@ -450,35 +456,41 @@ class TritonModel:
                                lambda: self.decode_step(buffers, mode, feedback), warm_up)
 
     @torch.no_grad()
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step for slots 0..B-1: float32 logits [B, vocab]."""
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of B sequences, row r token_ids[r] at positions[r] of the sequence in slot slots[r] (distinct
+        slots below max_batch, any order; None: slot r): float32 logits [B, vocab]."""
+        check_decode_slots(slots, token_ids.shape[0], self.max_batch)
         buffers = self.buffers_for(token_ids.shape[0])
-        buffers.load(token_ids, positions)
+        buffers.load(token_ids, positions, slots)
         self.run_step(buffers, "logits")
         return buffers.logits[: token_ids.shape[0]].clone()
 
     @torch.no_grad()
     def decode_tokens(self, token_ids, positions, sampling: DeviceSampling, step,
-                      feedback: bool = False) -> torch.Tensor:
-        """One step for slots 0..B-1, choosing the next ids on the device: int64 [B], a view of a static
-        buffer. sampling holds the rows' parameters (device tensors) and the mode the host chose from
-        them; step [B] is each row's draw counter (its number of generated tokens).
+                      feedback: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of B sequences, row r's in slot slots[r] (as `decode`; None: slot r), choosing the next ids
+        on the device: int64 [B], a view of a static buffer. sampling holds the rows' parameters (device
+        tensors) and the mode the host chose from them; step [B] is each row's draw counter (its number of
+        generated tokens). A penalized row reads and advances its slot's history (`choose_first` starts it).
 
         feedback=True ends the step with the feedback kernel: the chosen ids, positions + 1 and step + 1
         become the next step's inputs on the device, and the next call may pass token_ids, positions and
-        step as None to continue from them without any host input (how generation runs ahead of the host:
-        engine/decode_pipeline.py)."""
+        step (and slots) as None to continue from them without any host input, each row on the same slot
+        (how generation runs ahead of the host: engine/decode_pipeline.py)."""
         batch = sampling.temperature.shape[0]
         buffers = self.buffers_for(batch)
         if token_ids is None:
-            if positions is not None or step is not None:
-                raise ValueError("continuing from the fed-back inputs: pass token_ids, positions and step all as None")
+            if positions is not None or step is not None or slots is not None:
+                raise ValueError("continuing from the fed-back inputs: pass token_ids, positions, step and slots all "
+                                 "as None")
             if buffers.fed_back != batch:
                 raise ValueError("nothing to continue from: the previous step of this batch did not run with feedback")
         else:
             if token_ids.shape[0] != batch:
                 raise ValueError(f"token_ids has {token_ids.shape[0]} rows, the sampling parameters {batch}")
-            buffers.load(token_ids, positions)
+            check_decode_slots(slots, batch, self.max_batch)
+            buffers.load(token_ids, positions, slots)
             if step is not None:
                 buffers.step[:batch].copy_(step)
         if sampling.mode != "greedy":
@@ -489,7 +501,7 @@ class TritonModel:
         if sampling.mode in LOGITS_MODES:
             buffers.min_p[:batch].copy_(sampling.min_p)
         if sampling.mode in PENALIZED_MODES:
-            buffers.penalty_history()  # (made on a prompt by choose_first; here only if none was)
+            self.history.tensors()  # (made on a prompt by choose_first; here only if none was)
             buffers.repetition_penalty[:batch].copy_(sampling.repetition_penalty)
             buffers.frequency_penalty[:batch].copy_(sampling.frequency_penalty)
             buffers.presence_penalty[:batch].copy_(sampling.presence_penalty)
@@ -505,16 +517,16 @@ class TritonModel:
 
     @torch.no_grad()
     def choose_first(self, logits: torch.Tensor, sampling: DeviceSampling, row: int,
-                     prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The first generated id of row `row` from its prefill logits [1, V], drawn as decode draws
-        (same noise stream at step 0). A penalized mode needs the row's prompt_ids [T]: they start the row's
-        history (its prompt's tokens marked, nothing counted), which the decode steps then advance."""
+                     prompt_ids: torch.Tensor | None = None, slot: int | None = None) -> torch.Tensor:
+        """The first generated id of row `row` (its sampling parameters) from its prefill logits [1, V], drawn as
+        decode draws (same noise stream at step 0). A penalized mode needs the row's prompt_ids [T]: they start
+        the history of its sequence's slot (`slot`, default `row`; its prompt's tokens marked, nothing counted),
+        which the decode steps then advance in whatever row the slot decodes."""
         if sampling.mode not in PENALIZED_MODES:
             return choose_first(logits, sampling, row)
         if prompt_ids is None:
             raise ValueError(f"prompt_ids: mode {sampling.mode!r} (penalties) needs the row's prompt")
-        buffers = self.buffers_for(sampling.temperature.shape[0])
-        counts, prompt_mask = buffers.start_history(row, prompt_ids)
+        counts, prompt_mask = self.history.start(row if slot is None else slot, prompt_ids)
         return choose_first(logits, sampling, row, counts, prompt_mask)
 
     # ---- the warm-up (engine/warmup.py) ------------------------------------------------------------

@@ -53,7 +53,7 @@ from ..operators.gated_delta_rule.chunk import SPLIT_PREPARE_TOKENS, chunk_size_
 from ..operators.linear.gemm import MAX_SPLIT_ROWS, TMA_ROWS
 from ..operators.linear.gemv import MAX_ROWS
 from ..progress import progress_printer
-from .buffers import DecodeBuffers
+from .buffers import DecodeBuffers, PenaltyHistory
 from .device_sampling import PENALIZED_MODES, DeviceSampling, choose_first
 from .plan import Plan
 from .sampling import SamplingParams
@@ -63,10 +63,13 @@ DECODE_MODES = (
     ("greedy", True, SamplingParams()),
     ("temperature", True, SamplingParams(temperature=1.0)),
     ("min-p", True, SamplingParams(temperature=1.0, min_p=0.05)),
-    ("sample", True, SamplingParams(temperature=1.0, top_k=20, top_p=0.9)),
+    ("top-k", True, SamplingParams(temperature=1.0, top_k=20, top_p=0.9)),
+    ("sample", True, SamplingParams(temperature=1.0, top_p=0.9)),
     ("penalized", True, SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.1,
                                        repetition_penalty=1.1)),
-    ("penalized-sample", True, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, presence_penalty=0.5,
+    ("penalized-top-k", True, SamplingParams(temperature=1.0, top_k=20, top_p=0.9, presence_penalty=0.5,
+                                             frequency_penalty=0.1, repetition_penalty=1.1)),
+    ("penalized-sample", True, SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5,
                                               frequency_penalty=0.1, repetition_penalty=1.1)),
     ("logits", False, None),  # LLM.score's steps: the logits, no choice
 )
@@ -145,7 +148,7 @@ class WarmUp:
                 f"{len(self.modes)} modes: {self.seconds:.1f} s")
 
 
-def _load_sampling(buffers: DecodeBuffers, sampling: DeviceSampling | None) -> None:
+def _load_sampling(buffers: DecodeBuffers, sampling: DeviceSampling | None, history: PenaltyHistory) -> None:
     """Inputs at position 0 and every row's sampling parameters, as decode_tokens loads them."""
     size = buffers.size
     buffers.load(torch.zeros(size, dtype=torch.int64, device=buffers.token_ids.device),
@@ -156,8 +159,8 @@ def _load_sampling(buffers: DecodeBuffers, sampling: DeviceSampling | None) -> N
     for name in ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "frequency_penalty",
                  "presence_penalty"):
         getattr(buffers, name).copy_(getattr(sampling, name)[:size])
-    if sampling.mode in PENALIZED_MODES:
-        counts, prompt_mask = buffers.penalty_history()
+    if sampling.mode in PENALIZED_MODES:  # the rows' slots' histories (the model's), zeroed again at the end
+        counts, prompt_mask = history.tensors()
         counts.zero_()
         prompt_mask.zero_()
 
@@ -191,12 +194,12 @@ def warm_up(model, progress: bool = False) -> WarmUp:
     for mode, sampling in samplings.items():
         if sampling.mode != mode:
             raise AssertionError(f"the warm-up's parameters for mode {mode!r} choose {sampling.mode!r}")
-    history = DecodeBuffers(config, batches[-1], device, model.dtype)
+    history = PenaltyHistory(batches[-1], config.vocab_size, device)  # its own: the model's stays as it was
     prompt = torch.zeros(1, dtype=torch.int64, device=device)
     for sampling in samplings.values():
         for row in rows:
             if sampling.mode in PENALIZED_MODES:
-                counts, prompt_mask = history.start_history(row, prompt)
+                counts, prompt_mask = history.start(row, prompt)
                 choose_first(logits, sampling, row, counts, prompt_mask)
             else:
                 choose_first(logits, sampling, row)
@@ -206,12 +209,15 @@ def warm_up(model, progress: bool = False) -> WarmUp:
     for index, size in enumerate(batches):
         buffers = DecodeBuffers(config, size, device, model.dtype)  # its own: the model's stay as they were
         for mode, feedback, _ in DECODE_MODES:
-            _load_sampling(buffers, samplings.get(mode))
+            _load_sampling(buffers, samplings.get(mode), model.history)
             model.warm_up_step(buffers, mode, feedback)
         del buffers
         if report is not None:
             report(index + 1, len(batches))
     model.reset()
+    if model.history.counts is not None:  # the penalized steps' counts: no history left behind
+        model.history.counts.zero_()
+        model.history.prompt_mask.zero_()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     done = WarmUp(tuple(lengths), tuple(slots), tuple(batches), tuple(mode for mode, _, _ in DECODE_MODES),

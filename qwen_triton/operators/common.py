@@ -224,6 +224,33 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
+# ---- decode rows and sequence slots ----------------------------------------------------------------
+# A decode kernel's row r works on the sequence in slot slots[r] (int32 [B] on the device, distinct, below the
+# state's slot count; read by the kernel, so a CUDA graph replays with whatever slots were written into the
+# buffer). A negative slot marks a padding row of a batch bucket: the kernels read and write no state for it
+# (its outputs are left as they are, or zeros). Without slots (a direct caller), row r is slot r.
+
+
+@triton.jit
+def sequence_slot(slots, row, HAS_SLOTS: tl.constexpr):
+    """The slot of decode row `row`: slots[row] (negative: a padding row), or `row` itself without slots."""
+    if HAS_SLOTS:
+        slot = tl.load(slots + row)
+    else:
+        slot = row
+    return slot
+
+
+def check_slots(slots, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the pointer argument, HAS_SLOTS) of a decode kernel's `slots`: slots int32 [rows] (contiguous), or None
+    for rows 0..rows-1, when fallback (any tensor of the call) stands in as the unused pointer. The slots'
+    values are device data: not checked."""
+    if slots is None:
+        return fallback, False
+    check_tensor("slots", slots, shape=(rows,), dtype=torch.int32, contiguous=True)
+    return slots, True
+
+
 def autotune_choices() -> list[dict]:
     """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
     here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages, maxnreg}], so a

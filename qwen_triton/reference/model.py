@@ -4,8 +4,9 @@ It is the oracle of every kernel test and the eager and torch.compile baselines 
 Everything a generation needs is preallocated for `max_batch` sequences of up to `max_length` tokens:
 the KV cache of the full-attention layers, and the conv state and float32 recurrent state of the Gated
 DeltaNet layers. Prefill runs one sequence (its slot) with the chunked gated delta rule; decode runs one
-token of each of the first B slots with the one-step recurrent form, and has no data-dependent Python
-control flow, so `torch.compile(model.decode, fullgraph=True)` compiles it.
+token of each of B sequences (row r: the sequence in slot slots[r], any distinct slots) with the one-step
+recurrent form, and has no data-dependent Python control flow, so `torch.compile(model.decode, fullgraph=True)`
+compiles it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
+from ..engine.backend import check_decode_slots
 from ..state import ModelState
 from . import functional as fn
 
@@ -138,11 +140,20 @@ class ReferenceModel:
 
     # ---- decode: one token for each of B sequences -----------------------------------------------
     @torch.no_grad()
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step for slots 0..B-1: token_ids [B] at positions [B]. Returns float32 logits [B, vocab]."""
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One step of B sequences: row r is token_ids[r] at positions[r] of the sequence in slot slots[r].
+
+        slots: distinct integer slots [B] below max_batch, in any order; None means 0..B-1.
+        Returns float32 logits [B, vocab].
+        """
         c = self.config
         batch = token_ids.shape[0]
-        slots = torch.arange(batch, device=self.device)
+        if slots is None:
+            slots = torch.arange(batch, device=self.device)
+        else:
+            check_decode_slots(slots, batch, self.max_batch)
+            slots = slots.to(device=self.device, dtype=torch.long)
         x = self.w["embed_tokens.weight"][token_ids]
         for i, layer_type in enumerate(c.layer_types):
             p = f"layers.{i}."
@@ -155,7 +166,7 @@ class ReferenceModel:
                 value_cache[slots, :, positions] = v
                 out = torch.stack(
                     [
-                        fn.attention(q[b:b + 1], key_cache[b], value_cache[b], positions[b:b + 1])[0]
+                        fn.attention(q[b:b + 1], key_cache[slots[b]], value_cache[slots[b]], positions[b:b + 1])[0]
                         for b in range(batch)
                     ]
                 )
@@ -165,13 +176,13 @@ class ReferenceModel:
                 mixed, z, b_input, a_input = self._delta_net_inputs(h, a)
                 conv_weight = self.w[a + "conv1d.weight"][:, 0, :]
                 conv_state = self.cache.conv[i]
-                mixed, new_conv = fn.causal_conv1d_step(mixed, conv_weight, conv_state[:batch])
-                conv_state[:batch] = new_conv
+                mixed, new_conv = fn.causal_conv1d_step(mixed, conv_weight, conv_state[slots])
+                conv_state[slots] = new_conv
                 q, k, v = self._split_heads(mixed)
                 g, beta = fn.gating(a_input, b_input, self.w[a + "A_log"], self.w[a + "dt_bias"])
                 state = self.cache.recurrent[i]
-                out, new_state = fn.gated_delta_rule_recurrent(q, k, v, g, beta, state[:batch])
-                state[:batch] = new_state
+                out, new_state = fn.gated_delta_rule_recurrent(q, k, v, g, beta, state[slots])
+                state[slots] = new_state
                 h = self._delta_net_output(out, z, a)
             x = x + h
             h = fn.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)

@@ -3,6 +3,7 @@ the kernels each mode launches, and generation with penalties and min-p against 
 the same ids) or against itself (sampled rows: a batch equals its rows one at a time). CPU: the interpreter,
 float32, a tiny config."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from qwen_triton import LLM
 from qwen_triton.engine import triton_model
-from qwen_triton.engine.device_sampling import DeviceSampling
+from qwen_triton.engine.device_sampling import DeviceSampling, choose_first
 from qwen_triton.engine.sampling import SamplingParams
 from tests.support import small_config, write_checkpoint
 
@@ -42,10 +43,15 @@ def triton(directory):
     ([SamplingParams(temperature=0.8, top_p=0.9)], "sample"),
     ([SamplingParams(temperature=0.8), SamplingParams(top_k=5)], "sample"),  # as before min-p and penalties
     ([SamplingParams(temperature=0.8, min_p=0.1), SamplingParams()], "min-p"),
-    ([SamplingParams(temperature=0.8, min_p=0.1, top_k=4)], "sample"),
+    ([SamplingParams(temperature=0.8, min_p=0.1, top_k=4)], "top-k"),
+    ([SamplingParams(temperature=0.7, top_p=0.8, top_k=20), SamplingParams(top_k=0)], "top-k"),  # greedy: any
+    ([SamplingParams(temperature=0.7, top_k=64), SamplingParams(temperature=1.0, top_k=1)], "top-k"),
+    ([SamplingParams(temperature=0.7, top_k=65)], "sample"),  # past K_MAX
+    ([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.0, top_p=0.9)], "sample"),
     ([SamplingParams(repetition_penalty=1.2)], "penalized"),
     ([SamplingParams(presence_penalty=0.5, top_k=3), SamplingParams(temperature=1.0, min_p=0.2)], "penalized"),
     ([SamplingParams(frequency_penalty=0.5), SamplingParams(temperature=1.0, top_p=0.9)], "penalized-sample"),
+    ([SamplingParams(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)], "penalized-top-k"),
 ])
 def test_build_picks_the_mode(rows, mode):
     sampling = DeviceSampling.build(rows, torch.device("cpu"))
@@ -84,6 +90,41 @@ def test_default_paths_launch_what_they_launched_before(triton, monkeypatch):
     triton.generate(PROMPT, max_new_tokens=2, temperature=0.9, min_p=0.2, seed=1)
     assert [call[0] for call in calls] == ["lm_head_logits", "lm_head_logits", "sample"]  # prefill, step, draw
     assert calls[-1][1:3] == (False, True)
+
+
+def test_top_k_steps_sample_by_candidates(triton, monkeypatch):
+    """Qwen's recommended settings: the decode step calls sample with the top-k candidates at the width K_MAX (one
+    width: the mode names the CUDA graph), and so does the first token's choice."""
+    from qwen_triton.engine import device_sampling
+    from qwen_triton.operators.sampling.sample import K_MAX
+
+    options = []
+    for module in (triton_model, device_sampling):
+        original = module.sample
+
+        def recorded(*args, _original=original, **kwargs):
+            options.append((kwargs.get("filtering"), kwargs.get("top_k_bound")))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "sample", recorded)
+    triton.generate(PROMPT, max_new_tokens=2, temperature=0.7, top_p=0.8, top_k=20, seed=1)
+    assert options == [(True, K_MAX)] * 2  # the first token, one decode step
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3),
+                                    SamplingParams(temperature=1.0, top_p=0.95, top_k=20, min_p=0.01, seed=4),
+                                    SamplingParams(temperature=1.3, top_k=2, seed=5)])
+def test_choose_first_by_candidates_is_the_search(params):
+    """choose_first in the top-k mode chooses what the search mode chooses, over random rows (the tiny config's
+    301 tokens, rows with ties among them) and seeds."""
+    sampling = DeviceSampling.build([params], torch.device("cpu"))
+    assert sampling.mode == "top-k"
+    searched = dataclasses.replace(sampling, mode="sample")
+    generator = torch.Generator().manual_seed(params.seed)
+    for scale, rounding in ((3.0, False), (2.0, True)):
+        logits = torch.randn(1, 301, generator=generator) * scale
+        logits = logits.round() if rounding else logits
+        assert torch.equal(choose_first(logits, sampling, 0), choose_first(logits, searched, 0))
 
 
 PENALTIES = [dict(repetition_penalty=2.0), dict(presence_penalty=-2.0, frequency_penalty=-1.5),

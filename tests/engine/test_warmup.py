@@ -238,11 +238,11 @@ def test_generation_after_the_warm_up_equals_generation_without(models):
 def test_the_warm_up_shows_its_progress_and_time(models):
     warmed, _, printed, load_seconds = models
     report = warmed.warm_up_report
-    assert report.prefill_lengths == (1, 2, 4) and report.batches == (1, 2) and len(report.modes) == 7
+    assert report.prefill_lengths == (1, 2, 4) and report.batches == (1, 2) and len(report.modes) == len(warmup.DECODE_MODES) == 9
     assert "warm-up: prefill buckets: 3/3" in printed and "warm-up: decode batches: 2/2" in printed
     assert printed.strip().splitlines()[-1] == report.summary()
     assert report.summary().startswith("warm-up: 3 prefill lengths (3 buckets, 1 to 4 tokens), decode at batch 1, 2 "
-                                       "in 7 modes: ")
+                                       "in 9 modes: ")
     assert 0 < report.seconds <= load_seconds
     assert "first prefill" not in printed  # the model's first-run lines: the warm-up's say it instead
     print(f"\n{report.summary()} (LLM() {load_seconds:.1f} s)")

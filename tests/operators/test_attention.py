@@ -27,6 +27,7 @@ from qwen_triton.operators.attention import (
     qk_norm_rotary,
     rotary_table,
 )
+from qwen_triton.operators import attention
 from qwen_triton.operators.attention import decode as decode_module
 from qwen_triton.reference import functional as fn
 
@@ -250,6 +251,51 @@ def test_attention_decode_matches_prefill_last_row(device):
     torch.testing.assert_close(decode[0], prefill[-1], rtol=1e-5, atol=1e-5)
 
 
+def test_attention_decode_over_slots(device):
+    """Row b attends over cache slot slots[b] (slots [3, 1] among 5, a padding row of slot -1): each row equals
+    that slot decoded alone, bit for bit, and the padding row gets zeros."""
+    torch.manual_seed(6)
+    heads, kv_heads, dim, max_length = 4, 2, 40, 50
+    q = torch.randn(3, heads, dim, device=device)
+    key_cache = torch.randn(5, kv_heads, max_length, dim, device=device)
+    value_cache = torch.randn_like(key_cache)
+    lengths = torch.tensor([37, 9, 20], device=device, dtype=torch.int32)
+    slots = torch.tensor([3, 1, -1], device=device, dtype=torch.int32)
+    options = dict(num_splits=3, split_align=16)
+    out = torch.full_like(q, float("nan"))
+    attention_decode(q, key_cache, value_cache, lengths, out=out, slots=slots, **options)
+    for row, slot in enumerate([3, 1]):
+        alone = attention_decode(q[row:row + 1], key_cache, value_cache, lengths[row:row + 1],
+                                 slots=slots[row:row + 1], **options)
+        assert torch.equal(out[row], alone[0])
+        ref = reference_decode(q[row:row + 1], key_cache[slot:slot + 1], value_cache[slot:slot + 1],
+                               lengths[row:row + 1])
+        torch.testing.assert_close(out[row:row + 1], ref, **tolerance(torch.float32))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    with pytest.raises(ValueError, match="slots has dtype"):
+        attention_decode(q, key_cache, value_cache, lengths, slots=slots.long())
+
+
+def test_qk_norm_rotary_writes_no_cache_for_a_padding_row(device):
+    torch.manual_seed(7)
+    heads, kv_heads, dim, max_length = 2, 1, 32, 8
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, device=device)
+    weight = torch.zeros(dim, device=device)
+    table = rotary_table(max_length, 16, 1e4, device)
+    key_cache = torch.randn(3, kv_heads, max_length, dim, device=device)
+    value_cache = torch.randn_like(key_cache)
+    before = key_cache.clone(), value_cache.clone()
+    positions = torch.tensor([2, 0], device=device, dtype=torch.int32)
+    slots = torch.tensor([2, -1], device=device, dtype=torch.int32)
+    q = qk_norm_rotary(qkv, weight, weight, table, positions, slots, key_cache, value_cache,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, gated=False)
+    assert torch.isfinite(q).all()
+    for cache, old in zip((key_cache, value_cache), before):
+        assert not torch.equal(cache[2, :, 2], old[2, :, 2])  # the real row's write
+        cache[2, :, 2] = old[2, :, 2]
+        assert torch.equal(cache, old)  # and nothing else
+
+
 def test_deterministic_and_allocation_free(device):
     torch.manual_seed(5)
     heads, kv_heads, dim = 4, 2, 32
@@ -422,6 +468,61 @@ def test_gpu_attention_decode(lengths):
     ref = reference_decode(q.double(), key_cache.double(), value_cache.double(), lengths)
     assert_bf16_close(out, ref)
     assert torch.equal(out, attention_decode(q, key_cache, value_cache, lengths))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_over_slots_in_a_cuda_graph():
+    """qk_norm_rotary + attention_decode over slots read from a device buffer, captured once and replayed with
+    new slot sets written into it (a padding row among them): each row writes its key and value at its slot and
+    attends as that slot alone does, bit for bit (the split count of batch 1 for every batch, as the engine
+    runs it); the padding row writes no cache and gets zeros."""
+    torch.manual_seed(14)
+    device, dtype, batch, max_batch, max_length = "cuda", torch.bfloat16, 3, 6, 4096
+    width = (2 * HEADS + 2 * KV_HEADS) * DIM
+    qkv = torch.randn(batch, width, device=device, dtype=dtype)
+    weight = (torch.randn(DIM, device=device) * 0.3).to(dtype)
+    table = rotary_table(max_length, ROTARY, THETA, device)
+    key_cache = torch.randn(max_batch, KV_HEADS, max_length, DIM, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    positions = torch.tensor([100, 4000, 7], device=device, dtype=torch.int32)
+    lengths = positions + 1
+    slots = torch.tensor([0, 1, 2], device=device, dtype=torch.int32)
+    splits = attention.decode_splits(1, KV_HEADS, max_length, device)
+    q_out = torch.empty(batch, HEADS, DIM, device=device, dtype=dtype)
+    out = torch.empty_like(q_out)
+
+    def step():
+        qk_norm_rotary(qkv, weight, weight, table, positions, slots, key_cache, value_cache,
+                       num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, eps=EPS, out=q_out)
+        attention_decode(q_out, key_cache, value_cache, lengths, out=out, slots=slots, num_splits=splits)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # autotunes and allocates the workspace
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new_slots in ([5, 0, 3], [2, 4, -1], [1, 5, 0]):
+        slots.copy_(torch.tensor(new_slots, device=device, dtype=torch.int32))
+        before = key_cache.clone(), value_cache.clone()
+        graph.replay()
+        written = [tensor.clone() for tensor in before]
+        for row, slot in enumerate(new_slots):
+            if slot < 0:
+                assert torch.equal(out[row], torch.zeros_like(out[row]))
+                continue
+            position = int(positions[row])
+            for cache, expected, old in zip((key_cache, value_cache), written, before):
+                assert not torch.equal(cache[slot, :, position], old[slot, :, position])
+                expected[slot, :, position] = cache[slot, :, position]
+            alone = attention_decode(q_out[row:row + 1], key_cache, value_cache, lengths[row:row + 1],
+                                     slots=slots[row:row + 1], num_splits=splits)
+            assert torch.equal(out[row], alone[0]), (new_slots, row)
+        # the rows' writes and nothing else (none by the padding row)
+        assert torch.equal(key_cache, written[0]) and torch.equal(value_cache, written[1])
 
 
 @pytest.mark.gpu

@@ -204,6 +204,29 @@ def test_step_matches_reference(device, batch, width, dtype):
     assert torch.equal(state, ref_state)
 
 
+def test_step_over_slots_equals_each_slot_alone(device):
+    """Rows over conv-state slots [3, 1] of 5, and a padding row (slot -1): each row's output and its slot's state
+    as that slot stepped alone, bit for bit; the other slots untouched, the padding row's output unwritten."""
+    channels, width = 37, 4
+    x = strided_rows(3, channels, torch.float32, device, seed=11)
+    weight = make_weight(channels, width, torch.float32, device)
+    initial = torch.randn(5, channels, width - 1).to(device)
+    state = initial.clone()
+    out = torch.full((3, channels), 7.0, device=device)
+    causal_conv1d_step(x, weight, state, out=out, slots=torch.tensor([3, 1, -1], device=device, dtype=torch.int32))
+    alone = initial.clone()
+    for row, slot in enumerate([3, 1]):
+        step = causal_conv1d_step(x[row:row + 1], weight, alone,
+                                  slots=torch.tensor([slot], device=device, dtype=torch.int32))
+        assert torch.equal(out[row], step[0])
+        ref_out, ref_state = fn.causal_conv1d_step(x[row:row + 1], weight, initial[slot:slot + 1].clone())
+        torch.testing.assert_close(out[row:row + 1], ref_out, **TOLERANCE[torch.float32])
+        assert torch.equal(state[slot], ref_state[0])
+    assert torch.equal(state, alone)
+    assert torch.equal(state[[0, 2, 4]], initial[[0, 2, 4]])
+    assert (out[2] == 7.0).all()
+
+
 def test_steps_continue_prefill(device):
     """Prefill of T tokens then steps == prefill of all of them (the state layouts agree)."""
     channels, width, length, dtype = 37, 4, 10, torch.float32
@@ -336,6 +359,43 @@ def test_gpu_step_cuda_graph():
         eager_out = causal_conv1d_step(x, weight, eager_state)
         assert torch.equal(out, eager_out)
         assert torch.equal(state, eager_state)
+
+
+@pytest.mark.gpu
+def test_gpu_step_over_slots_in_a_cuda_graph():
+    """The step captured once over slots read from a device buffer, replayed with new slot sets (a padding row
+    among them): each row's output and its slot's state as that slot stepped alone, the other slots untouched."""
+    batch, slot_count = 3, 6
+    x = strided_rows(batch, CHANNELS, torch.bfloat16, "cuda", seed=23)
+    weight = make_weight(CHANNELS, WIDTH, torch.bfloat16, "cuda")
+    state = torch.randn(slot_count, CHANNELS, WIDTH - 1, device="cuda").to(torch.bfloat16)
+    out = torch.empty(batch, CHANNELS, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(batch, device="cuda", dtype=torch.int32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # autotunes
+            causal_conv1d_step(x, weight, state, out=out, slots=slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        causal_conv1d_step(x, weight, state, out=out, slots=slots)
+    for new_slots in ([5, 0, 3], [2, 4, -1], [1, 5, 0]):
+        slots.copy_(torch.tensor(new_slots, dtype=torch.int32))
+        x.copy_(torch.randn_like(x))
+        before = state.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        for row, slot in enumerate(new_slots):
+            if slot < 0:
+                continue
+            alone = before.clone()
+            step = causal_conv1d_step(x[row:row + 1], weight, alone,
+                                      slots=torch.tensor([slot], device="cuda", dtype=torch.int32))
+            assert torch.equal(out[row], step[0]), (new_slots, row)
+            assert torch.equal(state[slot], alone[slot]), (new_slots, row)
+        untouched = [slot for slot in range(slot_count) if slot not in new_slots]
+        assert torch.equal(state[untouched], before[untouched])
 
 
 @pytest.mark.gpu

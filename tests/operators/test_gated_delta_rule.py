@@ -426,6 +426,31 @@ def test_recurrent_matches_reference(device, batch, dtype):
     torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
 
 
+def test_recurrent_over_slots_equals_each_slot_alone(device):
+    """Rows over state slots [3, 1] of 5 and a padding row (slot -1): each row's o and its slot's state as that
+    slot stepped alone, bit for bit; the other slots untouched, the padding row's o unwritten."""
+    key_heads, value_heads, key_dim, value_dim = 2, 4, 24, 40
+    inputs = make_inputs(3, key_heads, value_heads, key_dim, value_dim, torch.float32, device, seed=12)
+    arguments = kernel_arguments(inputs)
+    initial = random_state((5, value_heads, key_dim, value_dim), device, seed=13)
+    state = initial.clone()
+    out = torch.full((3, value_heads, value_dim), 7.0, device=device)
+    slots = torch.tensor([3, 1, -1], device=device, dtype=torch.int32)
+    gated_delta_rule_recurrent(*arguments, state, out=out, slots=slots)
+    alone = initial.clone()
+    for row, slot in enumerate([3, 1]):
+        row_arguments = [x[row:row + 1] for x in arguments[:5]] + arguments[5:]
+        step = gated_delta_rule_recurrent(*row_arguments, alone, slots=slots[row:row + 1])
+        assert torch.equal(out[row], step[0])
+        row_inputs = {name: (x[row:row + 1] if x.shape[0] == 3 else x) for name, x in inputs.items()}
+        ref_out, ref_state = reference_recurrent(row_inputs, initial[slot:slot + 1].clone())
+        torch.testing.assert_close(out[row:row + 1], ref_out, **TOLERANCE[torch.float32])
+        torch.testing.assert_close(state[slot:slot + 1], ref_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(state, alone)
+    assert torch.equal(state[[0, 2, 4]], initial[[0, 2, 4]])
+    assert (out[2] == 7.0).all()
+
+
 # ---- gated norm ----------------------------------------------------------------------------------
 
 
@@ -522,6 +547,57 @@ def test_fused_decode_matches_unfused_and_reference(device, batch, dtype):
     assert torch.equal(out, unfused_decode(unfused))
     assert torch.equal(layer["state"], unfused["state"])
     assert torch.equal(layer["conv_state"], unfused["conv_state"])
+
+
+def slot_states(layer, slot_count, seed):
+    """The layer with conv and recurrent states of `slot_count` slots (random, non-zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    conv_state, state = layer["conv_state"], layer["state"]
+    return dict(layer, conv_state=torch.randn((slot_count,) + conv_state.shape[1:], generator=generator).to(conv_state),
+                state=(torch.randn((slot_count,) + state.shape[1:], generator=generator) * 0.1).to(state))
+
+
+def decode_row(layer, row):
+    """Row `row` of a decode layer's inputs (the states, all slots', shared)."""
+    return dict(layer, **{name: layer[name][row:row + 1] for name in ("x", "z", "a", "b")})
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_decode_over_slots_equals_each_slot_alone(device, normalize):
+    """Rows over slots [3, 1] of 5 and a padding row (slot -1): each row's output and its slot's conv and recurrent
+    states as that slot stepped alone, bit for bit, and as the unfused chain over the same slots; the other slots
+    untouched (the padding row's among them); the arrival counters left zero."""
+    layer = slot_states(make_decode_layer(3, 2, 4, 16, 24, 4, torch.float32, device, seed=14), 5, seed=15)
+    initial = clone_states(layer)
+    slots = torch.tensor([3, 1, -1], device=device, dtype=torch.int32)
+    delta_out = torch.full((3, 4, 24), 7.0, device=device)
+    result = fused_decode(layer, delta_out=delta_out, normalize=normalize, slots=slots)
+    alone = clone_states(initial)
+    for row, slot in enumerate([3, 1]):
+        step = fused_decode(decode_row(alone, row), normalize=normalize, slots=slots[row:row + 1])
+        assert torch.equal(result[row], step[0])
+    assert torch.equal(layer["conv_state"], alone["conv_state"])
+    assert torch.equal(layer["state"], alone["state"])
+    for name in ("conv_state", "state"):
+        assert torch.equal(layer[name][[0, 2, 4]], initial[name][[0, 2, 4]])
+        assert not torch.equal(layer[name][[1, 3]], initial[name][[1, 3]])
+    assert (delta_out[2] == 7.0).all()
+    for counters in fused_decode_module._counters.values():
+        assert (counters == 0).all()
+    if normalize:  # the unfused chain over the same slots
+        unfused = clone_states(initial)
+        key_heads, value_heads, key_dim, value_dim = unfused["heads"]
+        mixed = torch.zeros_like(unfused["x"])  # the padding row's is not written (nor its o below)
+        causal_conv1d_step(unfused["x"], unfused["conv_weight"], unfused["conv_state"], out=mixed, slots=slots)
+        q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=1)
+        o = gated_delta_rule_recurrent(q.view(3, key_heads, key_dim), k.view(3, key_heads, key_dim),
+                                       v.view(3, value_heads, value_dim), unfused["a"], unfused["b"],
+                                       unfused["A_log"], unfused["dt_bias"], unfused["state"], slots=slots,
+                                       out=torch.zeros(3, value_heads, value_dim, device=device))
+        out = gated_rms_norm(o, unfused["z"], unfused["norm_weight"], 1e-6)
+        assert torch.equal(result[:2], out[:2])
+        assert torch.equal(layer["state"], unfused["state"])
+        assert torch.equal(layer["conv_state"], unfused["conv_state"])
 
 
 def test_fused_decode_one_value_head_per_key_head(device):
@@ -981,6 +1057,79 @@ def test_gpu_fused_decode_cuda_graph():
         assert torch.equal(out, eager_out)
         assert torch.equal(layer["state"], eager["state"])
         assert torch.equal(layer["conv_state"], eager["conv_state"])
+
+
+def gathered_step(step, states, slots):
+    """step(*row_states, row_slots) on the rows' slots' states gathered into slots 0..B-1 (row_slots 0..B-1; a
+    padding row's: a scratch copy of slot 0's), then scattered back: what a step over slots must equal. (Slots
+    0..B-1 rather than none: the same kernel specialisation, so the autotuner's choice for the same key.)"""
+    index = slots.clamp(min=0).long()
+    rows = [state[index].clone() for state in states]
+    result = step(*rows, torch.arange(len(slots), device=slots.device, dtype=torch.int32))
+    live = slots >= 0
+    for state, row_state in zip(states, rows):
+        state[index[live]] = row_state[live]
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_decode_step_over_slots_in_a_cuda_graph(fused):
+    """The recurrent step, or the fused step, captured once over slots read from a device buffer and replayed with
+    new slot sets (a padding row among them): bit for bit the same kernel run on the rows' slots' states gathered
+    into slots 0..B-1 (the same batch, so the same config), the other slots untouched; and each row within bf16 rounding
+    of its slot stepped alone (a batch of one may tune another config, whose sums associate differently)."""
+    batch, slot_count = 3, 6
+    layer = slot_states(make_decode_layer(batch, HEADS, HEADS, DIM, DIM, 4, torch.bfloat16, "cuda", seed=28),
+                        slot_count, seed=29)
+    slots = torch.arange(batch, device="cuda", dtype=torch.int32)
+    out = torch.empty(batch, HEADS * DIM, device="cuda", dtype=torch.bfloat16)
+    delta_out = torch.empty(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    arguments = kernel_arguments(make_inputs(batch, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=30))
+
+    def step(conv_state, state, slots=slots, row=None):
+        """The step of every row (row None) or of one, on these states; returns its output buffer."""
+        rows = slice(None) if row is None else slice(row, row + 1)
+        if fused:
+            inputs = dict(layer, conv_state=conv_state, state=state)
+            return fused_decode(inputs if row is None else decode_row(inputs, row), out=out[rows],
+                                delta_out=delta_out[rows], slots=slots)
+        return gated_delta_rule_recurrent(*[x[rows] for x in arguments[:5]], *arguments[5:], state,
+                                          out=delta_out[rows], slots=slots)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # autotunes
+            step(layer["conv_state"], layer["state"])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(layer["conv_state"], layer["state"])
+    for new_slots in ([5, 0, 3], [2, 4, -1], [1, 5, 0]):
+        slots.copy_(torch.tensor(new_slots, dtype=torch.int32))
+        before = clone_states(layer)
+        graph.replay()
+        got = (out if fused else delta_out).clone()
+        gathered = clone_states(before)
+        expected = gathered_step(lambda conv_state, state, rows: step(conv_state, state, slots=rows).clone(),
+                                 [gathered["conv_state"], gathered["state"]], slots)
+        live = [row for row, slot in enumerate(new_slots) if slot >= 0]
+        assert torch.equal(got[live], expected[live]), new_slots
+        if fused:
+            assert torch.equal(layer["conv_state"], gathered["conv_state"]), new_slots
+        assert torch.equal(layer["state"], gathered["state"]), new_slots
+        untouched = [slot for slot in range(slot_count) if slot not in new_slots]
+        assert torch.equal(layer["state"][untouched], before["state"][untouched])
+        assert torch.equal(layer["conv_state"][untouched], before["conv_state"][untouched])
+        for row in live:
+            alone = clone_states(before)
+            single = torch.tensor([new_slots[row]], device="cuda", dtype=torch.int32)
+            one = step(alone["conv_state"], alone["state"], slots=single, row=row).clone()
+            assert frobenius_error(got[row], one[0]) < 2e-3, (new_slots, row)
+            assert frobenius_error(layer["state"][new_slots[row]], alone["state"][new_slots[row]]) < 1e-3
+    for counters in fused_decode_module._counters.values():
+        assert (counters == 0).all()
 
 
 @pytest.mark.gpu

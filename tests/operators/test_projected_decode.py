@@ -61,8 +61,8 @@ def chain(layer, eps=1e-6):
     return projection, o
 
 
-def projected(layer, eps=1e-6, pdl=False):
-    """The one kernel: (projection, q | k after the conv, o), states updated."""
+def projected(layer, eps=1e-6, pdl=False, slots=None):
+    """The one kernel: (projection, q | k after the conv, o), states updated (at slots[0], or slot 0)."""
     key_heads, value_heads, key_dim, value_dim = layer["heads"]
     hidden = layer["hidden"]
     projection = torch.full((1, layer["weight"].shape[0]), 7.0, device=hidden.device, dtype=hidden.dtype)
@@ -70,7 +70,7 @@ def projected(layer, eps=1e-6, pdl=False):
     o = torch.empty(1, value_heads, value_dim, device=hidden.device, dtype=hidden.dtype)
     result = gated_delta_rule_decode_projected(hidden, layer["input_norm"], eps, layer["weight"], layer["conv_weight"],
                                                layer["conv_state"], layer["A_log"], layer["dt_bias"], layer["state"],
-                                               projection, qk, o, pdl=pdl)
+                                               projection, qk, o, pdl=pdl, slots=slots)
     assert result is o
     return projection, qk, o
 
@@ -110,6 +110,34 @@ def test_projected_decode_matches_the_gemv_and_the_fused_step(device, heads, hid
             assert all((counter == 0).all() for counter in counters)
 
 
+def with_slots(layer, slot_count, slot, seed=1):
+    """The layer's states placed in slot `slot` of `slot_count` (the others random)."""
+    generator = torch.Generator().manual_seed(seed)
+    placed = {}
+    for name in ("conv_state", "state"):
+        state = layer[name]
+        placed[name] = torch.randn((slot_count,) + state.shape[1:], generator=generator).to(state)
+        placed[name][slot] = state[0]
+    return dict(layer, **placed)
+
+
+def test_projected_decode_over_a_slot_equals_slot_zero_alone(device):
+    """The sequence in slot 2 of 4 (slots [2]): the outputs and that slot's states as the same states in a
+    one-slot state without slots, bit for bit, two steps in a row; the other slots untouched."""
+    layer = make_layer(2, 4, 16, 32, 96, torch.float32, device, seed=3)
+    placed = with_slots(layer, 4, 2)
+    initial = clone_states(placed)
+    slots = torch.tensor([2], device=device, dtype=torch.int32)
+    for _ in range(2):
+        got = projected(placed, slots=slots)
+        want = projected(layer)
+        for got_buffer, want_buffer in zip(got, want):
+            assert torch.equal(got_buffer, want_buffer)
+        for name in ("conv_state", "state"):
+            assert torch.equal(placed[name][2], layer[name][0])
+            assert torch.equal(placed[name][[0, 1, 3]], initial[name][[0, 1, 3]])
+
+
 def test_projected_decode_argument_errors(device):
     layer = make_layer(2, 2, 16, 16, 64, torch.float32, device)
     good = dict(hidden=layer["hidden"], input_norm=layer["input_norm"], eps=1e-6, weight=layer["weight"],
@@ -119,7 +147,8 @@ def test_projected_decode_argument_errors(device):
                 qk=torch.empty(1, 64, device=device), delta_out=torch.empty(1, 2, 16, device=device))
     gated_delta_rule_decode_projected(**good)  # the arguments below differ from these in one place each
     bad = [
-        (dict(state=layer["state"].expand(2, -1, -1, -1).contiguous()), "state has shape"),
+        (dict(state=layer["state"].expand(2, -1, -1, -1).contiguous()), "conv_state has shape"),  # 2 slots, 1
+        (dict(slots=torch.zeros(2, device=device, dtype=torch.int32)), "slots has shape"),
         (dict(hidden=layer["hidden"].expand(2, -1)), "hidden has shape"),
         (dict(weight=layer["weight"][:-2]), "weight has"),
         (dict(state=torch.zeros(1, 2, 16, 24, device=device)), "multiples of 16"),
@@ -180,6 +209,46 @@ def test_gpu_projected_decode_at_the_real_shape(pdl):
         assert torch.equal(graphed["conv_state"], eager["conv_state"])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_projected_decode_over_slots_in_a_cuda_graph(pdl):
+    """At the real shape in bf16: the launch captured once with its slot read from a device buffer, replayed with
+    the slot changed between replays: each replay equals the eager launch on that slot, bit for bit, and leaves
+    every other slot's states as they were."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    slot_count = 4
+    layer = with_slots(make_layer(16, 16, 128, 128, 1024, torch.bfloat16, "cuda", seed=6), slot_count, 0, seed=7)
+    slots = torch.zeros(1, device="cuda", dtype=torch.int32)
+    buffers = (torch.empty(1, layer["weight"].shape[0], device="cuda", dtype=torch.bfloat16),
+               torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16),
+               torch.empty(1, 16, 128, device="cuda", dtype=torch.bfloat16))
+
+    def launch(states, slots):
+        gated_delta_rule_decode_projected(layer["hidden"], layer["input_norm"], 1e-6, layer["weight"],
+                                          layer["conv_weight"], states["conv_state"], layer["A_log"],
+                                          layer["dt_bias"], states["state"], *buffers, pdl=pdl, slots=slots)
+
+    launch(clone_states(layer), slots)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(layer, slots)
+    for slot in (3, 1, 3, 0):
+        slots.fill_(slot)
+        before, eager = clone_states(layer), clone_states(layer)
+        graph.replay()
+        got = buffers[2].clone()
+        launch(eager, torch.tensor([slot], device="cuda", dtype=torch.int32))
+        torch.cuda.synchronize()
+        assert torch.equal(got, buffers[2]), slot
+        for name in ("conv_state", "state"):
+            # the slot advanced as the eager launch advances it, the others as they were (eager's before it)
+            assert torch.equal(layer[name], eager[name]), (slot, name)
+            assert not torch.equal(layer[name][slot], before[name][slot]), (slot, name)
+        for counters in projected_decode._counters.values():
+            assert all((counter == 0).all() for counter in counters)
+
+
 COMPILE_FOR_HOPPER = """
 import json, os, subprocess, tempfile
 import triton
@@ -188,10 +257,10 @@ from triton.compiler.compiler import ASTSource
 from qwen_triton.operators.gated_delta_rule import projected_decode as module
 kernel = module._projected_step_kernel
 types = dict(a_log_ptr="*fp32", dt_bias_ptr="*fp32", state_ptr="*fp32", arrival_ptr="*i32", departure_ptr="*i32",
-             eps="fp32", scale="fp32")
+             slots_ptr="*i32", eps="fp32", scale="fp32")
 signature = {name: types.get(name, "*bf16" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
 constants = dict(K_HEADS=16, V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, WIDTH=4, BLOCK_W=4, BLOCK_DK=128,
-                 BLOCK_HK=16, ROWS=module.ROWS, TILE_K=module.TILE_K, USE_PDL=True)
+                 BLOCK_HK=16, ROWS=module.ROWS, TILE_K=module.TILE_K, HAS_SLOTS=True, USE_PDL=True)
 for name in constants:
     signature[name] = "constexpr"
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),

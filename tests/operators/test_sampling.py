@@ -7,10 +7,14 @@ logits / T + G, so each draw of the kernel is checked token for token against th
 PyTorch (allowing only for a near-tie within float32 rounding of the log), and statistically: the noise
 is Gumbel(0, 1) and argmax(s + G) follows softmax(s) (chi-square bounds at a 1e-6 false-alarm level
 for the fixed seeds used). CPU runs use a vocabulary split in several chunks (V = 40, 3 chunks of 16),
-so the cross-chunk reductions and the multi-pass threshold search run under the interpreter.
+so the cross-chunk reductions and the multi-pass threshold search run under the interpreter. The top-k
+candidate path (top_k_bound) is checked against the search: the same thresholds and the same ids, rows with
+ties included.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -342,6 +346,7 @@ def kernel_kept(logits, temperature):
     threshold = _workspace(logits.device, M, V)["state_int"][:, int(LO.value)].cpu()
     scaled = logits.float().cpu() / temperature.cpu()[:, None]
     bits = scaled.contiguous().view(torch.int32).long()
+    bits = torch.where(bits == -2**31, 0, bits)  # -0.0: +0.0's key
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >= threshold[:, None]
 
 
@@ -460,6 +465,31 @@ def test_penalised_draws_match_the_reference_sampler(device):
         assert int(ids[row]) == int(expected[row].argmax())
 
 
+def test_penalties_and_counts_over_slots(device):
+    """Row r reads the history of slot slots[r] (slots [3, 1] of 5, and a padding row of slot -1 with penalties
+    on): each row as its slot's history alone gives it, the padding row's logits untouched; count_tokens counts
+    each row's id in its slot's row and nothing for the padding row."""
+    V = 40
+    logits, counts, prompt_mask = penalty_case(device, 5, V, seed=8)
+    logits = logits[:3].clone()
+    slots = torch.tensor([3, 1, -1], device=device, dtype=torch.int32)
+    repetition, frequency, presence = (torch.tensor(column, dtype=torch.float32, device=device)
+                                       for column in zip(*[(1.3, 0.5, 0.0), (2.0, 1.0, -1.0), (1.5, 0.5, 1.0)]))
+    penalised = apply_penalties(logits.clone(), counts, prompt_mask, repetition, frequency, presence, slots=slots)
+    for row, slot in enumerate([3, 1]):
+        alone = apply_penalties(logits[row:row + 1].clone(), counts[slot:slot + 1], prompt_mask[slot:slot + 1],
+                                repetition[row:row + 1], frequency[row:row + 1], presence[row:row + 1])
+        assert torch.equal(penalised[row], alone[0])
+        assert not torch.equal(penalised[row], logits[row])
+    assert torch.equal(penalised[2], logits[2])
+    chosen = torch.tensor([5, 7, 9], device=device)
+    expected = counts.clone()
+    expected[3, 5] += 1
+    expected[1, 7] += 1
+    assert count_tokens(chosen, counts, slots=slots) is counts
+    assert torch.equal(counts, expected)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_count_tokens_counts_each_rows_chosen_id(device, rows):
     V = 40
@@ -496,7 +526,7 @@ def test_count_tokens_and_min_p_reject_bad_arguments():
     with pytest.raises(ValueError, match="chosen has dtype"):
         count_tokens(torch.zeros(2, dtype=torch.int32), torch.zeros(2, 40, dtype=torch.int32))
     with pytest.raises(ValueError, match="counts has shape"):
-        count_tokens(torch.zeros(2, dtype=torch.int64), torch.zeros(3, 40, dtype=torch.int32))
+        count_tokens(torch.zeros(2, dtype=torch.int64), torch.zeros(1, 40, dtype=torch.int32))
     with pytest.raises(ValueError, match="counts has dtype"):
         count_tokens(torch.zeros(2, dtype=torch.int64), torch.zeros(2, 40))
     args = tensors("cpu", [1.0] * 3, [0] * 3, [1.0] * 3, [0], [0] * 3)
@@ -523,3 +553,178 @@ def test_gpu_penalties_and_min_p_at_the_real_vocabulary():
     ids = sample(penalised, *args, min_p=min_p)
     assert_draws(ids, expected_draws(penalised, *args, min_p=min_p))
     assert torch.equal(ids, sample(penalised, *args, min_p=min_p))
+
+
+# ---- the top-k candidates (top_k_bound): the search's thresholds and ids in two launches ---------------------
+
+def state_of_last_call(logits):
+    """(the draw thresholds, the phases) the last `sample` call left in its workspace, per row."""
+    from qwen_triton.operators.sampling.sample import LO, PHASE, _workspace
+
+    state = _workspace(logits.device, *logits.shape)["state_int"]
+    return state[:, int(LO.value)].cpu().clone(), state[:, int(PHASE.value)].cpu().clone()
+
+
+def assert_candidates_choose_as_the_search(logits, args, bound, min_p=None, reference=True):
+    """The same ids, and for the sampled rows the same draw threshold (the kept set), by both paths; with
+    reference, the draws are also the reference sampler's (not for rows with ties: it keeps some of the tokens tied
+    at top-p's boundary, in its sort's order, the kernels all of them). Returns the top-k path's phases (DRAWN, or
+    DONE where the draw kernel drew)."""
+    searched = sample(logits, *args, min_p=min_p)
+    threshold, _ = state_of_last_call(logits)
+    chosen = sample(logits, *args, min_p=min_p, top_k_bound=bound)
+    candidate_threshold, phase = state_of_last_call(logits)
+    assert torch.equal(chosen, searched), f"{chosen.tolist()} != {searched.tolist()}"
+    sampled = args[0].cpu() > 0
+    assert torch.equal(candidate_threshold[sampled], threshold[sampled])
+    if reference:
+        assert_draws(chosen, expected_draws(logits, *args, min_p=min_p))
+    return phase
+
+
+def candidate_rows(device, kind, V, bound, per_row_seed, seed, rows=16):
+    """rows (8 settings, repeated at later steps) with 0 < top_k <= bound (bound >= 3): greedy (any top_k), top-k
+    alone, with top-p, with min-p, top_k 1, top_k = bound; normal logits, or rounded to integers (ties at the k-th,
+    some beyond a chunk's slots), or coarse (5 values: most tokens tied)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, V, generator=generator) * 2
+    if kind == "rounded":
+        logits = logits.round()
+    elif kind == "coarse":
+        logits = (logits / 2).round().clamp(-2, 2)
+    qwen = min(20, bound)
+    settings = [(0.0, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (0.7, qwen, 0.8, 0.0), (1.0, qwen, 0.95, 0.0),
+                (1.3, 2, 0.5, 0.05), (0.5, 1, 1.0, 0.0), (1.0, bound, 0.9, 0.2), (2.0, max(1, bound // 2), 0.3, 0.0)]
+    settings = (settings * (rows // 8 + 1))[:rows]
+    temperature, top_k, top_p, min_p = zip(*settings)
+    seeds = [seed * 100 + row for row in range(rows)] if per_row_seed else [seed]
+    args = tensors(device, temperature, top_k, top_p, seeds, [row // 8 + 10 * seed for row in range(rows)])
+    return logits.to(device), args, torch.tensor(min_p, dtype=torch.float32, device=device)
+
+
+@pytest.mark.parametrize("kind, V, bound, per_row_seed, seed", [
+    ("normal", 40, 64, False, 1), ("normal", 40, 20, True, 2), ("normal", 40, 3, False, 3),
+    ("rounded", 40, 16, False, 4), ("rounded", 40, 4, True, 5), ("coarse", 40, 8, False, 6),
+    ("normal", 5000, 64, False, 7), ("coarse", 5000, 20, True, 8),
+])
+def test_top_k_candidates_choose_what_the_search_chooses(device, kind, V, bound, per_row_seed, seed):
+    """Both paths over random rows and seeds (V = 40: 3 chunks of 16 under the interpreter; V = 5000: its wide
+    tiles), normal rows and rows with ties, with min-p and without: the same thresholds, the same ids."""
+    logits, args, min_p = candidate_rows(device, kind, V, bound, per_row_seed, seed, rows=8 if V < 1000 else 4)
+    assert_candidates_choose_as_the_search(logits, args, bound, min_p if seed % 2 else None, kind == "normal")
+
+
+def test_top_k_candidates_ties_beyond_the_candidates(device):
+    """Ties at the k-th largest value that no chunk's K slots hold: the top-k path counts them into top-p's mass and
+    leaves the draw to the draw kernel when they are kept; not when top-p or min-p cuts above them."""
+    from qwen_triton.operators.sampling.sample import DONE, DRAWN
+
+    V = 40
+    logits = torch.full((6, V), -1.0)
+    logits[:, [3, 30]] = 4.0
+    logits[:, 5:29] = 1.0  # 24 tokens tied at the 3rd largest value, across the chunks
+    logits[5, 0], logits[5, 1] = -0.0, 0.0  # a greedy row: -0.0 ties +0.0, the lower id wins
+    logits[5, 2:] = -5.0
+    args = tensors(device, [1.0, 1.0, 1.0, 0.8, 1.0, 0.0], [3, 3, 4, 3, 3, 0], [1.0, 0.999, 0.6, 1.0, 1.0, 1.0], [7],
+                   [0, 1, 2, 3, 4, 5])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5, 0.0], device=device)
+    logits = logits.to(device)
+    phase = assert_candidates_choose_as_the_search(logits, args, 4, min_p)
+    # rows 0, 1, 3: the ties are kept (top-p 0.999 needs them): drawn by the draw kernel; row 2: top-p 0.6 keeps
+    # the two 4.0s (0.63 of the mass); row 4: min-p 0.5 cuts below 4.0
+    assert phase.tolist() == [DONE.value, DONE.value, DRAWN.value, DONE.value, DRAWN.value, DRAWN.value]
+    assert int(sample(logits, *args, min_p=min_p, top_k_bound=4)[5]) == 0
+    for step in range(2):  # other draws among the ties, the same by both paths
+        args = (*args[:4], torch.full((6,), 10 + step, dtype=torch.int64, device=device))
+        assert_candidates_choose_as_the_search(logits, args, 4, min_p)
+
+
+def test_top_k_candidates_signed_zeros_tie(device):
+    """-0.0 and +0.0 compare equal, as in the reference sampler: a top-k threshold at zero keeps both, by both
+    paths, whichever zero the row's maximum is."""
+    V = 40
+    logits = torch.full((4, V), -3.0)
+    logits[:, 4:12] = -0.0
+    logits[:, 20:26] = 0.0
+    logits[2:, 30] = 2.0  # rows 2, 3: the zeros are the 2nd largest value
+    args = tensors(device, [1.0, 0.7, 1.0, 1.0], [1, 2, 2, 3], [1.0, 1.0, 0.99, 1.0], [11], [0, 1, 2, 3])
+    logits = logits.to(device)
+    for step in range(2):
+        args = (*args[:4], torch.tensor([step * 4 + row for row in range(4)], device=device))
+        assert_candidates_choose_as_the_search(logits, args, 4)
+    kept = kernel_kept(logits, args[0])
+    assert kept[:, 4:12].all() and kept[:, 20:26].all() and not kept[:, :4].any()
+
+
+def test_top_k_candidates_launch_two_kernels(device, monkeypatch):
+    """The top-k path's launch list: its kernel and the draw kernel, whatever the rows hold; the search path's 14."""
+    module = importlib.import_module("qwen_triton.operators.sampling.sample")
+    launched = []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_stats_kernel", "_search_kernel", "_top_k_kernel", "_draw_kernel"):
+        monkeypatch.setattr(module, name, Counted(name, getattr(module, name)))
+    logits, args, min_p = candidate_rows(device, "coarse", 40, 8, False, seed=3)
+    sample(logits, *args, min_p=min_p, top_k_bound=8)
+    assert launched == ["_top_k_kernel", "_draw_kernel"]
+    launched.clear()
+    sample(logits, *args, min_p=min_p)
+    assert launched == ["_stats_kernel"] + ["_search_kernel"] * 12 + ["_draw_kernel"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(top_k_bound=0), "top_k_bound must be an int from 1 to 64"),
+    (dict(top_k_bound=65), "top_k_bound must be an int from 1 to 64"),
+    (dict(top_k_bound=2.0), "top_k_bound must be an int"),
+    (dict(top_k_bound=20, filtering=False), "pass filtering=True"),
+])
+def test_top_k_bound_rejects_bad_values(change, message):
+    args = tensors("cpu", [1.0] * 3, [5] * 3, [1.0] * 3, [0], [0] * 3)
+    with pytest.raises(ValueError, match=message):
+        sample(torch.zeros(3, 40), *args, **change)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gpu_top_k_candidates_choose_what_the_search_chooses(rows):
+    """The real vocabulary, the engine's width (K_MAX): Qwen's settings (0.7 / 0.8 / 20, 1.0 / 0.95 / 20), min-p,
+    top_k 64, greedy; normal rows, rows of integers (a few ties), rows of 5 values (tens of thousands tied at the
+    largest: every chunk takes the rounds, and the draw kernel draws); at several steps, replayed from a CUDA graph."""
+    from qwen_triton.operators.sampling.sample import DONE, K_MAX
+
+    torch.manual_seed(rows)
+    settings = [(0.7, 20, 0.8, 0.0), (1.0, 20, 0.95, 0.0), (1.0, 20, 0.95, 0.05), (0.8, 64, 0.9, 0.0),
+                (0.0, 0, 1.0, 0.0), (1.3, 1, 1.0, 0.0), (1.0, 40, 0.5, 0.01), (0.7, 20, 1.0, 0.0)]
+    settings = (settings * 2)[:rows]
+    temperature, top_k, top_p, min_p = zip(*settings)
+    min_p = torch.tensor(min_p, device="cuda")
+    logits = torch.randn(rows, VOCAB, device="cuda") * 4
+    logits[1::4] = logits[1::4].round()
+    logits[3::4] = (logits[3::4] / 4).round().clamp(-2, 2)
+    for step in range(4):  # (the search's draws are the reference's: test_gpu_sample_matches_gumbel_max)
+        args = tensors("cuda", temperature, top_k, top_p, [99], [step * rows + row for row in range(rows)])
+        phase = assert_candidates_choose_as_the_search(logits, args, K_MAX, min_p, reference=False)
+        assert (phase[3::4] == DONE.value).all()
+    out = torch.empty(rows, dtype=torch.int64, device="cuda")
+    step = args[4].clone()
+    expected = [sample(logits, *args[:4], step + i, min_p=min_p, top_k_bound=K_MAX).clone() for i in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sample(logits, *args[:4], step, out, min_p=min_p, top_k_bound=K_MAX)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        sample(logits, *args[:4], step, out, min_p=min_p, top_k_bound=K_MAX)
+        step.add_(1)
+    step.copy_(args[4])
+    for i in range(3):
+        graph.replay()
+        assert torch.equal(out, expected[i])

@@ -1,11 +1,13 @@
 """Decode attention: one query token per sequence against its KV cache, split over the keys.
 
-For slot b with L_b = lengths[b] valid keys (its own new key included), q [B, Hq, D]:
-    out[b, h] = sum_{j < L_b} softmax_j(q[b, h] . k[b, h // G, j] / sqrt(D)) v[b, h // G, j],  G = Hq / Hkv
+For row b, the sequence in cache slot s = slots[b] with L_b = lengths[b] valid keys (its own new key
+included), q [B, Hq, D]:
+    out[b, h] = sum_{j < L_b} softmax_j(q[b, h] . k[s, h // G, j] / sqrt(D)) v[s, h // G, j],  G = Hq / Hkv
+A row whose slot is negative (a padding row of a batch bucket) reads no keys and gets zeros, as L_b = 0 does.
 
 Batch-1 decode has only Hkv = 2 KV heads, far too few programs for 132 SMs, so the keys are split
 (flash-decoding). Two kernels:
-  1. split: grid (S, Hkv, B). The S splits of slot b share its keys evenly in whole multiples of
+  1. split: grid (S, Hkv, B). The S splits of row b share its keys evenly in whole multiples of
      `split_align` keys: split_length = ceil(ceil(L_b / S) / split_align) * split_align, split s owns keys
      [s split_length, (s+1) split_length) clipped to L_b. Each program loads a K/V tile once for all G
      query heads of its KV head (the G heads are the rows of one tensor-core product, padded to 16) and
@@ -15,9 +17,9 @@ Batch-1 decode has only Hkv = 2 KV heads, far too few programs for 132 SMs, so t
      from the device length and folds them in a fixed order: M = max m_s,
      out = sum_s exp2(m_s - M) a_s / sum_s exp2(m_s - M) l_s.
 The grid depends only on B, Hkv, S and D (S is chosen on the host from B, Hkv, max_length and the SM
-count), never on device data, and the workspace is cached per shape: the pair is CUDA-graph
-capturable and allocates nothing after the first call. Summation order depends only on L_b and the
-tuned tile size, so results are run-to-run identical.
+count), never on device data (the kernels read the slots and lengths), and the workspace is cached per shape:
+the pair is CUDA-graph capturable and allocates nothing after the first call. Summation order depends only on
+L_b and the tuned tile size, so results are run-to-run identical.
 
 Floor at the real shapes (Hq 8, Hkv 2, D 256, bf16, batch 1), dominated by reading K and V once:
     bytes = 2 Hkv L D 2     L=128: 256 KiB    L=4096: 8 MiB (~1.7 us at 4.8 TB/s)    L=32768: 64 MiB (~14 us)
@@ -37,8 +39,10 @@ from ..common import (
     allow_next_kernel,
     autotune_configs,
     check_same_device,
+    check_slots,
     check_tensor,
     launch_options,
+    sequence_slot,
     sm_count,
     wait_for_previous_kernel,
 )
@@ -68,7 +72,7 @@ def _split_configs():
                  cache_results=True)
 @triton.jit
 def _decode_split_kernel(
-    q, key, value, lengths, partial_acc, partial_max, partial_sum,
+    q, key, value, lengths, slots, partial_acc, partial_max, partial_sum,
     num_splits, split_align, scale_log2,
     stride_q_batch, stride_q_head,
     stride_k_batch, stride_k_head, stride_k_position,
@@ -77,14 +81,15 @@ def _decode_split_kernel(
     stride_stat_batch, stride_stat_head,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    length = tl.load(lengths + batch)
+    slot = sequence_slot(slots, batch, HAS_SLOTS)
+    length = tl.where(slot >= 0, tl.load(lengths + batch), 0)  # a padding row: no keys
     split_length = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), split_align), 1) * split_align
     begin = split * split_length
     end = tl.minimum(begin + split_length, length)  # <= begin for the splits past the length: no keys
@@ -98,8 +103,8 @@ def _decode_split_kernel(
         q + batch.to(tl.int64) * stride_q_batch + head[:, None] * stride_q_head + lanes[None, :],
         mask=head_valid[:, None] & in_head[None, :], other=0.0,
     )
-    key_base = key + batch.to(tl.int64) * stride_k_batch + kv_head.to(tl.int64) * stride_k_head
-    value_base = value + batch.to(tl.int64) * stride_v_batch + kv_head.to(tl.int64) * stride_v_head
+    key_base = key + slot.to(tl.int64) * stride_k_batch + kv_head.to(tl.int64) * stride_k_head
+    value_base = value + slot.to(tl.int64) * stride_v_batch + kv_head.to(tl.int64) * stride_v_head
     keys_in_tile = tl.arange(0, BLOCK_N)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -136,13 +141,13 @@ def _merge_configs():
 @triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"], cache_results=True)
 @triton.jit
 def _decode_merge_kernel(
-    partial_acc, partial_max, partial_sum, lengths, out,
+    partial_acc, partial_max, partial_sum, lengths, slots, out,
     num_splits, split_align,
     stride_partial_batch, stride_partial_head, stride_partial_split,
     stride_stat_batch, stride_stat_head,
     stride_out_batch, stride_out_head,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -150,7 +155,8 @@ def _decode_merge_kernel(
     batch = tl.program_id(1)
     lanes = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_head = lanes < HEAD_DIM
-    length = tl.load(lengths + batch)
+    slot = sequence_slot(slots, batch, HAS_SLOTS)
+    length = tl.where(slot >= 0, tl.load(lengths + batch), 0)  # as the split kernel saw it
     split_length = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), split_align), 1) * split_align
     active = tl.cdiv(length, split_length)
     stats = batch.to(tl.int64) * stride_stat_batch + head * stride_stat_head
@@ -217,15 +223,19 @@ def attention_decode(
     out: torch.Tensor | None = None,
     max_length: int | None = None,
     *,
+    slots: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_align: int = DEFAULT_SPLIT_ALIGN,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Attention of q [B, Hq, D] (one token of each of slots 0..B-1) over the first lengths[b] keys of slot b.
+    """Attention of q [B, Hq, D] (one token of each of B sequences) over the first lengths[b] keys of cache slot
+    slots[b], row b's sequence.
 
     key_cache, value_cache [max_batch, Hkv, max_length, D] in q's dtype; lengths int32 [B] on the device
-    (each at most max_length; 0 gives zeros). max_length (default: the cache's) is the longest length the
-    call must serve; with B and the SM count it fixes the split count, unless num_splits is given.
+    (each at most max_length; 0 gives zeros); slots int32 [B] on the device (distinct, below max_batch; a
+    negative slot: a padding row, zeros; None: row b is slot b). max_length (default: the cache's) is the
+    longest length the call must serve; with B and the SM count it fixes the split count, unless num_splits is
+    given.
     Returns out [B, Hq, D] in q's dtype. Host-read free: capturable in a CUDA graph after a warm-up call
     at the same shapes (the warm-up autotunes and allocates the workspace). pdl: launch both kernels with
     programmatic dependent launch (Hopper; operators/common.py).
@@ -240,6 +250,7 @@ def attention_decode(
     if batch > max_batch:
         raise ValueError(f"q has batch {batch}, more than key_cache's {max_batch} slots")
     check_tensor("lengths", lengths, shape=(batch,), dtype=torch.int32, contiguous=True)
+    slots, has_slots = check_slots(slots, batch, lengths)
     max_length = cache_length if max_length is None else max_length
     if not 0 < max_length <= cache_length:
         raise ValueError(f"max_length {max_length} must be in 1..{cache_length} (key_cache's length)")
@@ -248,7 +259,7 @@ def attention_decode(
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, device=q.device, dtype=q.dtype)
     check_tensor("out", out, shape=(batch, num_heads, head_dim), dtype=q.dtype)
-    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, lengths=lengths, out=out)
+    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, lengths=lengths, slots=slots, out=out)
     if batch == 0:
         return out
     if num_splits is None:
@@ -258,7 +269,7 @@ def attention_decode(
     group = num_heads // num_kv_heads
     partial_acc, partial_max, partial_sum = _workspace(q.device, batch, num_heads, num_splits, head_dim)
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
-        q, key_cache, value_cache, lengths, partial_acc, partial_max, partial_sum,
+        q, key_cache, value_cache, lengths, slots, partial_acc, partial_max, partial_sum,
         num_splits, split_align, LOG2_E / math.sqrt(head_dim),
         q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -267,16 +278,16 @@ def attention_decode(
         partial_max.stride(0), partial_max.stride(1),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=q.dtype == torch.float32,
-        USE_PDL=pdl, **launch_options(pdl),
+        HAS_SLOTS=has_slots, USE_PDL=pdl, **launch_options(pdl),
     )
     merge_grid = lambda meta: (num_heads, batch, triton.cdiv(head_dim, meta["BLOCK_D"]))  # noqa: E731
     _decode_merge_kernel[merge_grid](
-        partial_acc, partial_max, partial_sum, lengths, out,
+        partial_acc, partial_max, partial_sum, lengths, slots, out,
         num_splits, split_align,
         partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2),
         partial_max.stride(0), partial_max.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, USE_PDL=pdl, **launch_options(pdl),
+        HEAD_DIM=head_dim, HAS_SLOTS=has_slots, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -11,9 +11,9 @@ For every row m (position p = positions[m], cache slot b = slots[m]) and head:
     y[i] = x'[i] cos(p f_j) + x'[i - R/2] sin(p f_j)      R/2 <= i < R   first R = rotary_dim dims,
     y[i] = x'[i]                                          i >= R         j = i - R/2, f_j = theta^(-2j/R))
 q is normed (q_norm_weight) and rotated and returned [M, Hq, D]; k is normed (k_norm_weight) and rotated
-and written to key_cache[b, :, p, :]; v is copied unchanged to value_cache[b, :, p, :]. The gate stays
-in qkv (the o_proj prologue reads it). All arithmetic is fp32; each result is rounded once to the
-activation dtype.
+and written to key_cache[b, :, p, :]; v is copied unchanged to value_cache[b, :, p, :]; a row whose slot
+is negative (a padding row of a decode bucket) writes no cache. The gate stays in qkv (the o_proj prologue
+reads it). All arithmetic is fp32; each result is rounded once to the activation dtype.
 
 The cos/sin table (`rotary_table`) is float32 [max_length, R]: row p holds cos(p f_j) for j < R/2 in its
 first half and sin(p f_j) in its second half (the reference's repeated halves are stored once).
@@ -114,13 +114,14 @@ def _norm_rotate_row(
     else:
         kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
         cache_offset = slot * stride_cache_batch + kv_head * stride_cache_head + position * stride_cache_position
+        written = in_head & (slot >= 0)  # a padding row (negative slot) writes no cache
         if head < NUM_HEADS + NUM_KV_HEADS:
             y = _norm_rotate_head(row_start + K_START + kv_head * HEAD_DIM, k_weight, table_row, eps,
                                   HEAD_DIM, ROTARY_DIM, BLOCK_D)
-            tl.store(key_cache + cache_offset + lanes, y.to(key_cache.dtype.element_ty), mask=in_head)
+            tl.store(key_cache + cache_offset + lanes, y.to(key_cache.dtype.element_ty), mask=written)
         else:
             v = tl.load(row_start + V_START + kv_head * HEAD_DIM + lanes, mask=in_head, other=0.0)
-            tl.store(value_cache + cache_offset + lanes, v.to(value_cache.dtype.element_ty), mask=in_head)
+            tl.store(value_cache + cache_offset + lanes, v.to(value_cache.dtype.element_ty), mask=written)
 
 
 # ROWS: the rows a program handles, one after the other (one head each; one program per (row, head) made 49,152
@@ -184,7 +185,8 @@ def qk_norm_rotary(
 
     qkv [M, width] (rows may be strided, unit last stride); cos_sin float32 [max_length, R] from
     `rotary_table`; positions, slots int32 [M] on the device (no host reads: graph capturable);
-    key_cache, value_cache [max_batch, Hkv, max_length, D] in qkv's dtype, written at [slot, :, position].
+    key_cache, value_cache [max_batch, Hkv, max_length, D] in qkv's dtype, written at [slot, :, position]
+    (not at all for a negative slot: a padding row).
     Positions must lie below both the table's and the cache's max_length (not checked: device data).
     pdl: programmatic dependent launch (Hopper; operators/common.py).
     """

@@ -5,8 +5,9 @@ For every channel c and token t, with x[-W+1..-1] the W-1 inputs before the sequ
 and afterwards the conv state holds the last W-1 inputs (from the old state when T < W-1).
 
 Shapes: prefill x [T, C] (strided rows: the q | k | v columns of the fused projection), weight [C, W],
-conv_state [C, W-1] updated in place, y [T, C] in x's dtype. Decode x [B, C], conv_state [B, C, W-1]
-updated in place, y [B, C].
+conv_state [C, W-1] updated in place, y [T, C] in x's dtype. Decode x [B, C], conv_state [S, C, W-1] of S
+sequence slots, row b's at slot slots[b] (rows 0..B-1 without slots; operators/common.py), updated in place,
+y [B, C].
 
 Blocking. Prefill: a program computes a [BLOCK_T, BLOCK_C] tile from W shifted loads of x (the W-1
 halo rows are cache hits); its first rows read the old state. The grid is (channel blocks, time blocks),
@@ -36,8 +37,9 @@ shared-memory traffic in the loop (the tile kernel converts each tap through sha
 engine's 4096-token prefill (the pin comment below): 34.4 us per layer against the tile's 48.8-49.1, 70% of
 the 24 us byte floor; at 128 tokens its few long programs lose to the tile, which short prompts keep.
 
-Decode: a program owns BLOCK_C channels of one sequence; it reads the state and the weight as [BLOCK_C, W]
-tiles, then shifts the state in place after a barrier.
+Decode: a program owns BLOCK_C channels of one row's sequence; it reads its slot's state and the weight as
+[BLOCK_C, W] tiles, then shifts the state in place after a barrier. A padding row (negative slot) reads and
+writes nothing.
 
 Floor at the real shapes (C = 6144, W = 4, bf16): prefill reads 12 KiB of x and writes 12 KiB of y per
 token, plus the 48 KiB weight: 101 MB for T = 4096, ~3.2 MB for T = 128; 2W + 4 FLOPs per element. Decode per
@@ -52,8 +54,8 @@ import triton
 import triton.language as tl
 
 from ...tuning import active
-from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, keep_preferred,
-                      launch_options, wait_for_previous_kernel)
+from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_slots, check_tensor,
+                      keep_preferred, launch_options, sequence_slot, wait_for_previous_kernel)
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WIDTH = 16  # the state reads of a prefill program stay inside the first time block (BLOCK_T >= 16)
@@ -322,17 +324,18 @@ def _step_configs():
 @triton.autotune(configs=_step_configs(), key=["batch", "channels", "WIDTH"], restore_value=["state_ptr"], cache_results=True)
 @triton.jit
 def _causal_conv1d_step_kernel(
-    x_ptr, weight_ptr, state_ptr, out_ptr,
+    x_ptr, weight_ptr, state_ptr, out_ptr, slots_ptr,
     batch, channels, stride_xb, stride_wc, stride_sb, stride_sc, stride_ob,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
-    sequence = tl.program_id(0)
+    row = tl.program_id(0)
+    slot = sequence_slot(slots_ptr, row, HAS_SLOTS)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < channels
-    state_row = state_ptr + sequence * stride_sb
-    x = tl.load(x_ptr + sequence * stride_xb + cols, mask=col_mask, other=0.0)
+    col_mask = (cols < channels) & (slot >= 0)  # a padding row: nothing read or written
+    state_row = state_ptr + slot.to(tl.int64) * stride_sb
+    x = tl.load(x_ptr + row * stride_xb + cols, mask=col_mask, other=0.0)
     y = conv_step_channels(x, weight_ptr, state_row, cols, col_mask, stride_wc, stride_sc, WIDTH, BLOCK_W)
-    tl.store(out_ptr + sequence * stride_ob + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(out_ptr + row * stride_ob + cols, y.to(out_ptr.dtype.element_ty), mask=col_mask)
     shift_conv_state(x, state_row, cols, col_mask, stride_sc, WIDTH, BLOCK_W)
 
 
@@ -376,24 +379,30 @@ def causal_conv1d(
 
 
 def causal_conv1d_step(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, out: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode step of B sequences: y = silu(conv) [B, C]; conv_state [B, C, W-1] updated in place."""
+    """Decode step of B sequences: y = silu(conv) [B, C]; conv_state [S, C, W-1] (S >= B slots) updated in place
+    at row b's slot slots[b] (int32 [B] on the device, distinct, below S; negative: a padding row, untouched, its
+    y unwritten; None: row b is slot b)."""
     check_tensor("x", x, shape=(None, None), dtype=ACTIVATION_DTYPES)
     batch, channels = x.shape
     width = _check_weight(weight, channels)
-    check_tensor("conv_state", conv_state, shape=(batch, channels, width - 1), dtype=ACTIVATION_DTYPES)
+    check_tensor("conv_state", conv_state, shape=(None, channels, width - 1), dtype=ACTIVATION_DTYPES)
+    if conv_state.shape[0] < batch:
+        raise ValueError(f"conv_state has {conv_state.shape[0]} slots, fewer than x's {batch} rows")
+    slots, has_slots = check_slots(slots, batch, x)
     if out is None:
         out = torch.empty(batch, channels, device=x.device, dtype=x.dtype)
     check_tensor("out", out, shape=(batch, channels), dtype=x.dtype)
-    check_same_device(x=x, weight=weight, conv_state=conv_state, out=out)
+    check_same_device(x=x, weight=weight, conv_state=conv_state, out=out, slots=slots)
     if batch == 0 or channels == 0:
         return out
     grid = lambda meta: (batch, triton.cdiv(channels, meta["BLOCK_C"]))  # noqa: E731
     _causal_conv1d_step_kernel[grid](
-        x, weight, conv_state, out,
+        x, weight, conv_state, out, slots,
         batch, channels, x.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width), HAS_SLOTS=has_slots,
     )
     return out
 

@@ -1,6 +1,7 @@
 """A Gated DeltaNet layer's decode step from its input row: the in-projection and the step in one kernel.
 
-One sequence (B = 1, the single-stream decode). It computes what this chain computes, with the same roundings:
+One sequence (B = 1, the single-stream decode), the one in state slot slots[0] (slot 0 without slots). It
+computes what this chain computes, with the same roundings:
     projection = linear(hidden, W, norm_weight=input_norm)            the GEMV (linear/gemv.py), N = C + Hv Dv + 2 Hv
     o = gated_delta_rule_decode_fused(projection's q|k|v, z, a, b, ..., normalize=False)     (fused_decode.py)
 but without the kernel boundary between them, where the step waited for the whole projection grid to drain
@@ -46,9 +47,11 @@ import triton.language as tl
 from ..common import (
     allow_next_kernel,
     check_same_device,
+    check_slots,
     check_tensor,
     launch_options,
     preferred_entry,
+    sequence_slot,
     wait_for_previous_kernel,
 )
 from ..conv.causal_conv1d import (
@@ -77,14 +80,19 @@ MAX_REGISTERS = 128
 @triton.jit
 def _projected_step_kernel(
     hidden_ptr, input_norm_ptr, weight_ptr, conv_weight_ptr, conv_state_ptr, a_log_ptr, dt_bias_ptr, state_ptr,
-    projection_ptr, qk_ptr, o_ptr, arrival_ptr, departure_ptr,
-    K, eps, scale, stride_wn, stride_wc, stride_cc,
+    projection_ptr, qk_ptr, o_ptr, arrival_ptr, departure_ptr, slots_ptr,
+    K, eps, scale, stride_wn, stride_wc, stride_cb, stride_cc,
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_HK: tl.constexpr, ROWS: tl.constexpr, TILE_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_HK: tl.constexpr, ROWS: tl.constexpr, TILE_K: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     pid = tl.program_id(0)
+    # the sequence's slot (no kernel of the step writes it: read before the wait) and its states
+    slot = sequence_slot(slots_ptr, 0, HAS_SLOTS).to(tl.int64)
+    conv_state_ptr += slot * stride_cb
+    state_ptr += slot * (V_HEADS * K_DIM * V_DIM)
     KEY_ROWS: tl.constexpr = 2 * K_HEADS * K_DIM          # q | k
     CHANNELS: tl.constexpr = KEY_ROWS + V_HEADS * V_DIM   # q | k | v: the conv's channels
     GATE_ROWS: tl.constexpr = CHANNELS + V_HEADS * V_DIM  # where b | a start (after z)
@@ -194,20 +202,22 @@ def gated_delta_rule_decode_projected(
     qk: torch.Tensor,
     delta_out: torch.Tensor,
     pdl: bool = False,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's Gated DeltaNet decode step from the layer's input row: o [1, Hv, Dv] (delta_out), un-normed.
 
     hidden [1, K] (the residual stream) and input_norm [K] (the layer's zero-centred RMSNorm weight, eps);
     weight [N, K], the fused in-projection q | k | v | z | b | a (N = 2 Hk Dk + 2 Hv Dv + 2 Hv); conv_weight
-    [C, W] (C = 2 Hk Dk + Hv Dv); conv_state [1, C, W-1] and state [1, Hv, Dk, Dv] float32, both updated in
-    place; A_log, dt_bias [Hv] float32. Buffers written: projection [1, N] (its z, b and a columns; the
-    q | k | v columns are not written), qk [1, 2 Hk Dk] (the conv's q | k output), delta_out [1, Hv, Dv].
+    [C, W] (C = 2 Hk Dk + Hv Dv); conv_state [S, C, W-1] and state [S, Hv, Dk, Dv] float32 of S slots, both
+    updated in place at slot slots[0] (slots int32 [1] on the device, a live slot below S; None: slot 0); A_log,
+    dt_bias [Hv] float32. Buffers written: projection [1, N] (its z, b and a columns; the q | k | v columns are not
+    written), qk [1, 2 Hk Dk] (the conv's q | k output), delta_out [1, Hv, Dv].
     Dk and Dv must be multiples of 16 (a tile of 16 rows never spans two heads).
     pdl: launch with programmatic dependent launch (Hopper; operators/common.py); the states are then read
     before the wait, as in gated_delta_rule_decode_fused.
     """
-    check_tensor("state", state, shape=(1, None, None, None), dtype=torch.float32, contiguous=True)
-    _, value_heads, key_dim, value_dim = state.shape
+    check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
+    slot_count, value_heads, key_dim, value_dim = state.shape
     if key_dim % ROWS or value_dim % ROWS:
         raise ValueError(f"state has head dims {key_dim} and {value_dim}; both must be multiples of {ROWS}")
     check_tensor("hidden", hidden, shape=(1, None), dtype=ACTIVATION_DTYPES, contiguous=True)
@@ -227,7 +237,8 @@ def gated_delta_rule_decode_projected(
     width = conv_weight.shape[1]
     if not 2 <= width <= MAX_WIDTH:
         raise ValueError(f"conv_weight has width {width}, expected 2 to {MAX_WIDTH}")
-    check_tensor("conv_state", conv_state, shape=(1, channels, width - 1), dtype=hidden.dtype)
+    check_tensor("conv_state", conv_state, shape=(slot_count, channels, width - 1), dtype=hidden.dtype)
+    slots, has_slots = check_slots(slots, 1, state)
     for name, tensor in (("A_log", A_log), ("dt_bias", dt_bias)):
         check_tensor(name, tensor, shape=(value_heads,), dtype=torch.float32, contiguous=True)
     check_tensor("projection", projection, shape=(1, N), dtype=hidden.dtype, contiguous=True)
@@ -235,16 +246,16 @@ def gated_delta_rule_decode_projected(
     check_tensor("delta_out", delta_out, shape=(1, value_heads, value_dim), dtype=hidden.dtype, contiguous=True)
     check_same_device(hidden=hidden, input_norm=input_norm, weight=weight, conv_weight=conv_weight,
                       conv_state=conv_state, A_log=A_log, dt_bias=dt_bias, state=state, projection=projection,
-                      qk=qk, delta_out=delta_out)
+                      qk=qk, delta_out=delta_out, slots=slots)
 
     arrivals, departures = _head_counters(hidden.device, key_heads)
     _projected_step_kernel[(triton.cdiv(N, ROWS),)](
         hidden, input_norm, weight, conv_weight, conv_state, A_log, dt_bias, state,
-        projection, qk, delta_out, arrivals, departures,
-        K, eps, key_dim**-0.5, weight.stride(0), conv_weight.stride(0), conv_state.stride(1),
+        projection, qk, delta_out, arrivals, departures, slots,
+        K, eps, key_dim**-0.5, weight.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         K_HEADS=key_heads, V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         WIDTH=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_DK=triton.next_power_of_2(key_dim),
-        BLOCK_HK=triton.next_power_of_2(key_heads), ROWS=ROWS, TILE_K=TILE_K, USE_PDL=pdl,
+        BLOCK_HK=triton.next_power_of_2(key_heads), ROWS=ROWS, TILE_K=TILE_K, HAS_SLOTS=has_slots, USE_PDL=pdl,
         num_warps=WARPS, num_stages=STAGES, maxnreg=MAX_REGISTERS, **launch_options(pdl),
     )
     return delta_out
