@@ -2,13 +2,14 @@
 
     qwen-triton generate [--model DIR|REPO_ID] "prompt"      (or --prompt-file FILE, or - for standard input)
     qwen-triton chat [--model DIR|REPO_ID]
+    qwen-triton serve [--model DIR|REPO_ID] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-queue N]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops]
     qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
 --model takes a checkpoint directory or a Hugging Face repo id (the local Hugging Face cache; HF_HUB_OFFLINE=1
-honoured). Without --model, generate and chat run a random-weight model (the 0.8b shape on a GPU, the tiny
+honoured). Without --model, generate, chat and serve run a random-weight model (the 0.8b shape on a GPU, the tiny
 preset on a CPU), made once and kept under ~/.cache/qwen-triton. Every argument is checked before the weights
 load. A bad argument is one line on stderr and exit status 2; any other error one line and exit status 1.
 """
@@ -156,13 +157,13 @@ class Loaded:
             what = "the Triton kernels"
         return f"{self.backend} backend, {self.device}, {self.dtype}: {what}"
 
-    def load(self):
+    def load(self, max_batch: int = 8):
         from .engine.llm import LLM
 
         print(f"loading {self.path} ({self.describe()})", file=sys.stderr, flush=True)
         return LLM(self.path, backend=self.backend, device=self.device, dtype=self.dtype,
-                   max_length=self.args.max_length, progress=True, tokenizer=self.tokenizer,
-                   warm_up=False if self.args.no_warm_up else None)
+                   max_length=self.args.max_length, max_batch=max_batch, progress=True, tokenizer=self.tokenizer,
+                   warm_up=False if getattr(self.args, "no_warm_up", False) else None)
 
 
 def budget_note(prompt_tokens: int, max_new_tokens: int, max_length: int) -> str | None:
@@ -232,6 +233,49 @@ def command_chat(args) -> None:
     check_generation_arguments(args)
     loaded = Loaded(args)
     Chat(loaded.load(), args, history_file=DEFAULT_CACHE / "chat-history").run()
+
+
+def check_serve_arguments(args) -> None:
+    """The server's flags, checked before the weights load; errors name the flag."""
+    if args.max_length < 2:
+        raise UsageError(f"--max-length must be >= 2 (a prompt token and a reply token), got {args.max_length}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535] (0 = any free port), got {args.port}")
+    if args.max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise UsageError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name must not be empty")
+
+
+def command_serve(args) -> None:
+    check_serve_arguments(args)
+    try:
+        from .server.app import create_app
+        from .server.runner import bind_socket, serve
+    except ImportError as error:
+        raise CommandError(f"serve needs FastAPI and uvicorn ({error}): pip install 'qwen-triton[serve]'") from None
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        raise CommandError(f"--host {args.host} --port {args.port}: cannot listen there: "
+                           f"{error.strerror or error}") from None
+    with sock:
+        loaded = Loaded(args)
+        llm = loaded.load(max_batch=args.max_num_seqs)
+        name = args.served_model_name or args.model or loaded.path.name
+        app = create_app(llm, model_name=name, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                         drain_timeout=args.drain_timeout)
+        host, port = sock.getsockname()[:2]
+        note(f"serving {name} at http://{host}:{port}/v1 ({args.max_num_seqs} sequences at a time, up to "
+             f"{args.max_queue} waiting); SIGTERM or Ctrl-C stops it")
+        serve(app, sock, args.drain_timeout)
+    note("stopped")
 
 
 def command_ops(args) -> None:
@@ -422,7 +466,7 @@ def build_parser() -> ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="the random weights' seed")
     make.set_defaults(run=command_make_checkpoint)
 
-    def model_options(sub):
+    def engine_options(sub):
         sub.add_argument("--model", metavar="DIR_OR_REPO_ID", help="a checkpoint directory or a Hugging Face repo id such as Qwen/Qwen3.5-0.8B "
                                          "(default: a random-weight model)")
         sub.add_argument("--revision", metavar="REVISION", help="the repo id's branch, tag or commit (default: main)")
@@ -431,6 +475,9 @@ def build_parser() -> ArgumentParser:
         sub.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
         sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
         sub.add_argument("--max-length", type=int, metavar="N", default=4096, help="tokens of context (prompt + reply)")
+
+    def model_options(sub):
+        engine_options(sub)
         sub.add_argument("--max-new-tokens", type=int, metavar="N", default=64, help="the most tokens a reply has")
         sub.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 = greedy")
         sub.add_argument("--top-k", type=int, metavar="K", default=0, help="0 = off")
@@ -462,6 +509,25 @@ def build_parser() -> ArgumentParser:
     model_options(chat)
     chat.add_argument("--system", metavar="TEXT", help="a system message")
     chat.set_defaults(run=command_chat)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    engine_options(serve)
+    serve.add_argument("--no-warm-up", action="store_true",
+                       help="start without the warm-up that compiles and tunes the kernels of every prompt length "
+                            "and batch (on a GPU; a request of a new length may then stall)")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on; 0 = any free one")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model's name in the API (default: --model as given, else the checkpoint's folder)")
+    serve.add_argument("--max-num-seqs", type=int, metavar="N", default=16,
+                       help="sequences decoded together: the slots of the caches")
+    serve.add_argument("--max-queue", type=int, metavar="N", default=256,
+                       help="sequences waiting for a slot; beyond them a request gets 429")
+    serve.add_argument("--prefill-chunk", type=int, metavar="N", default=512,
+                       help="prompt tokens prefilled per step; a longer prompt runs in chunks between decode steps")
+    serve.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=30.0,
+                       help="on SIGTERM, how long requests in flight may take to finish before they are aborted")
+    serve.set_defaults(run=command_serve)
 
     bench = commands.add_parser("bench", help="latency of each variant against the measured floor (GPU)")
     bench.add_argument("--variants", help="comma-separated subset of the variants (default: all)")

@@ -247,6 +247,11 @@ class Tokenizer:
         )
         return b"".join(pieces).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for (a special token's: its text in UTF-8); they need not be whole
+        UTF-8 characters."""
+        return self._token_bytes(int(token_id))
+
     def stream(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A decoder for one generated sequence: `.feed(id)` returns the newly printable text,
         `.flush()` whatever is left at the end."""

@@ -1,14 +1,18 @@
-"""The README's commands and Python snippet, executed as written: the quick start runs what it says it runs,
-the usage commands work, the Python snippet runs.
+"""The README's commands and Python snippets, executed as written: the quick start runs what it says it runs,
+the usage commands work, the Python snippet runs, the server answers the Serve section's curl and openai calls.
 
 Real weights cannot be downloaded here, so the repo id the README uses (`Qwen/Qwen3.5-0.8B`) and the directory it
 names (`./Qwen3.5-0.8B`) hold the tiny preset's random checkpoint, in an offline Hugging Face cache made by the
 test: the code paths are the ones a user with the real checkpoint takes."""
 
+import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +87,38 @@ def test_the_python_snippet_runs(workspace):
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.Size([" in result.stdout
+
+
+def test_the_serve_example_answers(workspace, tmp_path):
+    """The Serve section: the server started as written (on a free port instead of 8000), the curl command and the
+    Python snippet answered, then SIGTERM and exit status 0."""
+    root, env = workspace
+    (commands,) = code_blocks("Serve", "bash")
+    (snippet,) = code_blocks("Serve", "python")
+    serve, curl = [line.split("  #")[0].strip() for line in commands.strip().splitlines()]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def on_port(text: str) -> str:
+        assert "8000" in text
+        return text.replace("8000", str(port))
+
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen(["bash", "-c", "exec " + on_port(serve)], cwd=root, env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        deadline = time.monotonic() + 120
+        while "serving" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        reply = json.loads(run(on_port(curl), root, env).stdout)
+        assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
+        result = subprocess.run([sys.executable, "-c", on_port(snippet)], cwd=root, env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()

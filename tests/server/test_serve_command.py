@@ -1,0 +1,106 @@
+"""`qwen-triton serve`: its flags checked before the weights load (one line, exit status 2), an address it cannot
+listen on reported before they load (exit status 1), and SIGTERM: the server stops admitting, lets what is in
+flight finish (or aborts it after --drain-timeout) and exits with status 0."""
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from qwen_triton.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the arguments were checked")
+    monkeypatch.setattr("qwen_triton.engine.llm.load_weights", refuse)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--port", "-1"], "--port must be in [0, 65535]"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--drain-timeout", "-2"], "--drain-timeout must be >= 0"),
+    (["--drain-timeout", "nan"], "--drain-timeout must be >= 0"),
+    (["--max-length", "1"], "--max-length must be >= 2"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+])
+def test_bad_flags_are_one_line_before_loading(checkpoint, arguments, message, capsys, no_loading):
+    assert main(["serve", "--model", str(checkpoint), *arguments]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qwen-triton: error:") and message in err[0], err
+
+
+def test_an_address_in_use_is_one_line_before_loading(checkpoint, capsys, no_loading):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(checkpoint), "--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot listen there" in err[-1] and f"--port {port}" in err[-1], err
+
+
+def start(checkpoint, log: Path, drain_timeout: float) -> tuple[subprocess.Popen, str]:
+    """`qwen-triton serve` in a process of its own on a free port; its URL once it serves."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qwen_triton.cli", "serve", "--model", str(checkpoint), "--port", "0",
+         "--max-length", "256", "--max-num-seqs", "2", "--drain-timeout", str(drain_timeout),
+         "--served-model-name", "tiny"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"), stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (found := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"the server did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    return process, found.group(1)
+
+
+def stream_lines(url: str, max_tokens: int):
+    """A streamed completion whose first line has arrived: its client, the lines so far, the rest to come."""
+    client = httpx.Client(timeout=60)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    response = client.send(client.build_request("POST", url + "/v1/completions", json=body), stream=True)
+    assert response.status_code == 200
+    lines = (line for line in response.iter_lines() if line)
+    return client, [next(lines)], lines
+
+
+def test_sigterm_stops_admitting_lets_short_requests_finish_cuts_long_ones_and_exits_0(checkpoint, tmp_path):
+    """Two streams in flight at the SIGTERM, with --drain-timeout 1: the short one (20 tokens) finishes; the long
+    one (240) is ended at the deadline with an error event, the stream still closed properly."""
+    log = tmp_path / "serve.log"
+    process, url = start(checkpoint, log, drain_timeout=1.0)
+    try:
+        streams = {max_tokens: stream_lines(url, max_tokens) for max_tokens in (20, 240)}
+        process.send_signal(signal.SIGTERM)
+        received = {}
+        for max_tokens, (client, lines, rest) in streams.items():
+            received[max_tokens] = lines + list(rest)
+            client.close()
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    events = {n: [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+              for n, lines in received.items()}
+    assert all(lines[-1] == "data: [DONE]" for lines in received.values())
+    assert len(events[20]) == 20 and events[20][-1]["choices"][0]["finish_reason"] == "length"
+    assert len(events[240]) < 240 and events[240][-1]["error"]["code"] == "shutting_down"
+    assert "qwen-triton: stopped" in log.read_text()
