@@ -381,6 +381,7 @@ class LLM:
         first_token_time = time.perf_counter() - start
         generated: list[list[int]] = [[] for _ in range(rows)]
         texts = [""] * rows
+        emitted = [0] * rows  # characters of each row's text already yielded
         finish = [None] * rows
         positions = [len(ids) for ids in prompts]
         while True:
@@ -390,24 +391,25 @@ class LLM:
                 token = tokens[row]
                 if token in eos:
                     finish[row] = "stop"
+                    if len(texts[row]) > emitted[row]:  # text held back for a stop string that did not come
+                        yield row, texts[row][emitted[row]:]
+                        emitted[row] = len(texts[row])
                     continue
                 generated[row].append(token)
                 # ids past the tokenizer's vocabulary (the embedding's padding rows) have no text
-                piece = decoders[row].feed(token) if token < tokenizer.vocab_size else ""
-                full = texts[row] + piece
-                hit = next((s for s in stops if s in full), None)
-                if hit is not None:
-                    piece = full[: full.index(hit)][len(texts[row]):]
+                texts[row] += decoders[row].feed(token) if token < tokenizer.vocab_size else ""
+                hits = [texts[row].index(s) for s in stops if s in texts[row]]
+                if hits:  # the text ends before the earliest stop string, which may span several tokens
+                    texts[row] = texts[row][:min(hits)]
                     finish[row] = "stop"
-                texts[row] += piece
-                if piece:
-                    yield row, piece
-                if finish[row] is None and len(generated[row]) >= budgets[row]:
+                elif len(generated[row]) >= budgets[row]:
                     finish[row] = "length"
-                    rest = decoders[row].flush()
-                    texts[row] += rest
-                    if rest:
-                        yield row, rest
+                    texts[row] += decoders[row].flush()
+                # what can no longer become part of a stop string is given out; the rest waits for the next token
+                ready = len(texts[row]) if finish[row] is not None else len(texts[row]) - held_back(texts[row], stops)
+                if ready > emitted[row]:
+                    yield row, texts[row][emitted[row]:ready]
+                    emitted[row] = ready
             if all(f is not None for f in finish):
                 break
             # one step for every slot; finished rows repeat their last position, their output unused
@@ -432,6 +434,18 @@ class LLM:
         if self.backend_name == "triton":
             return DeviceChooser(self, params)
         return HostChooser(self, params)
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """The length of text's longest ending that begins some stop string (not yet a whole one): streamed text
+    holds it back until the next tokens show whether the stop string completes."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
 
 
 def sampling_rows(rows: int, sampling_params, keywords: dict) -> list[SamplingParams]:

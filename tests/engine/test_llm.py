@@ -222,3 +222,31 @@ def test_chat_passes_the_penalties_and_min_p_on(chat_llm):
             == chat_llm.generate(prompt, max_new_tokens=3, **sampling).token_ids)
     with pytest.raises(ValueError, match="frequency_penalty"):
         chat_llm.chat(messages, frequency_penalty=9.0)
+
+
+def test_a_stop_string_across_tokens_ends_the_text_and_the_stream_before_it(llm):
+    """A stop string made of the end of one token's text and the start of the next: neither generate's text nor
+    the streamed pieces keep its first part (streaming holds back what could begin a stop string)."""
+    prompt = [5, 17, 42, 9]
+    plain = llm.generate(prompt, max_new_tokens=12)
+    pieces = [llm.tokenizer.decode([token]) for token in plain.token_ids]
+    # the first boundary between two tokens whose texts are plain characters on both sides
+    boundary = next((i for i in range(1, len(pieces)) if len(pieces[i - 1].strip()) >= 1 and len(pieces[i].strip()) >= 1
+                     and "\ufffd" not in pieces[i - 1] + pieces[i]), None)
+    if boundary is None:
+        pytest.skip("the random model's text has no boundary between two plain tokens")
+    before = "".join(pieces[:boundary])
+    stop = pieces[boundary - 1][-1] + pieces[boundary][0]
+    expected = (before + pieces[boundary])[:(before + pieces[boundary]).index(stop)]
+    result = llm.generate(prompt, max_new_tokens=12, stop=[stop])
+    assert result.text == expected and result.finish_reason == "stop"
+    streamed = "".join(llm.stream(prompt, max_new_tokens=12, stop=[stop]))
+    assert streamed == expected == llm.last_generation.text
+
+
+def test_held_back_is_the_longest_ending_that_begins_a_stop_string():
+    from qwen_triton.engine.llm import held_back
+
+    assert held_back("abc de", ["def"]) == 2 and held_back("abc d", ["def", "xd"]) == 1
+    assert held_back("abc", ["def"]) == 0 and held_back("", ["def"]) == 0 and held_back("abc", []) == 0
+    assert held_back("abcde", ["cdef", "de!"]) == 3  # the longest of the candidates
