@@ -149,11 +149,13 @@ class ReferenceModel:
         """
         c = self.config
         batch = token_ids.shape[0]
+        # the per-slot states are read and written through `rows`: a view when the rows are slots 0..B-1 (no
+        # data-dependent indexing, so torch.compile(fullgraph=True) compiles the step), else the slots' indices
         if slots is None:
-            slots = torch.arange(batch, device=self.device)
+            rows, slots = slice(0, batch), torch.arange(batch, device=self.device)
         else:
             check_decode_slots(slots, batch, self.max_batch)
-            slots = slots.to(device=self.device, dtype=torch.long)
+            rows = slots = slots.to(device=self.device, dtype=torch.long)
         x = self.w["embed_tokens.weight"][token_ids]
         for i, layer_type in enumerate(c.layer_types):
             p = f"layers.{i}."
@@ -164,11 +166,9 @@ class ReferenceModel:
                 key_cache, value_cache = self.cache.key[i], self.cache.value[i]
                 key_cache[slots, :, positions] = k
                 value_cache[slots, :, positions] = v
+                keys, values = key_cache[rows], value_cache[rows]
                 out = torch.stack(
-                    [
-                        fn.attention(q[b:b + 1], key_cache[slots[b]], value_cache[slots[b]], positions[b:b + 1])[0]
-                        for b in range(batch)
-                    ]
+                    [fn.attention(q[b:b + 1], keys[b], values[b], positions[b:b + 1])[0] for b in range(batch)]
                 )
                 h = self._attention_output(out, gate, a)
             else:
@@ -176,13 +176,13 @@ class ReferenceModel:
                 mixed, z, b_input, a_input = self._delta_net_inputs(h, a)
                 conv_weight = self.w[a + "conv1d.weight"][:, 0, :]
                 conv_state = self.cache.conv[i]
-                mixed, new_conv = fn.causal_conv1d_step(mixed, conv_weight, conv_state[slots])
-                conv_state[slots] = new_conv
+                mixed, new_conv = fn.causal_conv1d_step(mixed, conv_weight, conv_state[rows])
+                conv_state[rows] = new_conv
                 q, k, v = self._split_heads(mixed)
                 g, beta = fn.gating(a_input, b_input, self.w[a + "A_log"], self.w[a + "dt_bias"])
                 state = self.cache.recurrent[i]
-                out, new_state = fn.gated_delta_rule_recurrent(q, k, v, g, beta, state[slots])
-                state[slots] = new_state
+                out, new_state = fn.gated_delta_rule_recurrent(q, k, v, g, beta, state[rows])
+                state[rows] = new_state
                 h = self._delta_net_output(out, z, a)
             x = x + h
             h = fn.rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
