@@ -54,7 +54,7 @@ from ..progress import progress_printer
 from ..state import ModelState
 from ..tuning import active
 from . import costs
-from .backend import check_decode_slots
+from .backend import check_decode_slots, check_prefill_batch
 from .buffers import DecodeBuffers, PenaltyHistory, bucket
 from .device_sampling import (LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, TOP_K_MODES, DeviceSampling, choose_first,
                               sample_options)
@@ -329,6 +329,15 @@ class TritonModel:
             return self.prefill_eager(token_ids, slot, start, all_logits)
         return self.prefill_graphs.run(token_ids, slot, all_logits,
                                        lambda ids: self.prefill_eager(ids, slot, start, all_logits))
+
+    @torch.no_grad()
+    def prefill_batch(self, token_ids: list[torch.Tensor], slots: list[int],
+                      starts: list[int] | None = None) -> torch.Tensor:
+        """Several prompts, each into its slot after its cached tokens (engine/backend.py): float32 logits
+        [S, vocab] of each prompt's last token."""
+        starts = check_prefill_batch(token_ids, slots, starts, self.max_batch, self.max_length)
+        return torch.cat([self.prefill(ids, slot, start, all_logits=False)
+                          for ids, slot, start in zip(token_ids, slots, starts)])
 
     def _first_run_work(self) -> str:
         """What a first run of the kernels costs, in the progress line's words."""

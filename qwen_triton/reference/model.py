@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..config import FULL_ATTENTION, ModelConfig
-from ..engine.backend import check_decode_slots
+from ..engine.backend import check_decode_slots, check_prefill_batch
 from ..state import ModelState
 from . import functional as fn
 
@@ -137,6 +137,15 @@ class ReferenceModel:
             x = x + self._mlp(h, p)
         x = fn.rms_norm(x if all_logits else x[-1:], self.w["norm.weight"], c.rms_norm_eps)
         return (x @ self.lm_head.t()).float()
+
+    @torch.no_grad()
+    def prefill_batch(self, token_ids: list[torch.Tensor], slots: list[int],
+                      starts: list[int] | None = None) -> torch.Tensor:
+        """Several prompts, each into its slot after its cached tokens (engine/backend.py): one prefill each,
+        float32 logits [S, vocab] of each prompt's last token."""
+        starts = check_prefill_batch(token_ids, slots, starts, self.max_batch, self.max_length)
+        return torch.cat([self.prefill(ids.to(self.device), slot, start, all_logits=False)
+                          for ids, slot, start in zip(token_ids, slots, starts)])
 
     # ---- decode: one token for each of B sequences -----------------------------------------------
     @torch.no_grad()
