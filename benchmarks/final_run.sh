@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the engine's and the changed operators' GPU tests (untuned kernels: correctness
 # needs no tuning), the profile, fully tuned tests (TUNING_CACHE=$PWD/.tc shares the profile's tunings), then
-# `qwen-triton bench` over $BENCH_VARIANTS. Few files under $OUT (the device returns 8).
+# `qwen-triton bench` over $BENCH_VARIANTS (BENCH_ARGS: e.g. --workloads decode,sampling); GEMM_SWEEP: the GEMM's
+# configs at those row counts. Few files under $OUT (the device returns 8).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/out}
@@ -32,6 +33,11 @@ if [ -n "${TUNING_TESTS:-}" ]; then  # full autotuning, every config's choice pr
     QWEN_TRITON_AUTOTUNE= TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=${TUNING_CACHE:-/tmp/tc-tuning} timeout ${TUNING_TIMEOUT:-300} \
         python3 -m pytest -m gpu $TUNING_TESTS -q -s --tb=short -p no:cacheprovider > "$OUT/tuning.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/tuning.log" | tail -5
+fi
+if [ -n "${GEMM_SWEEP:-}" ]; then  # every GEMM config at these row counts (e.g. the decode buckets), pointer loads
+    TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/gemm_sweep.py --tokens "$GEMM_SWEEP" \
+        --loads pointer --out "$OUT/gemm-sweep.json" > "$OUT/gemm-sweep.md" 2>> "$OUT/err.log"; echo "sweep rc $?"
+    cat "$OUT/gemm-sweep.md"
 fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then
     TRITON_CACHE_DIR=$CACHE timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \

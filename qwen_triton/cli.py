@@ -359,6 +359,14 @@ def command_bench(args) -> None:
                                      "says otherwise): the harness runs, its numbers mean nothing")
     out = Path(args.out) if args.out else DEFAULT_CACHE / "bench"
     steps = args.steps or (CPU_BENCH["steps"] if on_cpu else 20 if args.quick else 200)
+    which = None
+    if args.workloads:
+        from .benchmark.workloads import WORKLOADS
+
+        which = WORKLOADS if args.workloads == "all" else tuple(args.workloads.split(","))
+        unknown = [name for name in which if name not in WORKLOADS]
+        if unknown:
+            raise UsageError(f"--workloads: unknown {', '.join(unknown)} (choose among {', '.join(WORKLOADS)})")
     if args.ops and args.workloads:
         raise UsageError("--ops and --workloads are separate runs: choose one")
     if args.no_warm_up and not args.workloads:
@@ -388,7 +396,7 @@ def command_bench(args) -> None:
         from .benchmark.workloads import format_workloads, run_workloads
 
         report["workloads"] = run_workloads(preset, device, hbm=report["hbm_copy_TBps"],
-                                            matmul=report["matmul_TFLOPs"],
+                                            matmul=report["matmul_TFLOPs"], which=which,
                                             **(dict(warm_up=False) if args.no_warm_up else {}))
         write_report(report, out)
         print()
@@ -533,9 +541,10 @@ def build_parser() -> ArgumentParser:
     bench.add_argument("--variants", help="comma-separated subset of the variants (default: all)")
     bench.add_argument("--quick", action="store_true", help="20 timed steps instead of 200 (GPU)")
     bench.add_argument("--ops", action="store_true", help="time each operator instead of the whole model")
-    bench.add_argument("--workloads", action="store_true",
+    bench.add_argument("--workloads", nargs="?", const="all", metavar="NAMES",
                        help="also time chat, batched decode and prefill, sampling and streaming through "
-                            "LLM.generate / stream (benchmark/workloads.py)")
+                            "LLM.generate / stream (benchmark/workloads.py); NAMES: a comma-separated subset of "
+                            "chat,decode,prefill,sampling,streaming")
     bench.add_argument("--no-warm-up", action="store_true",
                        help="--workloads: build its LLM without the warm-up (the chat run's requests then compile "
                             "and tune); the variants never warm up, each measurement warms its shape itself")

@@ -294,25 +294,32 @@ class Workloads:
             torch.cuda.empty_cache()
 
 
+WORKLOADS = ("chat", "decode", "prefill", "sampling", "streaming")
+
+
 def run_workloads(preset: str = "0.8b", device: str = "cuda", sizes: WorkloadSizes | None = None,
-                  hbm: float | None = None, matmul: float | None = None, **options) -> dict:
-    """Every workload in one process on one LLM; the ceilings measured unless given (TB/s, TFLOP/s). Returns the
-    report's `workloads` section."""
+                  hbm: float | None = None, matmul: float | None = None, which: tuple[str, ...] = WORKLOADS,
+                  **options) -> dict:
+    """The workloads named in `which` (default: every one) in one process on one LLM; the ceilings measured unless
+    given (TB/s, TFLOP/s). Returns the report's `workloads` section."""
+    unknown = [name for name in which if name not in WORKLOADS]
+    if unknown or not which:
+        raise ValueError(f"unknown workloads {unknown}: choose among {', '.join(WORKLOADS)}")
     sizes = sizes_for(device) if sizes is None else sizes
     started = time.perf_counter()
     hbm = measure_hbm_bandwidth(device) if hbm is None else hbm
     matmul = measure_matmul_rate(device) if matmul is None else matmul
     log(f"workloads: building the {preset} model (max_batch {sizes.max_batch()}, max_length {sizes.max_length()})")
     workloads = Workloads(preset, device, sizes, hbm, matmul, **options)
-    chat = workloads.chat()  # first: its lengths are the process's first prefills of those lengths
-    workloads.decode()
-    workloads.prefill()
-    workloads.sampling()
-    workloads.streaming()
+    # the chat first: its lengths are the process's first prefills of those lengths
+    chat = workloads.chat() if "chat" in which else None
+    for name in WORKLOADS[1:]:
+        if name in which:
+            getattr(workloads, name)()
     workloads.close()
     return dict(preset=preset, device=device, sizes_for="gpu" if sizes == GPU_SIZES else
                 "cpu" if sizes == CPU_SIZES else "custom", sizes=dataclasses.asdict(sizes),
-                hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, rows=workloads.rows, chat=chat,
+                which=list(which), hbm_copy_TBps=hbm, matmul_TFLOPs=matmul, rows=workloads.rows, chat=chat,
                 seconds=time.perf_counter() - started)
 
 

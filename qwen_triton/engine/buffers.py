@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..operators.linear.fusion import SQUARES_COLUMNS
 
 
 def bucket(batch: int) -> int:
@@ -88,7 +89,10 @@ class DecodeBuffers:
             "delta_normed": zeros(size, c.linear_value_dim),
             "mlp_hidden": zeros(size, c.intermediate_size),
         }
+        # the rows' sums of squares for the folded norms of a step that runs the GEMM (engine/plan.py)
+        self.squares = torch.zeros(size, -(-c.hidden_size // SQUARES_COLUMNS), device=device, dtype=torch.float32)
         self.logits = torch.zeros(size, c.vocab_size, device=device, dtype=torch.float32)
+        self.greedy_temperature = torch.zeros(size, device=device, dtype=torch.float32)  # the draw as an argmax
         self.next_tokens = torch.zeros(size, device=device, dtype=torch.int64)
         self.temperature = torch.zeros(size, device=device, dtype=torch.float32)
         self.top_k = torch.zeros(size, device=device, dtype=torch.int32)

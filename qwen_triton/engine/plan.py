@@ -79,6 +79,12 @@ class Options:
     projected_delta_decode: bool = True  # one sequence: a DeltaNet layer's in-projection and step in one kernel
     staged_out_projection_mlp: bool = True  # one sequence, Hopper, bf16: the layer tail with its weights staged
     screened_lm_head: bool = True  # greedy, up to 16 rows: the int8-screened exact LM head
+    # several rows (a decode step of 2+ sequences, a prefill of 2-16 tokens): the GEMM, each weight read once for
+    # all rows, with the norms folded (False: the GEMV up to 16 rows, each weight read once a row)
+    batched_projections: bool = True
+    # every decode step, one row's too, runs the kernels of several rows, so that a sequence's ids never depend on
+    # how many sequences share its steps (one row then forgoes the GEMV and the fused one-row kernels)
+    batch_invariant: bool = False
     pdl: bool | None = None  # programmatic dependent launch (None: where the device has it)
     fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
     # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
@@ -112,6 +118,7 @@ class Plan:
     cuda_graph: bool
     pdl: bool
     fold_norms: bool
+    gemv_rows: int  # projections of up to this many rows run the GEMV (a weight read once a row), more the GEMM
     fused_tail_rows: int  # decode buckets of up to this many rows run the layer tail as out_projection_mlp (0: none)
     staged_tail: bool  # a one-row decode's layer tail is staged_out_projection_mlp
     delta_step: str  # DELTA_FUSED or DELTA_UNFUSED (several rows, or where the projected step is off)
@@ -145,10 +152,18 @@ class Plan:
     def decode_lm_head(self, rows: int, mode: str) -> str:
         """A decode step's LM head for a sampling mode ("greedy", "temperature", "logits", or a mode whose LM head
         writes logits for the sampling kernels: "min-p", "sample", "penalized", "penalized-sample";
-        engine/device_sampling.py)."""
-        if mode == "greedy":
-            return HEAD_SCREENED if rows <= self.screened_rows else HEAD_ARGMAX
-        return HEAD_GUMBEL if mode == "temperature" else HEAD_LOGITS
+        engine/device_sampling.py). Past gemv_rows the argmax heads (which read the head once a row) give way to
+        the logits, read once for all rows, and the sampler's draw (greedy rows at temperature 0)."""
+        if mode == "greedy" and rows <= self.screened_rows:
+            return HEAD_SCREENED
+        if mode in ("greedy", "temperature") and rows <= self.gemv_rows:
+            return HEAD_ARGMAX if mode == "greedy" else HEAD_GUMBEL
+        return HEAD_LOGITS
+
+    def decode_folded_norm(self, rows: int) -> bool:
+        """Whether a decode step of this bucket applies the folded norms in the GEMM's epilogue from the rows'
+        sums of squares (its projections run the GEMM), else in the GEMV's prologue."""
+        return self.fold_norms and rows > self.gemv_rows
 
     # ---- prefill ---------------------------------------------------------------------------------
     def prefill_pdl(self, tokens: int) -> bool:
@@ -200,11 +215,16 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
     pdl = device.pdl_available if options.pdl is None else bool(options.pdl)
     if pdl and not device.pdl_available:
         raise ValueError(f"pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer, not {device.name}")
-    fused_tail_rows = MAX_ROWS if options.out_projection_mlp else 0
+    if options.batch_invariant and not options.batched_projections:
+        raise ValueError("batch_invariant=True needs batched_projections=True (the GEMM for every bucket)")
+    gemv_rows = 0 if options.batch_invariant else 1 if options.batched_projections else MAX_ROWS
+    # out_projection_mlp reads its weights once a row, as the GEMV does
+    fused_tail_rows = gemv_rows if options.out_projection_mlp else 0
     staged_tail = (options.staged_out_projection_mlp and fused_tail_rows > 0 and device.type == "cuda"
                    and not device.interpreter and device.hopper_or_later and dtype == torch.bfloat16
                    and staged_tail_fits(config, device))
-    projected = (options.projected_delta_decode and options.fused_delta_decode and options.output_norm_in_projection
+    projected = (gemv_rows >= 1 and options.projected_delta_decode and options.fused_delta_decode
+                 and options.output_norm_in_projection
                  and fused_tail_rows >= 1 and config.linear_key_head_dim % PROJECTED_ROWS == 0
                  and config.linear_value_head_dim % PROJECTED_ROWS == 0)
     fold_norms = True if options.fold_norms is None else bool(options.fold_norms)
@@ -216,6 +236,7 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         cuda_graph=options.cuda_graph and device.type == "cuda",
         pdl=pdl,
         fold_norms=fold_norms,
+        gemv_rows=gemv_rows,
         fused_tail_rows=fused_tail_rows,
         staged_tail=staged_tail,
         delta_step=DELTA_FUSED if options.fused_delta_decode else DELTA_UNFUSED,
@@ -225,7 +246,7 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
         screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
         prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
-        folded_norm_from=MAX_ROWS + 1 if fold_norms else 2**62,
+        folded_norm_from=gemv_rows + 1 if fold_norms else 2**62,
         tune_decode_attention_at_full_length=options.tune_decode_attention_at_full_length,
     )
 
@@ -247,13 +268,14 @@ _DELTA_KERNELS = {
 _HEAD_KERNELS = {
     HEAD_SCREENED: "lm_head.screened (int8 screen, exact check)",
     HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel + _argmax_reduce_kernel",
+    HEAD_LOGITS: "lm_head logits (linear.gemm:_gemm_kernel) + sampling.sample's draw at temperature 0",
 }
 
 
 def _prefill_rows(plan: Plan, tokens: int) -> dict[str, str]:
     tuning = plan.tuning
-    gemm = "linear.gemv:_gemv_kernel" if tokens <= MAX_ROWS else "linear.gemm:_gemm_kernel"
-    if tokens > MAX_ROWS:
+    gemm = "linear.gemv:_gemv_kernel" if tokens <= plan.gemv_rows else "linear.gemm:_gemm_kernel"
+    if tokens > plan.gemv_rows:
         loads = "TMA" if tokens >= tuning.gemm_tma_rows and plan.device.hopper_or_later else "pointer"
         split = "split-K allowed" if plan.split_k and tokens <= MAX_SPLIT_ROWS else "no split-K"
         gemm += f" ({loads} loads, {split})"
@@ -285,15 +307,14 @@ def triton_bucket(tokens: int) -> int:
 def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
     tail = plan.decode_tail(rows)
     head = plan.decode_lm_head(rows, "greedy")
+    gemv = rows <= plan.gemv_rows
+    projection = "linear.gemv:_gemv_kernel" if gemv else "linear.gemm:_gemm_kernel"
     return {
-        "attention in-projection": "linear.gemv:_gemv_kernel (norm in the prologue)" if rows <= MAX_ROWS
-        else "linear.gemm:_gemm_kernel",
+        "attention in-projection": projection + (" (norm in the prologue)" if gemv else " (norm folded)"),
         "q/k norm + rotary": "attention.qk_norm_rotary:_qk_norm_rotary_kernel",
         "attention": "attention.decode:_decode_split_kernel + _decode_merge_kernel",
-        "deltanet layer": _DELTA_KERNELS[plan.decode_delta(rows)].replace(
-            "linear.gemv:_gemv_kernel", "linear.gemv:_gemv_kernel" if rows <= MAX_ROWS else "linear.gemm:_gemm_kernel"),
-        "out-projection + MLP": _TAIL_KERNELS[tail] if tail != TAIL_LINEAR or rows <= MAX_ROWS
-        else "linear.gemm:_gemm_kernel x3",
+        "deltanet layer": _DELTA_KERNELS[plan.decode_delta(rows)].replace("linear.gemv:_gemv_kernel", projection),
+        "out-projection + MLP": _TAIL_KERNELS[tail] if tail != TAIL_LINEAR or gemv else projection + " x3",
         "LM head (greedy)": _HEAD_KERNELS[head] + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED
                                                               else plan.lm_head_pdl) else ""),
         "LM head (temperature / top-k, top-p)": "lm_head.argmax (Gumbel-max) / lm_head logits + sampling.sample",
@@ -339,7 +360,7 @@ def describe_plan(plan: Plan, config: ModelConfig, decode_rows, prefill_tokens) 
         "",
         f"split_k={plan.split_k} cuda_graph={plan.cuda_graph} pdl={plan.pdl} fold_norms={plan.fold_norms} "
         f"staged_tail={plan.staged_tail} projected_delta={plan.projected_delta} "
-        f"screened_rows={plan.screened_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens}",
+        f"screened_rows={plan.screened_rows} gemv_rows={plan.gemv_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens}",
         "",
     ]
     left_out = _left_out(plan, config)

@@ -60,8 +60,8 @@ from .device_sampling import (LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, TOP_K
                               sample_options)
 from .graphs import DecodeGraphs, PrefillGraphs
 from .packing import AttentionWeights, DeltaNetWeights, MLPWeights, pack_weights
-from .plan import (DELTA_FUSED, DELTA_FUSED_NORM, DELTA_PROJECTED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_SCREENED,
-                   TAIL_LINEAR, TAIL_STAGED, DeviceProperties, Options, resolve_plan)
+from .plan import (DELTA_FUSED, DELTA_FUSED_NORM, DELTA_PROJECTED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_LOGITS,
+                   HEAD_SCREENED, TAIL_LINEAR, TAIL_STAGED, DeviceProperties, Options, resolve_plan)
 from .trace import KernelTrace
 
 __all__ = ["TritonModel", "DeviceSampling", "DecodeBuffers", "bucket"]
@@ -161,9 +161,11 @@ class TritonModel:
         return self.trace.operator(kind, layer, moved, flops)
 
     def _linear(self, kind: str, layer: int | None, x, weight, out=None, pdl=False, **options):
-        """`linear` with the plan's split-K choice, traced as one operator."""
+        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM), traced as one
+        operator."""
         with self._traced(kind, layer, costs.linear, x, weight, **options):
-            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=pdl, **options)
+            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=pdl,
+                          gemv=x.shape[0] <= self.plan.gemv_rows, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _norm(self, norm_weight, squares) -> dict:
@@ -246,8 +248,9 @@ class TritonModel:
             _, z, _, _ = self._split_projection(scratch["delta_projection"])
             return self._layer_tail(i, "deltanet gated norm + out-projection", out.view(1, -1), w.out, x, mlp, step,
                                     head_norm=(z, w.norm))
-        projection = self._linear("deltanet in-projection", i, x, w.projection, norm_weight=w.input_norm,
-                                  eps=c.rms_norm_eps, out=scratch["delta_projection"], pdl=step.pdl)
+        projection = self._linear("deltanet in-projection", i, x, w.projection,
+                                  **self._norm(w.input_norm, step.squares), out=scratch["delta_projection"],
+                                  pdl=step.pdl)
         mixed, z, b, a = self._split_projection(projection)
         conv_state, state = self.state.conv[i], self.state.recurrent[i]  # row r's at slot step.slots[r]
         cost = (costs.delta_step, c, size, w.conv.numel(), projection.shape[1], element)
@@ -388,12 +391,17 @@ class TritonModel:
         with self._traced("embedding", None, costs.rows_read, size, c.hidden_size, self.embed.element_size()):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
         step = ForwardPass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers)
+        if plan.decode_folded_norm(size):  # the GEMM's folded norms, from the rows' sums of squares
+            step.squares = buffers.squares
+            with self._traced("embedding's sums of squares", None, costs.rows_read, size, c.hidden_size,
+                              self.embed.element_size(), 1):
+                row_squares(x, out=step.squares)
         x = self._layers(x, step)
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=plan.lm_head_pdl)
         head = plan.decode_lm_head(size, mode)
         kind = "final norm + lm head" + (" (int8 screen, exact check)" if head == HEAD_SCREENED else "")
         with self._traced(kind + (" + argmax" if mode in ("greedy", "temperature") else ""), None, costs.lm_head,
-                          self.lm_head, size, mode not in ("greedy", "temperature"), head == HEAD_SCREENED):
+                          self.lm_head, size, head == HEAD_LOGITS, head == HEAD_SCREENED):
             if head == HEAD_SCREENED:
                 lm_head_argmax_screened(x, self.lm_head, self.lm_head_screen, out=buffers.next_tokens,
                                         **dict(final, pdl=plan.screened_lm_head_pdl))
@@ -403,7 +411,7 @@ class TritonModel:
                 lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, temperature=buffers.temperature,
                                seed=buffers.seed, step=buffers.step, **final)
             else:
-                lm_head_logits(x, self.lm_head, out=buffers.logits, **final)
+                lm_head_logits(x, self.lm_head, out=buffers.logits, gemv=size <= plan.gemv_rows, **final)
         penalized = mode in PENALIZED_MODES
         if penalized:
             with self._traced("penalties (repetition, frequency, presence)", None, costs.penalties, c, size):
@@ -416,6 +424,11 @@ class TritonModel:
             with self._traced(f"sampling ({filters})", None, costs.sampling, c, size):
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
                        buffers.step, out=buffers.next_tokens, min_p=buffers.min_p, **sample_options(mode))
+        elif head == HEAD_LOGITS and mode != "logits":  # greedy or temperature rows past the argmax heads' buckets
+            temperature = buffers.temperature if mode == "temperature" else buffers.greedy_temperature
+            with self._traced("sampling (argmax / temperature)", None, costs.sampling, c, size):
+                sample(buffers.logits, temperature, buffers.top_k, buffers.top_p, buffers.seed, buffers.step,
+                       out=buffers.next_tokens, filtering=False)
         if penalized:
             with self._traced("penalties: count the chosen ids", None, costs.token_count, size):
                 count_tokens(buffers.next_tokens, self.history.counts, slots=buffers.slots)

@@ -51,7 +51,6 @@ import triton
 
 from ..operators.gated_delta_rule.chunk import SPLIT_PREPARE_TOKENS, chunk_size_for
 from ..operators.linear.gemm import MAX_SPLIT_ROWS, TMA_ROWS
-from ..operators.linear.gemv import MAX_ROWS
 from ..progress import progress_printer
 from .buffers import DecodeBuffers, PenaltyHistory
 from .device_sampling import PENALIZED_MODES, DeviceSampling, choose_first
@@ -86,7 +85,7 @@ def prefill_signature(plan: Plan, tokens: int, row_bytes: int) -> tuple:
     row's bytes (the LM head reads the last row: its alignment)."""
     chunk = chunk_size_for(tokens)
     chunks = triton.cdiv(tokens, chunk)
-    starts = (MAX_ROWS + 1, MAX_SPLIT_ROWS + 1, TMA_ROWS, plan.prefill_pdl_tokens + 1, plan.folded_norm_from,
+    starts = (plan.gemv_rows + 1, MAX_SPLIT_ROWS + 1, TMA_ROWS, plan.prefill_pdl_tokens + 1, plan.folded_norm_from,
               SPLIT_PREPARE_TOKENS + 1)  # the lengths from which a variant changes
     return (triton.next_power_of_2(tokens), chunk, tuple(tokens >= start for start in starts),
             specialization(tokens), specialization(chunks), (tokens - 1) * row_bytes % 16 == 0)

@@ -32,6 +32,11 @@ class Tuning:
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N from gemm_long_prompt_rows tokens on, and on the
     # TMA loads in the bucket gemm_medium_prompt_bucket
     gemm_by_k: tuple | None
+    # linear.gemm for up to gemm_decode_rows rows (a decode step of several sequences, the shortest prompts):
+    # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K, one pick for every bucket, so that a row's result does not
+    # depend on how many rows share its step (None: autotune)
+    gemm_decode_rows: int
+    gemm_decode_by_k: tuple | None
     gemm_long_by_n: tuple | None
     gemm_medium_by_n: tuple | None
     gemm_long_prompt_rows: int
@@ -63,7 +68,7 @@ class Tuning:
 
 def without_picks(table: Tuning, name: str = "default") -> Tuning:
     """`table`'s thresholds with every pick removed: each kernel autotunes over its whole config space."""
-    return dataclasses.replace(table, name=name, gemv_by_k=None, gemm_by_k=None, gemm_long_by_n=None,
+    return dataclasses.replace(table, name=name, gemv_by_k=None, gemm_by_k=None, gemm_decode_by_k=None, gemm_long_by_n=None,
                                gemm_medium_by_n=None, conv_prefill_pick=None, conv_long_prefill_pick=None,
                                qk_long_rows_pick=None, chunk_short_prompt_picks={}, chunk_long_prompt_picks={})
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from qwen_triton.benchmark.floor import decode_run_bytes, prefill_flops
-from qwen_triton.benchmark.workloads import CPU_SIZES, GPU_SIZES, SAMPLING_SETTINGS, Workloads, sizes_for
+from qwen_triton.benchmark.workloads import (CPU_SIZES, GPU_SIZES, SAMPLING_SETTINGS, Workloads, run_workloads,
+                                             sizes_for)
 from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.cli import main
 from qwen_triton.config import parse_config
@@ -161,3 +162,18 @@ def test_steps_counts_the_tokens_generated():
 def test_ops_and_workloads_together_are_refused(capsys):
     assert main(["bench", "--device", "cpu", "--ops", "--workloads"]) == 2
     assert "--ops and --workloads" in capsys.readouterr().err
+
+
+def test_a_subset_of_the_workloads_is_chosen_by_name(capsys, monkeypatch):
+    assert main(["bench", "--device", "cpu", "--workloads", "decode,dance"]) == 2
+    assert "--workloads: unknown dance" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown workloads"):
+        run_workloads("tiny", "cpu", which=("nap",))
+    ran = []
+    monkeypatch.setattr(Workloads, "__init__", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(Workloads, "close", lambda self: None)
+    for name in ("chat", "decode", "prefill", "sampling", "streaming"):
+        monkeypatch.setattr(Workloads, name, lambda self, name=name: ran.append(name))
+    monkeypatch.setattr(Workloads, "rows", [], raising=False)
+    section = run_workloads("tiny", "cpu", which=("sampling", "decode"), hbm=1.0, matmul=1.0)
+    assert ran == ["decode", "sampling"] and section["which"] == ["sampling", "decode"] and section["chat"] is None

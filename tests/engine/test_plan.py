@@ -16,17 +16,44 @@ H200 = DEVICES["h200"]
 def test_the_h200_plan_of_the_0_8b_model():
     plan = resolve_plan(CONFIG, H200)
     assert plan.pdl and plan.cuda_graph and plan.fold_norms and plan.split_k and plan.tuning.name == "h200"
+    # one row: the GEMV and the fused kernels; several: the GEMM (each weight read once for all rows), norms folded
+    assert plan.gemv_rows == 1
+    assert [plan.decode_tail(rows) for rows in (1, 2, 16, 32)] == [plans.TAIL_STAGED] + [plans.TAIL_LINEAR] * 3
+    assert [plan.decode_delta(rows) for rows in (1, 2, 32)] == [plans.DELTA_PROJECTED] + [plans.DELTA_FUSED_NORM] * 2
+    assert [plan.decode_folded_norm(rows) for rows in (1, 2, 128)] == [False, True, True]
+    assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
+        plans.HEAD_LOGITS]
+    assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
+    assert plan.decode_lm_head(2, "temperature") == plans.HEAD_LOGITS
+    assert plan.decode_lm_head(1, "sample") == plan.decode_lm_head(1, "logits") == plans.HEAD_LOGITS
+    assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
+    assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
+    assert not plan.prefill_folded_norm(1) and plan.prefill_folded_norm(2)
+
+
+def test_without_batched_projections_several_rows_run_the_gemv():
+    plan = resolve_plan(CONFIG, H200, Options(batched_projections=False))
+    assert plan.gemv_rows == 16
     assert [plan.decode_tail(rows) for rows in (1, 2, 16, 32)] == [plans.TAIL_STAGED, plans.TAIL_FUSED,
                                                                     plans.TAIL_FUSED, plans.TAIL_LINEAR]
     assert [plan.decode_delta(rows) for rows in (1, 2, 32)] == [plans.DELTA_PROJECTED, plans.DELTA_FUSED,
                                                                plans.DELTA_FUSED_NORM]
     assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
-        plans.HEAD_ARGMAX]
-    assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
-    assert plan.decode_lm_head(1, "sample") == plan.decode_lm_head(1, "logits") == plans.HEAD_LOGITS
-    assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
-    assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
+        plans.HEAD_LOGITS]
+    assert plan.decode_lm_head(16, "temperature") == plans.HEAD_GUMBEL
+    assert not plan.decode_folded_norm(16) and plan.decode_folded_norm(17)
     assert not plan.prefill_folded_norm(16) and plan.prefill_folded_norm(17)
+
+
+def test_batch_invariant_runs_one_row_as_several():
+    plan = resolve_plan(CONFIG, H200, Options(batch_invariant=True))
+    assert plan.gemv_rows == 0 and not plan.staged_tail and not plan.projected_delta
+    for rows in (1, 2, 128):
+        assert plan.decode_tail(rows) == plans.TAIL_LINEAR and plan.decode_delta(rows) == plans.DELTA_FUSED_NORM
+        assert plan.decode_folded_norm(rows) and plan.decode_lm_head(rows, "temperature") == plans.HEAD_LOGITS
+    assert plan.decode_lm_head(1, "greedy") == plan.decode_lm_head(16, "greedy") == plans.HEAD_SCREENED
+    with pytest.raises(ValueError, match="batch_invariant=True needs batched_projections=True"):
+        resolve_plan(CONFIG, H200, Options(batch_invariant=True, batched_projections=False))
 
 
 def test_options_turn_variants_off():

@@ -114,6 +114,18 @@ def test_linear_matches_reference(device, M, K, N, options, split_k):
     assert_close(result, ref, dtype)
 
 
+@pytest.mark.parametrize("options", [(), ("norm", "swiglu", "residual"), ("gate", "inplace")])
+def test_linear_runs_the_gemm_for_a_few_rows_when_asked(device, options):
+    """gemv=False: 2-16 rows through the GEMM (the engine's decode step of several sequences), gemv=True past 16
+    rows refused."""
+    x, weight, kwargs = inputs(3, 100, 70, torch.float16, device, options, seed=8)
+    ref = reference(x, weight, **kwargs)
+    out = kwargs["residual"] if "inplace" in options else None
+    assert_close(linear(x, weight, out=out, gemv=False, **kwargs), ref, torch.float16)
+    with pytest.raises(ValueError, match="gemv=True serves at most 16 rows, x has 17"):
+        linear(torch.zeros(17, 100, device=device, dtype=torch.float16), weight, gemv=True)
+
+
 @pytest.mark.parametrize("M", [3, 17])
 def test_linear_float32(device, M):
     x, weight, kwargs = inputs(M, 100, 70, torch.float32, device, ("norm", "swiglu", "residual"), seed=5)
@@ -451,6 +463,24 @@ def test_gpu_decode_batch_and_no_split(M, split_k, projection):
     out = linear(x, weight, split_k=split_k, **kwargs)
     assert relative_norm_error(out, ref) < GPU_BOUND
     assert torch.equal(linear(x, weight, split_k=split_k, **kwargs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+def test_gpu_decode_rows_through_the_gemm_are_batch_invariant(name, rows, K, options):
+    """A decode step of 2-128 rows runs the GEMM: each row as accurate as the GEMV's, and a row's result does not
+    depend on how many rows share the call (the configs of every bucket split K alike)."""
+    x, weight, kwargs = gpu_inputs(128, rows, K, options, seed=11)
+    results = {}
+    for M in (2, 16, 64, 128):
+        rows_kwargs = {name: (value[:M].clone() if torch.is_tensor(value) and value.dim() == 2 else value)
+                       for name, value in kwargs.items()}
+        ref = reference(x[:M], weight, **rows_kwargs)
+        out = linear(x[:M].clone(), weight, gemv=False, **rows_kwargs)
+        assert relative_norm_error(out, ref) < GPU_BOUND
+        results[M] = out
+    for M in (16, 64, 128):
+        assert torch.equal(results[M][:2], results[2]), M
 
 
 @pytest.mark.gpu

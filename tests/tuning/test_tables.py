@@ -20,6 +20,7 @@ def test_the_h200_table_holds_the_values_the_kernels_were_tuned_with():
     h200 = tuning.H200
     assert h200.gemv_by_k == ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))
     assert h200.gemm_by_k == ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))
+    assert h200.gemm_decode_rows == 64 and h200.gemm_decode_by_k is None
     assert h200.gemm_long_by_n == ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
     assert h200.gemm_medium_by_n == ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
     assert (h200.gemm_long_prompt_rows, h200.gemm_medium_prompt_bucket, h200.gemm_tma_rows) == (4096, 1024, 257)
@@ -45,6 +46,7 @@ def test_the_kernels_read_the_active_table_which_is_the_h200s_here():
     table = tuning.active()
     assert table is tuning.H200  # under the interpreter
     assert gemv.PREFERRED_BY_K is table.gemv_by_k and gemm.PREFERRED_BY_K is table.gemm_by_k
+    assert gemm.PREFERRED_DECODE_BY_K is table.gemm_decode_by_k and gemm.DECODE_ROWS == table.gemm_decode_rows
     assert gemm.PREFERRED_LONG_BY_N is table.gemm_long_by_n and gemm.TMA_ROWS == table.gemm_tma_rows
     assert causal_conv1d.LONG_PREFILL_PICK is table.conv_long_prefill_pick
     assert qk_norm_rotary.LONG_ROWS_PICK is table.qk_long_rows_pick

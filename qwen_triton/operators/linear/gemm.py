@@ -103,6 +103,10 @@ def _configs(split: bool) -> list[triton.Config]:
         (64, 64, 64, 4, 4, 1), (64, 32, 128, 4, 3, 1),
         (64, 64, 128, 4, 3, 4), (64, 64, 64, 4, 3, 8), (128, 64, 128, 8, 3, 8), (128, 64, 64, 4, 3, 4),
         (64, 128, 64, 4, 3, 2),
+        # a decode step of 2-64 rows (and a prompt of as few tokens): short tiles of rows, the weights streamed by
+        # 130-520 programs (N = 1024 split 4-8 ways, the in-projections 64-128 rows a program)
+        (16, 64, 128, 4, 4, 1), (16, 128, 64, 4, 4, 1), (16, 64, 128, 4, 4, 4), (16, 64, 256, 4, 3, 8),
+        (32, 64, 128, 4, 4, 1), (32, 64, 128, 4, 4, 4), (32, 32, 256, 4, 3, 8), (64, 32, 128, 4, 4, 8),
     ]:
         if split or split_k == 1:
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
@@ -149,6 +153,8 @@ MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS
 # and, on the TMA loads, in the bucket MEDIUM_PROMPT_BUCKET. Where one applies it is the only candidate; without
 # a table (None) the autotuner chooses among all.
 PREFERRED_BY_K = active().gemm_by_k  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by the largest K it serves
+DECODE_ROWS = active().gemm_decode_rows  # buckets of up to this many rows take PREFERRED_DECODE_BY_K instead
+PREFERRED_DECODE_BY_K = active().gemm_decode_by_k
 LONG_PROMPT_ROWS = active().gemm_long_prompt_rows
 PREFERRED_LONG_BY_N = active().gemm_long_by_n  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N
 MEDIUM_PROMPT_BUCKET = active().gemm_medium_prompt_bucket
@@ -159,9 +165,10 @@ TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # of
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles taller than the bucket of M, accumulators over 128 float32 registers per thread, and
-    splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
-    keep the in-graph winner for this K where it is among them (see PREFERRED_BY_K), for a long one that
+    """Drop tiles taller than the bucket of M (or shorter than 64 rows past 64 rows), accumulators over 128 float32
+    registers per thread, and splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
+    keep the in-graph winner for this K where it is among them (PREFERRED_DECODE_BY_K up to DECODE_ROWS rows, then
+    PREFERRED_BY_K), for a long one that
     for this N (PREFERRED_LONG_BY_N), and on the TMA loads for one of 513-1024 tokens that of
     PREFERRED_MEDIUM_BY_N."""
     bucket = named_args["M_BUCKET"]
@@ -169,14 +176,15 @@ def _prune(configs, named_args, **kwargs):
     split_allowed = kwargs["SPLIT_ALLOWED"] and bucket <= MAX_SPLIT_ROWS
     kept = [
         c for c in configs
-        if c.kwargs["BLOCK_M"] <= max(bucket, 64)
+        if c.kwargs["BLOCK_M"] <= max(bucket, 64) and (c.kwargs["BLOCK_M"] >= 64 or bucket <= 64)
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
         and (c.kwargs["BLOCK_N"] >= SQUARES_COLUMNS or not kwargs.get("WRITE_SQUARES"))
     ]
     if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
         fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
-        kept = keep_preferred(kept, preferred_entry(PREFERRED_BY_K, named_args["K"], fields))
+        table = PREFERRED_DECODE_BY_K if bucket <= DECODE_ROWS else PREFERRED_BY_K
+        kept = keep_preferred(kept, preferred_entry(table, named_args["K"], fields))
     if bucket >= LONG_PROMPT_ROWS and "N" in named_args:
         kept = keep_preferred(kept, preferred_entry(PREFERRED_LONG_BY_N, named_args["N"], TILE_FIELDS))
     if bucket == MEDIUM_PROMPT_BUCKET and kwargs.get("TMA") and "N" in named_args:

@@ -18,8 +18,9 @@ output columns), or `norm.row_squares`. So a prefill's GEMMs need no prologue pa
 The GEMV (M <= 16) keeps its prologue for a folded norm, with a zero norm weight (the scale 1 + 0), and writes
 squares_out with `row_squares` after it.
 
-Dispatch: M <= 16 tokens (decode) -> split-K GEMV (gemv.py); more (prefill) -> tiled GEMM (gemm.py), whose
-tiles come through TMA descriptors from 257 tokens on (Hopper).
+Dispatch: M <= 16 tokens -> split-K GEMV (gemv.py); more -> tiled GEMM (gemm.py), whose tiles come through TMA
+descriptors from 257 tokens on (Hopper). `gemv=` overrides it: the GEMV reads the weights once a row (a row is then
+reduced as it is alone), the GEMM once for all rows, so the engine runs the GEMV for one row only (engine/plan.py).
 Accumulation is float32; the output is rounded once to x's dtype (or float32 with out_dtype, for logits).
 
 Autotuning and its disk cache. Both kernels are `triton.autotune`d with `cache_results=True`: the first
@@ -43,7 +44,8 @@ from ..common import check_same_device, check_tensor
 from ..norm import row_squares
 from .fusion import SQUARES_COLUMNS
 from .gemm import gemm
-from .gemv import MAX_ROWS, gemv
+from .gemv import MAX_ROWS
+from .gemv import gemv as gemv_kernel
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {None: 0, "swiglu": 1}
@@ -88,6 +90,7 @@ def linear(
     pdl: bool = False,
     norm_squares: torch.Tensor | None = None,
     squares_out: torch.Tensor | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -99,6 +102,8 @@ def linear(
     norm_squares [M, P] float32: x's rows' sums of squares (summed over P) for the folded norm (the weight holds
     the norm's (1 + w); see the module docstring); squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: filled with
     the output rows' sums of squares (each row's over its columns: what the next folded norm reads).
+    gemv: run the GEMV (True; M <= 16) or the GEMM (False); None: the GEMV for M <= 16. The engine's plan says
+    which (`Plan.gemv_rows`): the GEMV reads each weight once a row, the GEMM once for all rows.
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -153,10 +158,14 @@ def linear(
     if M == 0 or N == 0:
         return out
     options = dict(residual=residual, gate=gate, norm_weight=norm_weight, eps=eps, activation=ACTIVATIONS[activation])
-    if M <= MAX_ROWS:
+    if gemv is None:
+        gemv = M <= MAX_ROWS
+    elif gemv and M > MAX_ROWS:
+        raise ValueError(f"gemv=True serves at most {MAX_ROWS} rows, x has {M}")
+    if gemv:
         if norm_squares is not None:
             options["norm_weight"] = _unit_norm(x)
-        gemv(x, weight, out, split_k=split_k, pdl=pdl, **options)
+        gemv_kernel(x, weight, out, split_k=split_k, pdl=pdl, **options)
         if squares_out is not None:
             row_squares(out, out=squares_out)
         return out
