@@ -163,7 +163,7 @@ class Loaded:
         print(f"loading {self.path} ({self.describe()})", file=sys.stderr, flush=True)
         return LLM(self.path, backend=self.backend, device=self.device, dtype=self.dtype,
                    max_length=self.args.max_length, max_batch=max_batch, progress=True, tokenizer=self.tokenizer,
-                   warm_up=False if getattr(self.args, "no_warm_up", False) else None)
+                   warm_up=False if self.args.no_warm_up else None)
 
 
 def budget_note(prompt_tokens: int, max_new_tokens: int, max_length: int) -> str | None:
@@ -475,6 +475,10 @@ def build_parser() -> ArgumentParser:
         sub.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
         sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
         sub.add_argument("--max-length", type=int, metavar="N", default=4096, help="tokens of context (prompt + reply)")
+        sub.add_argument("--no-warm-up", action="store_true",
+                         help="start without the warm-up that compiles and tunes the kernels of every prompt length "
+                              "up to --max-length, every batch and sampling mode (on a GPU; a request of a new "
+                              "length may then stall)")
 
     def model_options(sub):
         engine_options(sub)
@@ -493,9 +497,6 @@ def build_parser() -> ArgumentParser:
                          help="divides positive (multiplies negative) logits of tokens already seen; 1 = off")
         sub.add_argument("--thinking", action=argparse.BooleanOptionalAction,
                          help="Qwen3.5's thinking mode through the chat template (default: the template's own)")
-        sub.add_argument("--no-warm-up", action="store_true",
-                         help="start without the warm-up that compiles and tunes the kernels of every prompt length "
-                              "up to --max-length (on a GPU; a prompt of a new length may then stall)")
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streaming")
     generate.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from standard input")
@@ -512,9 +513,6 @@ def build_parser() -> ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     engine_options(serve)
-    serve.add_argument("--no-warm-up", action="store_true",
-                       help="start without the warm-up that compiles and tunes the kernels of every prompt length "
-                            "and batch (on a GPU; a request of a new length may then stall)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on; 0 = any free one")
     serve.add_argument("--served-model-name", metavar="NAME",

@@ -15,15 +15,9 @@ import httpx
 import pytest
 
 from qwen_triton.cli import main
+from tests.test_cli import no_loading  # noqa: F401 (a fixture: the weights must not load)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the arguments were checked")
-    monkeypatch.setattr("qwen_triton.engine.llm.load_weights", refuse)
 
 
 @pytest.mark.parametrize("arguments, message", [
