@@ -247,6 +247,9 @@ def check_serve_arguments(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < args.prefill_chunk:
+        raise UsageError(f"--max-prefill-tokens must be >= --prefill-chunk ({args.prefill_chunk}), "
+                         f"got {args.max_prefill_tokens}")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise UsageError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -270,7 +273,7 @@ def command_serve(args) -> None:
         llm = loaded.load(max_batch=args.max_num_seqs)
         name = args.served_model_name or args.model or loaded.path.name
         app = create_app(llm, model_name=name, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                         drain_timeout=args.drain_timeout)
+                         max_prefill_tokens=args.max_prefill_tokens, drain_timeout=args.drain_timeout)
         host, port = sock.getsockname()[:2]
         note(f"serving {name} at http://{host}:{port}/v1 ({args.max_num_seqs} sequences at a time, up to "
              f"{args.max_queue} waiting); SIGTERM or Ctrl-C stops it")
@@ -522,7 +525,11 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--max-queue", type=int, metavar="N", default=256,
                        help="sequences waiting for a slot; beyond them a request gets 429")
     serve.add_argument("--prefill-chunk", type=int, metavar="N", default=512,
-                       help="prompt tokens prefilled per step; a longer prompt runs in chunks between decode steps")
+                       help="the most tokens of one prompt prefilled per step; a longer prompt runs in chunks between "
+                            "decode steps")
+    serve.add_argument("--max-prefill-tokens", type=int, metavar="N",
+                       help="the most prompt tokens prefilled per step, all prompts together: bounds the running "
+                            "streams' time between tokens (default: 4 x --prefill-chunk)")
     serve.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=30.0,
                        help="on SIGTERM, how long requests in flight may take to finish before they are aborted")
     serve.set_defaults(run=command_serve)

@@ -407,20 +407,21 @@ def create_app(
     max_num_seqs: int | None = None,
     max_queue: int = 256,
     prefill_chunk: int = 512,
+    max_prefill_tokens: int | None = None,
     drain_timeout: float = 30.0,
 ) -> FastAPI:
     """The OpenAI API over `llm` (an engine.llm.LLM: its tokenizer, chat template and backend).
 
     The app's lifespan starts the engine thread and stops it: at shutdown, sequences still in flight get
     `drain_timeout` seconds to finish before they are aborted. scheduler: one already built over llm.model
-    (tests wrap the backend); else one is built with max_num_seqs (default: the LLM's max_batch), max_queue and
-    prefill_chunk (scheduler.py). model_name: the name requests give as `model` (default: the checkpoint
-    folder's name).
+    (tests wrap the backend); else one is built with max_num_seqs (default: the LLM's max_batch), max_queue,
+    prefill_chunk and max_prefill_tokens (scheduler.py). model_name: the name requests give as `model` (default:
+    the checkpoint folder's name).
     """
     metrics = ServerMetrics()
     if scheduler is None:
-        scheduler = Scheduler(llm.model, max_num_seqs=max_num_seqs, max_queue=max_queue,
-                              prefill_chunk=prefill_chunk, metrics=metrics)
+        scheduler = Scheduler(llm.model, max_num_seqs=max_num_seqs, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                              max_prefill_tokens=max_prefill_tokens, metrics=metrics)
     else:
         scheduler.metrics = metrics
     metrics.add_gauge("running_sequences", "sequences holding a slot (prefilling or decoding)",

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--prefill-chunk", "64", "--max-prefill-tokens", "32"], "--max-prefill-tokens must be >= --prefill-chunk (64)"),
     (["--drain-timeout", "-2"], "--drain-timeout must be >= 0"),
     (["--drain-timeout", "nan"], "--drain-timeout must be >= 0"),
     (["--max-length", "1"], "--max-length must be >= 2"),
