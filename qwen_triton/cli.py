@@ -5,7 +5,7 @@
     qwen-triton serve [--model DIR|REPO_ID] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-queue N]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
-    qwen-triton bench [--variants ...] [--quick] [--ops]
+    qwen-triton bench [--variants ...] [--quick] [--ops | --workloads | --serve [--concurrency 1,8,64,128]]
     qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
 --model takes a checkpoint directory or a Hugging Face repo id (the local Hugging Face cache; HF_HUB_OFFLINE=1
@@ -42,11 +42,12 @@ def note(message: str) -> None:
     print(f"qwen-triton: {message}", file=sys.stderr, flush=True)
 
 
-def default_model(device: str) -> Path:
-    """The random-weight checkpoint used when no --model is given: made once, then reused."""
+def default_model(device: str, preset: str | None = None) -> Path:
+    """The random-weight checkpoint used when no --model is given (the preset's; by default the 0.8b on a GPU, the
+    tiny one on a CPU): made once, then reused."""
     from .checkpoint import make_preset_checkpoint
 
-    preset = "0.8b" if device == "cuda" else "tiny"
+    preset = preset or ("0.8b" if device == "cuda" else "tiny")
     directory = DEFAULT_CACHE / "checkpoints" / f"{preset}-seed0"
     note(f"no --model given: using a random-weight {preset} model; its text is meaningless")
     if not (directory / "config.json").exists():
@@ -362,10 +363,11 @@ def command_bench(args) -> None:
                                      "says otherwise): the harness runs, its numbers mean nothing")
     out = Path(args.out) if args.out else DEFAULT_CACHE / "bench"
     steps = args.steps or (CPU_BENCH["steps"] if on_cpu else 20 if args.quick else 200)
-    if args.ops and args.workloads:
-        raise UsageError("--ops and --workloads are separate runs: choose one")
-    if args.no_warm_up and not args.workloads:
-        raise UsageError("--no-warm-up is for --workloads (the variants and --ops never warm up)")
+    if args.ops and (args.workloads or args.serve):
+        raise UsageError(f"--ops and {'--workloads' if args.workloads else '--serve'} are separate runs: choose one")
+    if args.no_warm_up and not (args.workloads or args.serve):
+        raise UsageError("--no-warm-up is for --workloads and --serve (the variants and --ops never warm up)")
+    serve_sizes = _serve_sizes(args, "cpu" if on_cpu else "cuda")
     if args.ops:
         if device != "cuda":
             raise CommandError("the operator benchmark (--ops) needs a CUDA GPU")
@@ -396,7 +398,56 @@ def command_bench(args) -> None:
         write_report(report, out)
         print()
         print(format_workloads(report["workloads"]))
+    if args.serve:
+        from .benchmark.harness import write_report
+        from .benchmark.serve_load import format_serve, run_serve_load
+
+        report["serve"] = run_serve_load(preset, device, hbm=report["hbm_copy_TBps"], matmul=report["matmul_TFLOPs"],
+                                         sizes=serve_sizes, url=args.url, warm_up=not args.no_warm_up, out_dir=out)
+        write_report(report, out)
+        print()
+        print(format_serve(report["serve"]))
     note(f"wrote {out / 'latest.json'}")
+
+
+SERVE_FLAGS = ("concurrency", "url", "requests_per_client", "output_tokens", "prompt_lengths")
+
+
+def _serve_sizes(args, device: str):
+    """bench --serve's load (benchmark/serve_load.py's sizes for the device, changed by its flags), checked before
+    anything runs; None without --serve, where its flags are refused."""
+    if not args.serve:
+        given = [name for name in SERVE_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} is for --serve")
+        return None
+    import dataclasses
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CommandError(f"--serve needs {', '.join(missing)}: pip install 'qwen-triton[serve]'")
+    from .benchmark.serve_load import sizes_for
+
+    changes = {}
+    if args.concurrency is not None:
+        changes["concurrencies"] = tuple(_lengths(args.concurrency, "--concurrency", ()))
+    if args.prompt_lengths is not None:
+        lengths = _lengths(args.prompt_lengths, "--prompt-lengths", ())
+        if len(lengths) != 2 or lengths[0] > lengths[1]:
+            raise UsageError(f"--prompt-lengths takes LOW,HIGH with LOW <= HIGH, got {args.prompt_lengths!r}")
+        changes["prompt_lengths"] = tuple(lengths)
+    for name, key in (("requests_per_client", "requests_per_client"), ("output_tokens", "output_tokens")):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            changes[key] = value
+    if args.url is not None and not re.match(r"https?://[^/]+$", args.url.rstrip("/")):
+        raise UsageError(f"--url takes the server's root, such as http://127.0.0.1:8000, got {args.url!r}")
+    if args.url is not None:
+        args.url = args.url.rstrip("/")
+    return dataclasses.replace(sizes_for(device), **changes)
 
 
 def command_profile(args) -> None:
@@ -542,8 +593,22 @@ def build_parser() -> ArgumentParser:
                        help="also time chat, batched decode and prefill, sampling and streaming through "
                             "LLM.generate / stream (benchmark/workloads.py)")
     bench.add_argument("--no-warm-up", action="store_true",
-                       help="--workloads: build its LLM without the warm-up (the chat run's requests then compile "
-                            "and tune); the variants never warm up, each measurement warms its shape itself")
+                       help="--workloads and --serve: build the LLM (the server) without the warm-up (the first "
+                            "requests then compile and tune); the variants never warm up, each measurement warms "
+                            "its shape itself")
+    bench.add_argument("--serve", action="store_true",
+                       help="also run `qwen-triton serve` under closed-loop streaming clients at each --concurrency "
+                            "(benchmark/serve_load.py): output tokens/s, per-token latency, time to first token")
+    bench.add_argument("--concurrency", metavar="N,N,...",
+                       help="--serve: comma-separated numbers of clients (default: 1,8,64,128 on cuda, 1,2 on cpu)")
+    bench.add_argument("--url", help="--serve: load this server (e.g. http://127.0.0.1:8000) instead of starting one")
+    bench.add_argument("--requests-per-client", type=int, metavar="N",
+                       help="--serve: requests each client sends per level (default: 4 on cuda, 2 on cpu)")
+    bench.add_argument("--output-tokens", type=int, metavar="N",
+                       help="--serve: ids generated per request (default: 256 on cuda, 3 on cpu)")
+    bench.add_argument("--prompt-lengths", metavar="LOW,HIGH",
+                       help="--serve: prompt lengths drawn uniformly from [LOW, HIGH] (default: 64,512 on cuda, 4,12 "
+                            "on cpu)")
     bench.add_argument("--out", help="where the JSON and the plot go (default: ~/.cache/qwen-triton/bench)")
     bench.add_argument("--preset", choices=preset_names(), help="default: 0.8b on cuda, tiny on cpu")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
