@@ -116,8 +116,9 @@ class HostSampler:
         """The first generated id of each sequence from its prompt's last logits (row r of [S, vocab])."""
         return self.choose(logits, sequences)
 
-    def decode(self, sequences: list[Sequence]) -> list[SequenceOutput]:
-        """One decode step for `sequences` (each at its last generated id, in its slot): one output each."""
+    def decode(self, sequences: list[Sequence], ahead: bool = False) -> list[SequenceOutput]:
+        """One decode step for `sequences` (each at its last generated id, in its slot): one output each (ahead: the
+        device sampler's hint, nothing to run ahead here)."""
         device = self.device
         token_ids = torch.tensor([s.generated[-1] for s in sequences], dtype=torch.int64, device=device)
         positions = torch.tensor([s.position for s in sequences], dtype=torch.int64, device=device)
@@ -165,22 +166,34 @@ def device_params(params: SamplingParams) -> SamplingParams:
 
 class DeviceSampler:
     """Next ids chosen on the device by the backend's decode step (TritonModel.decode_tokens), or, for a step with
-    a row that asks for log-probabilities, by the same kernels from the logits of its `decode`."""
+    a row that asks for log-probabilities, by the same kernels from the logits of its `decode`.
 
-    def __init__(self, backend):
+    With `ahead` (the default on a GPU) a step whose batch the scheduler expects to run again (decode(...,
+    ahead=True): no prompt is waiting to join) launches the next step of the same batch, continuing on the device,
+    before the host reads its own ids, as engine/decode_pipeline.py does for LLM.generate: the GPU then runs while
+    the host handles the step's outputs (the HTTP side's work included). Only where every row has room for two more
+    ids; a row that ends at a stop id meanwhile has its extra id dropped (its slot is reset before it serves another
+    sequence: the stream runs in order). The next decode reads the step launched ahead."""
+
+    def __init__(self, backend, ahead: bool | None = None):
         from ..engine.device_sampling import PENALIZED_MODES
 
         self.backend = backend
         self.device = backend.device
         self.vocab = backend.config.vocab_size
+        self.ahead = self.device.type == "cuda" if ahead is None else ahead
         self._decode = slotted_decode(backend)
         self._penalized_modes = PENALIZED_MODES
-        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+        # an event per step in flight (the one read, the one launched ahead), used in turn
+        self._events = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in range(2)]
+        self._launched = 0
         # the batch the last step ran: its sequences' identities in row order, and its DeviceSampling
         self._batch: tuple[int, ...] = ()
         self._sampling = None
         # whether the last step ran this batch with feedback: the next one then continues on the device
         self._continues = False
+        # a step launched ahead, not yet read: (its event's index, its rows' step counters before it)
+        self._pending: tuple[int, list[int]] | None = None
 
     def start(self, sequence: Sequence) -> None:
         params = device_params(sequence.params)
@@ -198,10 +211,15 @@ class DeviceSampler:
         slots = torch.tensor([s.slot for s in sequences], dtype=torch.int32, device=self.device)
         return self._choose(logits, sequences, sampling, steps, slots)
 
-    def decode(self, sequences: list[Sequence]) -> list[SequenceOutput]:
-        """One decode step for `sequences` (each at its last generated id, in its slot): one output each."""
+    def decode(self, sequences: list[Sequence], ahead: bool = False) -> list[SequenceOutput]:
+        """One decode step for `sequences` (each at its last generated id, in its slot): one output each. ahead: the
+        scheduler expects the same sequences (or fewer) in the next step (see the class)."""
         from ..engine.device_sampling import DeviceSampling
 
+        if self._pending is not None:
+            outputs = self._read_pending(sequences, ahead)
+            if outputs is not None:
+                return outputs
         batch = tuple(s.identity for s in sequences)
         if batch != self._batch:
             self._batch = batch
@@ -214,20 +232,58 @@ class DeviceSampler:
             logits = self._decode(token_ids, positions, slots)
             return self._choose(logits, sequences, self._sampling, step_counts, slots.to(torch.int32))
         if self._continues:
-            self.backend.decode_tokens(None, None, self._sampling, None, feedback=True)
+            index = self._launch()
         else:
             token_ids, positions, step_counts, slots = self._inputs(sequences, steps)
-            self.backend.decode_tokens(token_ids, positions, self._sampling, step_counts, feedback=True, slots=slots)
-            self._continues = True
-        # the feedback kernel leaves row r's id in pinned host memory, in row (its step counter) % 2
-        chosen = self.backend.chosen_on_host(len(sequences))
-        if self._event is not None:
-            self._event.record()
-            self._event.synchronize()
-        rows = chosen.tolist()
+            index = self._launch(token_ids, positions, step_counts, slots)
+        if ahead and self._may_run_ahead(sequences):
+            self._pending = (self._launch(), [step + 1 for step in steps])
+        return self._read(index, steps)
+
+    def _may_run_ahead(self, sequences: list[Sequence]) -> bool:
+        """Whether the step after this one may be launched now: each row has room for its id of this step and the
+        next (its budget, within the context), and none asks for log-probabilities."""
+        return self.ahead and all(len(s.generated) + 2 <= s.budget and s.logprobs is None for s in sequences)
+
+    def _launch(self, token_ids=None, positions=None, step_counts=None, slots=None) -> int:
+        """Launch a step of the current batch with feedback (from the host's inputs, else continuing from the step
+        before); the index of the event recorded after it."""
+        self.backend.decode_tokens(token_ids, positions, self._sampling, step_counts, feedback=True, slots=slots)
+        self._continues = True
+        index = self._launched % 2
+        self._launched += 1
+        if self._events[index] is not None:
+            self._events[index].record()
+        return index
+
+    def _read(self, index: int, steps: list[int]) -> list[SequenceOutput]:
+        """The ids of the step behind event `index`, of the current batch's rows (step counters `steps` before it):
+        the feedback kernel leaves row r's id in pinned host memory, in row (its step counter) % 2."""
+        if self._events[index] is not None:
+            self._events[index].synchronize()
+        rows = self.backend.chosen_on_host(len(steps)).tolist()
         vocab = self.vocab
         return [SequenceOutput(token) if 0 <= token < vocab else SequenceOutput(None, error=NON_FINITE)
                 for token in (rows[step % 2][r] for r, step in enumerate(steps))]
+
+    def _read_pending(self, sequences: list[Sequence], ahead: bool) -> list[SequenceOutput] | None:
+        """The outputs of the step launched ahead for `sequences` (the rows of its batch still running), launching
+        the one after it first where the batch is unchanged; None where none of them ran in it (every sequence of
+        its batch ended meanwhile: the step is waited for and dropped)."""
+        index, steps = self._pending
+        self._pending = None
+        rows = {identity: row for row, identity in enumerate(self._batch)}
+        if not any(s.identity in rows for s in sequences):
+            self._read(index, steps)
+            return None
+        if any(s.identity not in rows for s in sequences):
+            raise RuntimeError("a sequence joined the batch while a step of it ran ahead: the scheduler must not ask "
+                               "for a step ahead while prompts are waiting to join")
+        unchanged = len(sequences) == len(self._batch)
+        if unchanged and ahead and self._may_run_ahead(sequences):
+            self._pending = (self._launch(), [step + 1 for step in steps])
+        outputs = self._read(index, steps)
+        return outputs if unchanged else [outputs[rows[s.identity]] for s in sequences]
 
     def _inputs(self, sequences: list[Sequence], steps: list[int]) -> tuple[torch.Tensor, ...]:
         """(token ids, positions, step counters, slots) [B] each, on the device in one copy."""
@@ -235,9 +291,6 @@ class DeviceSampler:
                                [s.slot for s in sequences]], dtype=torch.int64).to(self.device)
         return packed[0], packed[1], packed[2], packed[3]
 
-    def _output(self, token: int) -> SequenceOutput:
-        # a step over NaN or infinite logits chooses no id of the vocabulary
-        return SequenceOutput(token) if 0 <= token < self.vocab else SequenceOutput(None, error=NON_FINITE)
 
     def _choose(self, logits: torch.Tensor, sequences: list[Sequence], sampling, steps: torch.Tensor,
                 slots: torch.Tensor) -> list[SequenceOutput]:
@@ -266,7 +319,8 @@ class DeviceSampler:
                                       **sample_options(sampling.mode))
         if penalized:
             count_tokens(chosen, counts, slots=slots)
-        ids = torch.where(finite, chosen, -1).tolist()
-        outputs = [self._output(token) for token in ids]
+        vocab = self.vocab  # a step over NaN or infinite logits chooses no id of the vocabulary
+        outputs = [SequenceOutput(token) if 0 <= token < vocab else SequenceOutput(None, error=NON_FINITE)
+                   for token in torch.where(finite, chosen, -1).tolist()]
         logprob_outputs(outputs, logits, sequences)
         return outputs

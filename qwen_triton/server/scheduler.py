@@ -292,7 +292,9 @@ class Scheduler:
         outputs: list[tuple[Sequence, SequenceOutput]] = []
         batch = list(self.decoding)
         if batch:
-            self._advance(batch, self.sampler.decode(batch), outputs)
+            # with no prompt waiting to join, the next step decodes these sequences (or fewer): the sampler may
+            # launch it before handing this one's ids back
+            self._advance(batch, self.sampler.decode(batch, ahead=not self.prefilling), outputs)
         prefilled = self._prefill(outputs)
         self._send(outputs)
         seconds = time.perf_counter() - start

@@ -1,8 +1,8 @@
 """The engine loop over the triton backend, its ids chosen on the device (server/sampler.py's DeviceSampler): greedy,
-seeded and penalized sequences served together give what each gives served alone;
-a step takes its inputs from the host only when the batch changes, else from the step before on the device; a row
-asking for log-probabilities runs the step through the logits and changes no one's ids. CPU: the kernels under
-Triton's interpreter, float32, a two-layer config (GPU: tests/server/test_server_gpu.py)."""
+seeded and penalized sequences served together give what each gives served alone; a step takes its inputs from
+the host only when the batch changes, else from the step before on the device, and may be launched before the host
+reads the one before; a row asking for log-probabilities runs the step through the logits and changes no one's
+ids. CPU: the kernels under Triton's interpreter, float32, a two-layer config (GPU: tests/server/test_server_gpu.py)."""
 
 import warnings
 
@@ -37,27 +37,32 @@ def llm(tmp_path_factory):
 
 
 class CountingBackend:
-    """The triton backend, recording whether each decode_tokens call took its inputs from the host."""
+    """The triton backend, recording each decode_tokens call ("host" where it took its inputs from the host, else
+    "device", with its rows) and each read of the ids it leaves on the host ("read")."""
 
     def __init__(self, backend):
         self.backend = backend
-        self.steps: list[tuple[int, bool]] = []  # (rows, inputs from the host)
+        self.calls: list[str] = []
 
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
     def decode_tokens(self, token_ids, positions, sampling, step, feedback=False, slots=None):
-        self.steps.append((sampling.temperature.shape[0], token_ids is not None))
+        self.calls.append(f"{'host' if token_ids is not None else 'device'} {sampling.temperature.shape[0]}")
         return self.backend.decode_tokens(token_ids, positions, sampling, step, feedback=feedback, slots=slots)
 
+    def chosen_on_host(self, batch):
+        self.calls.append("read")
+        return self.backend.chosen_on_host(batch)
 
-def run(llm, groups, logprobs=None, new_tokens=NEW_TOKENS):
+
+def run(llm, groups, logprobs=None, new_tokens=NEW_TOKENS, ahead=False):
     """Each group of sequences submitted after the one before has finished: the ids of each, the outputs, the
-    sequences, and each decode_tokens call's (rows, inputs from the host)."""
+    sequences, and the backend's calls (CountingBackend). ahead: the sampler launches a step before reading the
+    one before, as on a GPU."""
     collector = Collector()
     backend = CountingBackend(llm.model)
-    scheduler = Scheduler(backend, max_num_seqs=4, emit=collector)
-    assert isinstance(scheduler.sampler, DeviceSampler)
+    scheduler = Scheduler(backend, max_num_seqs=4, emit=collector, sampler=DeviceSampler(backend, ahead=ahead))
     scheduler.start()
     sequences = []
     try:
@@ -68,21 +73,23 @@ def run(llm, groups, logprobs=None, new_tokens=NEW_TOKENS):
             sequences += batch
     finally:
         scheduler.stop()
-    return [collector.tokens(s) for s in sequences], collector, sequences, backend.steps
+    return [collector.tokens(s) for s in sequences], collector, sequences, backend.calls
 
 
 @pytest.fixture(scope="module")
 def alone(llm):
-    """Each sequence served alone, one after the other."""
-    ids, _, _, steps = run(llm, [[0], [1]])
-    assert steps == [(1, True), (1, False)] * 2  # inputs from the host when the batch changes only
+    """Each sequence served alone, one after the other, a step read before the next is launched."""
+    ids, _, _, calls = run(llm, [[0], [1]])
+    # inputs from the host when the batch changes only
+    assert calls == ["host 1", "read", "device 1", "read"] * 2
     return ids
 
 
 def test_served_together_equals_served_alone(llm, alone):
-    together, collector, sequences, steps = run(llm, [[0, 1]])
+    """Together, and each step after the first launched before the host reads the one before (run ahead)."""
+    together, collector, sequences, calls = run(llm, [[0, 1]], ahead=True)
     assert together == alone
-    assert steps == [(2, True), (2, False)]
+    assert calls == ["host 2", "device 2", "read", "read"]
     assert all(len(ids) == NEW_TOKENS for ids in together) and together[0] != together[1]
     assert all(collector.outputs[s.identity][-1].finish_reason == "length" for s in sequences)
 
@@ -91,8 +98,8 @@ def test_a_row_asking_for_logprobs_changes_no_ids_and_reports_the_models(llm, al
     """The steps of a batch with such a row run through the logits (no decode_tokens call) and choose what the
     device's decode step chooses; that row gets log-probabilities (their values: the function the reference
     backend's server tests check, server/sampler.py's logprob_outputs), the other none."""
-    together, collector, sequences, steps = run(llm, [[0, 1]], logprobs={0: 2}, new_tokens=2)
-    assert together == [ids[:2] for ids in alone] and steps == []
+    together, collector, sequences, calls = run(llm, [[0, 1]], logprobs={0: 2}, new_tokens=2, ahead=True)
+    assert together == [ids[:2] for ids in alone] and calls == []
     for output in collector.outputs[sequences[0].identity]:  # greedy: the chosen id is the likeliest
         (best, best_logprob), (_, second_logprob) = output.top_logprobs
         assert best == output.token_id and output.logprob == best_logprob and 0 >= best_logprob >= second_logprob
