@@ -22,8 +22,8 @@ from qwen_triton.server.runner import BackgroundServer
 
 TINY = parse_config(official_config(PRESETS["tiny"]))
 LEVEL_KEYS = {"concurrency", "sent", "succeeded", "failed", "first_error", "duration_s", "output_tokens",
-              "output_tokens_per_s", "per_token_ms_p50", "per_token_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "floor",
-              "pct_of_floor", "requests", "prompt_tokens"}
+              "output_tokens_per_s", "per_token_ms_p50", "per_token_ms_p99", "request_per_token_ms_p50", "ttft_ms_p50",
+              "ttft_ms_p99", "floor", "pct_of_floor", "requests", "prompt_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,7 @@ def test_a_chunk_of_several_ids_counts_as_many_gaps():
     assert (level["sent"], level["succeeded"], level["failed"], level["first_error"]) == (3, 2, 1, "HTTP 429: full")
     assert level["output_tokens"] == 5 and level["duration_s"] == pytest.approx(0.05)
     assert level["per_token_ms_p50"] == pytest.approx(10.0) and level["ttft_ms_p50"] == pytest.approx(12.5)
+    assert level["request_per_token_ms_p50"] == pytest.approx(20.0)  # the requests' means: 10 and 30 ms
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and percentile([], 0.5) is None
 
 
