@@ -5,7 +5,7 @@
     qwen-triton serve [--model DIR|REPO_ID] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-queue N]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
-    qwen-triton bench [--variants ...] [--quick] [--ops]
+    qwen-triton bench [--variants ...] [--quick] [--ops | --workloads | --serve [--concurrency 1,8,64,128]]
     qwen-triton profile [--context N] [--prefill N] [--out FILE.json]
 
 --model takes a checkpoint directory or a Hugging Face repo id (the local Hugging Face cache; HF_HUB_OFFLINE=1
@@ -42,11 +42,12 @@ def note(message: str) -> None:
     print(f"qwen-triton: {message}", file=sys.stderr, flush=True)
 
 
-def default_model(device: str) -> Path:
-    """The random-weight checkpoint used when no --model is given: made once, then reused."""
+def default_model(device: str, preset: str | None = None) -> Path:
+    """The random-weight checkpoint used when no --model is given (the preset's; by default the 0.8b on a GPU, the
+    tiny one on a CPU): made once, then reused."""
     from .checkpoint import make_preset_checkpoint
 
-    preset = "0.8b" if device == "cuda" else "tiny"
+    preset = preset or ("0.8b" if device == "cuda" else "tiny")
     directory = DEFAULT_CACHE / "checkpoints" / f"{preset}-seed0"
     note(f"no --model given: using a random-weight {preset} model; its text is meaningless")
     if not (directory / "config.json").exists():
@@ -163,7 +164,7 @@ class Loaded:
         print(f"loading {self.path} ({self.describe()})", file=sys.stderr, flush=True)
         return LLM(self.path, backend=self.backend, device=self.device, dtype=self.dtype,
                    max_length=self.args.max_length, max_batch=max_batch, progress=True, tokenizer=self.tokenizer,
-                   warm_up=False if getattr(self.args, "no_warm_up", False) else None)
+                   warm_up=False if self.args.no_warm_up else None)
 
 
 def budget_note(prompt_tokens: int, max_new_tokens: int, max_length: int) -> str | None:
@@ -247,6 +248,9 @@ def check_serve_arguments(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < args.prefill_chunk:
+        raise UsageError(f"--max-prefill-tokens must be >= --prefill-chunk ({args.prefill_chunk}), "
+                         f"got {args.max_prefill_tokens}")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise UsageError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -270,7 +274,7 @@ def command_serve(args) -> None:
         llm = loaded.load(max_batch=args.max_num_seqs)
         name = args.served_model_name or args.model or loaded.path.name
         app = create_app(llm, model_name=name, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                         drain_timeout=args.drain_timeout)
+                         max_prefill_tokens=args.max_prefill_tokens, drain_timeout=args.drain_timeout)
         host, port = sock.getsockname()[:2]
         note(f"serving {name} at http://{host}:{port}/v1 ({args.max_num_seqs} sequences at a time, up to "
              f"{args.max_queue} waiting); SIGTERM or Ctrl-C stops it")
@@ -367,10 +371,11 @@ def command_bench(args) -> None:
         unknown = [name for name in which if name not in WORKLOADS]
         if unknown:
             raise UsageError(f"--workloads: unknown {', '.join(unknown)} (choose among {', '.join(WORKLOADS)})")
-    if args.ops and args.workloads:
-        raise UsageError("--ops and --workloads are separate runs: choose one")
-    if args.no_warm_up and not args.workloads:
-        raise UsageError("--no-warm-up is for --workloads (the variants and --ops never warm up)")
+    if args.ops and (args.workloads or args.serve):
+        raise UsageError(f"--ops and {'--workloads' if args.workloads else '--serve'} are separate runs: choose one")
+    if args.no_warm_up and not (args.workloads or args.serve):
+        raise UsageError("--no-warm-up is for --workloads and --serve (the variants and --ops never warm up)")
+    serve_sizes = _serve_sizes(args, "cpu" if on_cpu else "cuda")
     if args.ops:
         if device != "cuda":
             raise CommandError("the operator benchmark (--ops) needs a CUDA GPU")
@@ -401,7 +406,56 @@ def command_bench(args) -> None:
         write_report(report, out)
         print()
         print(format_workloads(report["workloads"]))
+    if args.serve:
+        from .benchmark.harness import write_report
+        from .benchmark.serve_load import format_serve, run_serve_load
+
+        report["serve"] = run_serve_load(preset, device, hbm=report["hbm_copy_TBps"], matmul=report["matmul_TFLOPs"],
+                                         sizes=serve_sizes, url=args.url, warm_up=not args.no_warm_up, out_dir=out)
+        write_report(report, out)
+        print()
+        print(format_serve(report["serve"]))
     note(f"wrote {out / 'latest.json'}")
+
+
+SERVE_FLAGS = ("concurrency", "url", "requests_per_client", "output_tokens", "prompt_lengths")
+
+
+def _serve_sizes(args, device: str):
+    """bench --serve's load (benchmark/serve_load.py's sizes for the device, changed by its flags), checked before
+    anything runs; None without --serve, where its flags are refused."""
+    if not args.serve:
+        given = [name for name in SERVE_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} is for --serve")
+        return None
+    import dataclasses
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CommandError(f"--serve needs {', '.join(missing)}: pip install 'qwen-triton[serve]'")
+    from .benchmark.serve_load import sizes_for
+
+    changes = {}
+    if args.concurrency is not None:
+        changes["concurrencies"] = tuple(_lengths(args.concurrency, "--concurrency", ()))
+    if args.prompt_lengths is not None:
+        lengths = _lengths(args.prompt_lengths, "--prompt-lengths", ())
+        if len(lengths) != 2 or lengths[0] > lengths[1]:
+            raise UsageError(f"--prompt-lengths takes LOW,HIGH with LOW <= HIGH, got {args.prompt_lengths!r}")
+        changes["prompt_lengths"] = tuple(lengths)
+    for name, key in (("requests_per_client", "requests_per_client"), ("output_tokens", "output_tokens")):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            changes[key] = value
+    if args.url is not None and not re.match(r"https?://[^/]+$", args.url.rstrip("/")):
+        raise UsageError(f"--url takes the server's root, such as http://127.0.0.1:8000, got {args.url!r}")
+    if args.url is not None:
+        args.url = args.url.rstrip("/")
+    return dataclasses.replace(sizes_for(device), **changes)
 
 
 def command_profile(args) -> None:
@@ -483,6 +537,10 @@ def build_parser() -> ArgumentParser:
         sub.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
         sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
         sub.add_argument("--max-length", type=int, metavar="N", default=4096, help="tokens of context (prompt + reply)")
+        sub.add_argument("--no-warm-up", action="store_true",
+                         help="start without the warm-up that compiles and tunes the kernels of every prompt length "
+                              "up to --max-length, every batch and sampling mode (on a GPU; a request of a new "
+                              "length may then stall)")
 
     def model_options(sub):
         engine_options(sub)
@@ -501,9 +559,6 @@ def build_parser() -> ArgumentParser:
                          help="divides positive (multiplies negative) logits of tokens already seen; 1 = off")
         sub.add_argument("--thinking", action=argparse.BooleanOptionalAction,
                          help="Qwen3.5's thinking mode through the chat template (default: the template's own)")
-        sub.add_argument("--no-warm-up", action="store_true",
-                         help="start without the warm-up that compiles and tunes the kernels of every prompt length "
-                              "up to --max-length (on a GPU; a prompt of a new length may then stall)")
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streaming")
     generate.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from standard input")
@@ -520,9 +575,6 @@ def build_parser() -> ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     engine_options(serve)
-    serve.add_argument("--no-warm-up", action="store_true",
-                       help="start without the warm-up that compiles and tunes the kernels of every prompt length "
-                            "and batch (on a GPU; a request of a new length may then stall)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on; 0 = any free one")
     serve.add_argument("--served-model-name", metavar="NAME",
@@ -532,7 +584,11 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--max-queue", type=int, metavar="N", default=256,
                        help="sequences waiting for a slot; beyond them a request gets 429")
     serve.add_argument("--prefill-chunk", type=int, metavar="N", default=512,
-                       help="prompt tokens prefilled per step; a longer prompt runs in chunks between decode steps")
+                       help="the most tokens of one prompt prefilled per step; a longer prompt runs in chunks between "
+                            "decode steps")
+    serve.add_argument("--max-prefill-tokens", type=int, metavar="N",
+                       help="the most prompt tokens prefilled per step, all prompts together: bounds the running "
+                            "streams' time between tokens (default: 4 x --prefill-chunk)")
     serve.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=30.0,
                        help="on SIGTERM, how long requests in flight may take to finish before they are aborted")
     serve.set_defaults(run=command_serve)
@@ -546,8 +602,22 @@ def build_parser() -> ArgumentParser:
                             "LLM.generate / stream (benchmark/workloads.py); NAMES: a comma-separated subset of "
                             "chat,decode,prefill,sampling,streaming")
     bench.add_argument("--no-warm-up", action="store_true",
-                       help="--workloads: build its LLM without the warm-up (the chat run's requests then compile "
-                            "and tune); the variants never warm up, each measurement warms its shape itself")
+                       help="--workloads and --serve: build the LLM (the server) without the warm-up (the first "
+                            "requests then compile and tune); the variants never warm up, each measurement warms "
+                            "its shape itself")
+    bench.add_argument("--serve", action="store_true",
+                       help="also run `qwen-triton serve` under closed-loop streaming clients at each --concurrency "
+                            "(benchmark/serve_load.py): output tokens/s, per-token latency, time to first token")
+    bench.add_argument("--concurrency", metavar="N,N,...",
+                       help="--serve: comma-separated numbers of clients (default: 1,8,64,128 on cuda, 1,2 on cpu)")
+    bench.add_argument("--url", help="--serve: load this server (e.g. http://127.0.0.1:8000) instead of starting one")
+    bench.add_argument("--requests-per-client", type=int, metavar="N",
+                       help="--serve: requests each client sends per level (default: 4 on cuda, 2 on cpu)")
+    bench.add_argument("--output-tokens", type=int, metavar="N",
+                       help="--serve: ids generated per request (default: 256 on cuda, 3 on cpu)")
+    bench.add_argument("--prompt-lengths", metavar="LOW,HIGH",
+                       help="--serve: prompt lengths drawn uniformly from [LOW, HIGH] (default: 64,512 on cuda, 4,12 "
+                            "on cpu)")
     bench.add_argument("--out", help="where the JSON and the plot go (default: ~/.cache/qwen-triton/bench)")
     bench.add_argument("--preset", choices=preset_names(), help="default: 0.8b on cuda, tiny on cpu")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")

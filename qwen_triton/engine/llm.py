@@ -396,11 +396,12 @@ class LLM:
                         emitted[row] = len(texts[row])
                     continue
                 generated[row].append(token)
+                checked = len(texts[row])  # the text so far holds no stop string: only a new ending can make one
                 # ids past the tokenizer's vocabulary (the embedding's padding rows) have no text
                 texts[row] += decoders[row].feed(token) if token < tokenizer.vocab_size else ""
-                hits = [texts[row].index(s) for s in stops if s in texts[row]]
-                if hits:  # the text ends before the earliest stop string, which may span several tokens
-                    texts[row] = texts[row][:min(hits)]
+                hit = stop_in_ending(texts[row], checked, stops)
+                if hit is not None:  # the text ends before the earliest stop string, which may span several tokens
+                    texts[row] = texts[row][:hit]
                     finish[row] = "stop"
                 elif len(generated[row]) >= budgets[row]:
                     finish[row] = "length"
@@ -434,6 +435,14 @@ class LLM:
         if self.backend_name == "triton":
             return DeviceChooser(self, params)
         return HostChooser(self, params)
+
+
+def stop_in_ending(text: str, checked: int, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop string in `text` begins, given that its first `checked` characters hold none (they
+    were searched before): only an occurrence ending past them can exist, so only the last len(stop) - 1 of them
+    and what follows are searched, and a reply costs time linear in its length. None where there is none."""
+    hits = [index for index in (text.find(stop, max(checked - len(stop) + 1, 0)) for stop in stops) if index >= 0]
+    return min(hits) if hits else None
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

@@ -5,8 +5,9 @@ The files, in the order a request meets them:
 - app.py: the FastAPI app (`create_app(llm)`): routes, tokenizing, assembling responses and SSE streams;
 - detokenizer.py: generated ids to text, holding back partial characters and partial stop strings;
 - sequence.py: one prompt-and-choice's state, and what a step sends back for it;
-- scheduler.py: the engine thread, continuous batching over the backend's slots, chunked prefill;
-- sampler.py: the next id of each sequence, chosen on the host from the logits;
+- scheduler.py: the engine thread, continuous batching over the backend's slots, batched and chunked prefill;
+- sampler.py: the next id of each sequence, chosen on the device inside the decode step (triton backend) or on the
+  host from the logits (reference backend);
 - metrics.py: Prometheus text;
 - runner.py: uvicorn, in the foreground (SIGTERM drains) or on a thread.
 

@@ -305,14 +305,17 @@ class OpenAIService:
     # ---- responses ------------------------------------------------------------------------------
     def _stream(self, body, job: Job, opening: list[str], chunk, usage_chunk) -> EventStream:
         """The SSE response: the opening events, one chunk per output that releases text or log-probabilities or
-        ends a choice, the usage chunk when asked for, [DONE]; an error of the engine as an error event."""
+        ends a choice (with the usage so far, when asked for continuous usage), the usage chunk when asked for,
+        [DONE]; an error of the engine as an error event."""
+        continuous = body.continuous_usage
+
         async def events():
             try:
                 for event in opening:
                     yield event
                 async for choice, piece, entries in job.updates():
                     if piece or entries or choice.finish_reason:
-                        yield chunk(choice, piece, entries)
+                        yield chunk(choice, piece, entries, job.usage() if continuous else None)
                 if body.include_usage:
                     yield usage_chunk(job.usage())
             except APIError as error:
@@ -348,8 +351,9 @@ class OpenAIService:
         if body.stream:
             return self._stream(
                 body, job, [],
-                lambda choice, piece, entries: sse(response([CompletionChoice(
-                    index=choice.index, text=piece, logprobs=logprobs(entries), finish_reason=choice.finish_reason)])),
+                lambda choice, piece, entries, usage: sse(response([CompletionChoice(
+                    index=choice.index, text=piece, logprobs=logprobs(entries), finish_reason=choice.finish_reason)],
+                    usage)),
                 lambda usage: sse(response([], usage)))
         await self._gather(request, job)
         return JSONResponse(response([CompletionChoice(index=c.index, text=c.text, logprobs=logprobs(c.logprobs),
@@ -387,9 +391,9 @@ class OpenAIService:
                              for index in sorted(job.choices)])
             return self._stream(
                 body, job, [opening],
-                lambda choice, piece, entries: chunk([ChatChunkChoice(
+                lambda choice, piece, entries, usage: chunk([ChatChunkChoice(
                     index=choice.index, delta=ChatDelta(content=piece or None), logprobs=logprobs(entries),
-                    finish_reason=choice.finish_reason)]),
+                    finish_reason=choice.finish_reason)], usage),
                 lambda usage: chunk([], usage))
         await self._gather(request, job)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs(c.logprobs),
@@ -407,20 +411,21 @@ def create_app(
     max_num_seqs: int | None = None,
     max_queue: int = 256,
     prefill_chunk: int = 512,
+    max_prefill_tokens: int | None = None,
     drain_timeout: float = 30.0,
 ) -> FastAPI:
     """The OpenAI API over `llm` (an engine.llm.LLM: its tokenizer, chat template and backend).
 
     The app's lifespan starts the engine thread and stops it: at shutdown, sequences still in flight get
     `drain_timeout` seconds to finish before they are aborted. scheduler: one already built over llm.model
-    (tests wrap the backend); else one is built with max_num_seqs (default: the LLM's max_batch), max_queue and
-    prefill_chunk (scheduler.py). model_name: the name requests give as `model` (default: the checkpoint
-    folder's name).
+    (tests wrap the backend); else one is built with max_num_seqs (default: the LLM's max_batch), max_queue,
+    prefill_chunk and max_prefill_tokens (scheduler.py). model_name: the name requests give as `model` (default:
+    the checkpoint folder's name).
     """
     metrics = ServerMetrics()
     if scheduler is None:
-        scheduler = Scheduler(llm.model, max_num_seqs=max_num_seqs, max_queue=max_queue,
-                              prefill_chunk=prefill_chunk, metrics=metrics)
+        scheduler = Scheduler(llm.model, max_num_seqs=max_num_seqs, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                              max_prefill_tokens=max_prefill_tokens, metrics=metrics)
     else:
         scheduler.metrics = metrics
     metrics.add_gauge("running_sequences", "sequences holding a slot (prefilling or decoding)",

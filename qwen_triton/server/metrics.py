@@ -82,6 +82,14 @@ class Histogram:
             self._counts[index] += 1
             self._sum += value
 
+    def observe_many(self, values: list[float]) -> None:
+        """Each of values observed, under one acquisition of the lock (a step's tokens at once)."""
+        indices = [bisect.bisect_left(self.bounds, value) for value in values]
+        with self._lock:
+            for index in indices:
+                self._counts[index] += 1
+            self._sum += sum(values)
+
     @property
     def count(self) -> int:
         return sum(self._counts)
@@ -110,9 +118,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("prompt_tokens_total", "prompt tokens of the requests served")
         self.generation_tokens = Counter("generation_tokens_total", "tokens generated for the requests served "
                                          "(their usage's completion_tokens)")
-        self.steps = Counter("steps_total", "engine steps (one decode of the running sequences and up to a chunk "
-                             "of prefill each)")
-        self.prefill_chunks = Counter("prefill_chunks_total", "prefill calls (a prompt, or a chunk of a long one)")
+        self.steps = Counter("steps_total", "engine steps (one decode of the running sequences and one batch of "
+                             "prompt chunks each)")
+        self.prefill_chunks = Counter("prefill_chunks_total", "prompt chunks prefilled (a whole prompt, or a chunk of "
+                                      "a long one; a step prefills its chunks in one call)")
         self.step_seconds = Histogram("step_seconds", "the time of an engine step")
         self.decode_batch = Histogram("decode_batch_size", "sequences decoded together in a step", BATCH_BUCKETS)
         self.time_to_first_token = Histogram("time_to_first_token_seconds",

@@ -68,6 +68,8 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (a load generator's count of the ids each chunk holds)
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(StrictModel):
@@ -129,6 +131,10 @@ class SamplingRequest(StrictModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -4,13 +4,15 @@ One thread owns the backend (its weights and its per-slot caches) and loops over
 1. takes in what the HTTP side sent since the last step (new sequences, aborts) and frees the slots of the
    aborted;
 2. gives free slots to waiting sequences, first come first served (`backend.reset(slot)` on each);
-3. decodes every sequence that has a token to continue from, together, in one `decode(token_ids, positions,
-   slots=...)` call, and chooses each one's next id (sampler.py);
-4. prefills prompts, oldest first, up to `prefill_chunk` tokens in all: a prompt longer than that runs one chunk
-   a step (`prefill(token_ids, slot, start=..., all_logits=False)`), so the sequences already decoding wait at
-   most one chunk's prefill a step. Chunks start at multiples of `prefill_chunk` whatever else runs, so a
-   sequence's computation does not depend on the load; a prompt whose prefill ends chooses its first id and
-   decodes from the next step on;
+3. decodes every sequence that has a token to continue from, together, in one step over the slots they hold, and
+   chooses each one's next id (sampler.py: on the device inside the step for the triton backend, on the host from
+   the logits for the reference backend);
+4. prefills the prompts holding a slot in one `prefill_batch(token_ids, slots, starts)` call: each prompt
+   contributes its next chunk, at most `prefill_chunk` tokens, oldest first while the step's prompt tokens stay
+   within `max_prefill_tokens`; a longer prompt goes on from `start` > 0 at the next step. So the sequences already
+   decoding wait at most one bounded prefill a step. Chunks end at multiples of `prefill_chunk` whatever else runs,
+   so a sequence's computation does not depend on the load; the prompts whose prefill ends choose their first ids
+   (one `first` call) and decode from the next step on;
 5. sends every output of the step to the HTTP side in one `emit(outputs)` call.
 
 A sequence ends at one of its stop ids or at its max_tokens (or when the HTTP side aborts it: a stop string
@@ -33,12 +35,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .metrics import ServerMetrics
-from .sampler import HostSampler
+from .sampler import make_sampler
 from .sequence import DECODING, FINISHED, PREFILLING, WAITING, Sequence, SequenceOutput
 
 logger = logging.getLogger("qwen_triton.server")
 
 STOPPING = "the server is stopping: this request was cancelled before it finished"
+DEFAULT_PREFILL_CHUNKS = 4  # max_prefill_tokens by default: this many chunks of prefill_chunk tokens a step
 
 
 class QueueFull(Exception):
@@ -85,6 +88,7 @@ class Scheduler:
         max_num_seqs: int | None = None,
         max_queue: int = 256,
         prefill_chunk: int = 512,
+        max_prefill_tokens: int | None = None,
         emit: Callable[[list[tuple[Sequence, SequenceOutput]]], None] | None = None,
         metrics: ServerMetrics | None = None,
         sampler=None,
@@ -97,11 +101,16 @@ class Scheduler:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_prefill_tokens is None:
+            max_prefill_tokens = DEFAULT_PREFILL_CHUNKS * prefill_chunk
+        if max_prefill_tokens < prefill_chunk:
+            raise ValueError(f"max_prefill_tokens must be >= prefill_chunk ({prefill_chunk}), got {max_prefill_tokens}")
         self.backend = backend
         self.max_num_seqs, self.max_queue, self.prefill_chunk = max_num_seqs, max_queue, prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_length = backend.max_length
         self.vocab_size = backend.config.vocab_size
-        self.sampler = HostSampler(backend) if sampler is None else sampler
+        self.sampler = make_sampler(backend) if sampler is None else sampler
         self.emit = emit or (lambda outputs: None)
         self.metrics = metrics or ServerMetrics()
         self.statistics = SchedulerStatistics()
@@ -271,6 +280,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             sequence = self.waiting.popleft()
+            sequence.budget = min(sequence.max_tokens, self.max_length - len(sequence.prompt_ids))
             sequence.slot = self.free_slots.pop()
             self.backend.reset(sequence.slot)
             self.sampler.start(sequence)
@@ -282,8 +292,9 @@ class Scheduler:
         outputs: list[tuple[Sequence, SequenceOutput]] = []
         batch = list(self.decoding)
         if batch:
-            for sequence, output in zip(batch, self.sampler.decode(batch)):
-                self._advance(sequence, output, outputs)
+            # with no prompt waiting to join, the next step decodes these sequences (or fewer): the sampler may
+            # launch it before handing this one's ids back
+            self._advance(batch, self.sampler.decode(batch, ahead=not self.prefilling), outputs)
         prefilled = self._prefill(outputs)
         self._send(outputs)
         seconds = time.perf_counter() - start
@@ -298,50 +309,69 @@ class Scheduler:
             metrics.decode_batch.observe(len(batch))
 
     def _prefill(self, outputs: list) -> int:
-        """Prefill chunks of the oldest prompts, up to prefill_chunk tokens in all; the number prefilled."""
-        done = 0
-        while self.prefilling:
-            sequence = self.prefilling[0]
-            prompt = sequence.prompt_ids
-            end = min(len(prompt), (sequence.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
-            if done and end - sequence.prefilled > self.prefill_chunk - done:
+        """One prefill_batch of the next chunks of the oldest prompts, up to max_prefill_tokens in all; the number
+        of tokens prefilled."""
+        chunks: list[tuple[Sequence, int]] = []  # (sequence, where its chunk ends)
+        total = 0
+        for sequence in self.prefilling:
+            end = min(len(sequence.prompt_ids), (sequence.prefilled // self.prefill_chunk + 1) * self.prefill_chunk)
+            if chunks and total + end - sequence.prefilled > self.max_prefill_tokens:
                 break
-            token_ids = torch.tensor(prompt[sequence.prefilled:end], dtype=torch.int64, device=self.backend.device)
-            logits = self.backend.prefill(token_ids, slot=sequence.slot, start=sequence.prefilled, all_logits=False)
-            done += end - sequence.prefilled
+            chunks.append((sequence, end))
+            total += end - sequence.prefilled
+        if not chunks:
+            return 0
+        # every chunk's ids in one copy to the device, split into views
+        ids = torch.tensor([t for s, end in chunks for t in s.prompt_ids[s.prefilled:end]], dtype=torch.int64)
+        pieces = ids.to(self.backend.device).split([end - s.prefilled for s, end in chunks])
+        logits = self.backend.prefill_batch(list(pieces), [s.slot for s, _ in chunks], [s.prefilled for s, _ in chunks])
+        done = [r for r, (sequence, end) in enumerate(chunks) if end == len(sequence.prompt_ids)]
+        for sequence, end in chunks:
             sequence.prefilled = end
-            self.statistics.prefill_chunks += 1
-            self.metrics.prefill_chunks.inc()
-            if end < len(prompt):
-                continue
-            self.prefilling.pop(0)
-            sequence.state = DECODING
-            self.decoding.append(sequence)
-            self._advance(sequence, self.sampler.first(sequence, logits), outputs)
-        return done
+        self.statistics.prefill_chunks += len(chunks)
+        self.metrics.prefill_chunks.inc(len(chunks))
+        if done:
+            ready = [chunks[r][0] for r in done]
+            for sequence in ready:
+                self.prefilling.remove(sequence)
+                sequence.state = DECODING
+                self.decoding.append(sequence)
+            first = self.sampler.first(ready, logits[done] if len(done) < len(chunks) else logits)
+            self._advance(ready, first, outputs)
+        return total
 
-    def _advance(self, sequence: Sequence, output: SequenceOutput, outputs: list) -> None:
-        """Record the id a step chose for the sequence; end it at a stop id or at its token budget."""
-        if output.error is not None:
-            self.statistics.failed += 1
-            self._release(sequence)
-            outputs.append((sequence, output))
-            return
+    def _advance(self, sequences: list[Sequence], chosen: list[SequenceOutput], outputs: list) -> None:
+        """Record the id a step chose for each sequence; end it at a stop id or at its token budget. (Once a step
+        for every running sequence: kept to a plain loop.)"""
         now = time.perf_counter()
-        if sequence.last_token_time is None:
-            self.metrics.time_to_first_token.observe(now - sequence.arrival_time)
-        else:
-            self.metrics.time_per_output_token.observe(now - sequence.last_token_time)
-        sequence.last_token_time = now
-        sequence.generated.append(output.token_id)
-        budget = min(sequence.max_tokens, self.max_length - len(sequence.prompt_ids))
-        if output.token_id in sequence.stop_token_ids:
-            output.finish_reason = "stop"
-        elif len(sequence.generated) >= budget:
-            output.finish_reason = "length"
-        outputs.append((sequence, output))
-        if output.finish_reason is not None:
-            self.statistics.finished += 1
+        first_waits, gaps, ended = [], [], []
+        for sequence, output in zip(sequences, chosen):
+            if output.error is not None:
+                self.statistics.failed += 1
+                ended.append(sequence)
+                outputs.append((sequence, output))
+                continue
+            last = sequence.last_token_time
+            if last is None:
+                first_waits.append(now - sequence.arrival_time)
+            else:
+                gaps.append(now - last)
+            sequence.last_token_time = now
+            generated = sequence.generated
+            generated.append(output.token_id)
+            if output.token_id in sequence.stop_token_ids:
+                output.finish_reason = "stop"
+            elif len(generated) >= sequence.budget:
+                output.finish_reason = "length"
+            outputs.append((sequence, output))
+            if output.finish_reason is not None:
+                self.statistics.finished += 1
+                ended.append(sequence)
+        if first_waits:
+            self.metrics.time_to_first_token.observe_many(first_waits)
+        if gaps:
+            self.metrics.time_per_output_token.observe_many(gaps)
+        for sequence in ended:
             self._release(sequence)
 
     def _release(self, sequence: Sequence) -> None:

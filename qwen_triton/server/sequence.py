@@ -50,6 +50,7 @@ class Sequence:
     state: str = WAITING
     slot: int | None = None
     prefilled: int = 0  # prompt tokens already in the slot's caches
+    budget: int = 0  # the most ids it may generate: max_tokens, or less where the context ends first
     generated: list[int] = field(default_factory=list)
     sampling_state: object = None  # the sampler's (a generator, penalty counts)
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -250,3 +250,16 @@ def test_held_back_is_the_longest_ending_that_begins_a_stop_string():
     assert held_back("abc de", ["def"]) == 2 and held_back("abc d", ["def", "xd"]) == 1
     assert held_back("abc", ["def"]) == 0 and held_back("", ["def"]) == 0 and held_back("abc", []) == 0
     assert held_back("abcde", ["cdef", "de!"]) == 3  # the longest of the candidates
+
+
+def test_stop_in_ending_searches_only_what_new_text_can_complete():
+    from qwen_triton.engine.llm import stop_in_ending
+
+    # "cde" completed by the new "de" (checked: the first 3 characters, "abc", were searched before)
+    assert stop_in_ending("abcdef", 3, ["cde"]) == 2
+    assert stop_in_ending("abcdef", 3, ["xyz", "ef", "cd"]) == 2  # the earliest of several
+    assert stop_in_ending("abcdef", 6, ["cde"]) is None  # nothing new: nothing to find
+    # an occurrence wholly inside the part already searched is not looked for again (it cannot be there)
+    assert stop_in_ending("abcdef", 4, ["ab"]) is None and stop_in_ending("abcdef", 0, ["ab"]) == 0
+    # a stop string longer than the text so far, or one reaching back to the very start
+    assert stop_in_ending("ab", 1, ["abc"]) is None and stop_in_ending("abc", 1, ["abc"]) == 0

@@ -5,6 +5,7 @@ decode together and each equals its result when sent alone, and a long prompt is
 another stream keeps decoding."""
 
 import asyncio
+import json
 import math
 
 import httpx
@@ -202,17 +203,37 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_stream_decodes(serve
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     pieces = [next(iter(stream)).choices[0].text]
-    mixed_before, chunks_before = scheduler.statistics.mixed_steps, scheduler.statistics.prefill_chunks
+    statistics = scheduler.statistics
+    mixed_before, chunks_before, steps_before = statistics.mixed_steps, statistics.prefill_chunks, statistics.steps
     response = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=4, temperature=0)
-    mixed_after, chunks_after = scheduler.statistics.mixed_steps, scheduler.statistics.prefill_chunks
+    mixed_after, chunks_after, steps_after = statistics.mixed_steps, statistics.prefill_chunks, statistics.steps
+    during = list(statistics.recent)[-(steps_after - steps_before) - 1:]  # (one more: a step may end meanwhile)
     pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]
     assert response.choices[0].text == oracle.generate(long_prompt, max_new_tokens=4).text
     assert "".join(pieces) == oracle.generate(PROMPT, max_new_tokens=60).text
     assert chunks_after - chunks_before == 5
     assert mixed_after - mixed_before == 5  # each chunk in a step that also decoded the stream
-    assert max(step.prefill_tokens for step in scheduler.statistics.recent) <= 16
+    # a prompt contributes at most one chunk (16 tokens) a step
+    assert max(step.prefill_tokens for step in during) == 16
 
 
 def test_a_prompt_at_the_context_limit_still_gets_its_tokens(client):
     response = client.completions.create(model="tiny", prompt=[7] * (MAX_LENGTH - 3), max_tokens=3, temperature=0)
     assert response.usage.completion_tokens == 3 and response.choices[0].finish_reason == "length"
+
+
+def test_continuous_usage_counts_the_ids_each_chunk_holds(server, oracle):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far, so a load generator
+    knows how many ids each chunk holds, also where one holds several (a character split across ids)."""
+    body = {"model": "tiny", "prompt": "世界 🎉 and more", "max_tokens": 12, "temperature": 1.0, "seed": 11,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    counts = [event["usage"]["completion_tokens"] for event in events if event["choices"]]
+    assert counts == sorted(counts) and counts[-1] == events[-1]["usage"]["completion_tokens"] == 12
+    prompt_tokens = len(oracle.tokenizer.encode(body["prompt"]))
+    assert all(event["usage"]["prompt_tokens"] == prompt_tokens for event in events)
+    plain = dict(body, stream_options={"include_usage": True})
+    with httpx.stream("POST", server.url + "/v1/completions", json=plain, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert all(event["usage"] is None for event in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 12

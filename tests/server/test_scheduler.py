@@ -16,13 +16,15 @@ from tests.server.conftest import load
 
 
 class RecordingBackend:
-    """The reference backend, recording the slots of each decode, the (slot, start, length) of each prefill and
-    each reset; `fail_next_decode` makes the next decode raise, `poison_slot` makes that slot's logits NaN."""
+    """The reference backend, recording the slots of each decode, the (slot, start, length) of each prompt chunk
+    prefilled (and, by prefill_batch call, `batches` of them) and each reset; `fail_next_decode` makes the next
+    decode raise, `poison_slot` makes that slot's logits NaN."""
 
     def __init__(self, backend):
         self.backend = backend
         self.decodes: list[list[int]] = []
         self.prefills: list[tuple[int, int, int]] = []
+        self.batches: list[list[tuple[int, int, int]]] = []
         self.resets: list[int] = []
         self.fail_next_decode = False
         self.poison_slot: int | None = None
@@ -40,9 +42,10 @@ class RecordingBackend:
             logits[self.decodes[-1].index(self.poison_slot)] = float("nan")
         return logits
 
-    def prefill(self, token_ids, slot=0, start=0, all_logits=True):
-        self.prefills.append((slot, start, token_ids.shape[0]))
-        return self.backend.prefill(token_ids, slot=slot, start=start, all_logits=all_logits)
+    def prefill_batch(self, token_ids, slots, starts=None):
+        self.batches.append([(slot, start, ids.shape[0]) for ids, slot, start in zip(token_ids, slots, starts)])
+        self.prefills += self.batches[-1]
+        return self.backend.prefill_batch(token_ids, slots, starts)
 
     def reset(self, slot=None):
         self.resets.append(slot)
@@ -115,14 +118,38 @@ def test_prompts_are_prefilled_in_chunks_at_fixed_boundaries(engine, oracle):
     assert scheduler.wait_until_idle(60)
     assert backend.prefills == [(0, 0, 16), (0, 16, 16), (0, 32, 5)]
     assert collector.tokens(chunked) == oracle.generate(long_prompt, max_new_tokens=3).token_ids
+    assert all(len(batch) == 1 for batch in backend.batches)  # one chunk a step: the next waits for the next step
     backend.prefills.clear()
+    backend.batches.clear()
     scheduler.submit(short)
     assert scheduler.wait_until_idle(60)
-    # 10 + 9 > 16: the second prompt waits for the next step; a step never prefills more than 16 tokens
-    assert [(start, length) for _, start, length in backend.prefills] == [(0, 10), (0, 9)]
-    assert all(step.prefill_tokens <= 16 for step in scheduler.statistics.recent)
+    # both prompts in one prefill_batch call, each from the start of the prompt
+    assert [[(start, length) for _, start, length in batch] for batch in backend.batches] == [[(0, 10), (0, 9)]]
     assert [collector.tokens(s) for s in short] == [oracle.generate(s.prompt_ids, max_new_tokens=2).token_ids
                                                     for s in short]
+
+
+def test_a_step_prefills_the_oldest_chunks_up_to_its_token_budget(checkpoint, oracle):
+    """Three prompts of 10, 9 and 21 tokens (chunks of 16, 20 tokens a step): step 1 prefills the first two
+    (19 tokens); the third's first chunk (16) would pass 20, so it waits; then its two chunks, a step each."""
+    collector = Collector()
+    backend = RecordingBackend(load(checkpoint, max_batch=3).model)
+    scheduler = Scheduler(backend, max_num_seqs=3, prefill_chunk=16, max_prefill_tokens=20, emit=collector)
+    prompts = [list(range(30, 40)), list(range(50, 59)), [(11 * i) % 900 + 40 for i in range(21)]]
+    sequences = [sequence(p, 3) for p in prompts]
+    scheduler.submit(sequences)  # queued before the engine starts: all three are admitted in its first step
+    scheduler.start()
+    try:
+        assert scheduler.wait_until_idle(60)
+    finally:
+        scheduler.stop()
+    assert [[(start, length) for _, start, length in batch] for batch in backend.batches] == [
+        [(0, 10), (0, 9)], [(0, 16)], [(16, 5)]]
+    assert max(step.prefill_tokens for step in scheduler.statistics.recent) == 19
+    assert [collector.tokens(s) for s in sequences] == [oracle.generate(p, max_new_tokens=3).token_ids
+                                                        for p in prompts]
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= prefill_chunk"):
+        Scheduler(backend, prefill_chunk=16, max_prefill_tokens=8)
 
 
 def test_an_abort_frees_the_slot_within_a_step(engine):

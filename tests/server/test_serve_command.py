@@ -15,15 +15,9 @@ import httpx
 import pytest
 
 from qwen_triton.cli import main
+from tests.test_cli import no_loading  # noqa: F401 (a fixture: the weights must not load)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def no_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the arguments were checked")
-    monkeypatch.setattr("qwen_triton.engine.llm.load_weights", refuse)
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -32,6 +26,7 @@ def no_loading(monkeypatch):
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--prefill-chunk", "64", "--max-prefill-tokens", "32"], "--max-prefill-tokens must be >= --prefill-chunk (64)"),
     (["--drain-timeout", "-2"], "--drain-timeout must be >= 0"),
     (["--drain-timeout", "nan"], "--drain-timeout must be >= 0"),
     (["--max-length", "1"], "--max-length must be >= 2"),
