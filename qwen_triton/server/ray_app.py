@@ -31,6 +31,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray import serve
@@ -320,6 +321,10 @@ class RayServer:
     def connect(self) -> RayServer:
         if self.ray_address is None:
             os.environ.setdefault(PROXY_CALLBACK_VARIABLE, PROXY_CALLBACK)
+            # Ray's processes import this package (the replicas, the proxy's middleware) from where this one does,
+            # also from a source tree that is not installed
+            source = str(Path(__file__).resolve().parents[2])
+            os.environ["PYTHONPATH"] = os.pathsep.join([source, *filter(None, [os.environ.get("PYTHONPATH")])])
             # "local": a new instance, even where `ray start` has left one running on this machine
             ray.init(address="local", logging_level="warning")
             self.started_ray = True
