@@ -3,6 +3,7 @@
     qwen-triton generate [--model DIR|REPO_ID] "prompt"      (or --prompt-file FILE, or - for standard input)
     qwen-triton chat [--model DIR|REPO_ID]
     qwen-triton serve [--model DIR|REPO_ID] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-queue N]
+    qwen-triton serve --replicas N [--gpus-per-replica F] [--ray-address ADDR] [--min-replicas N --max-replicas N]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops | --workloads | --serve [--concurrency 1,8,64,128]]
@@ -257,8 +258,48 @@ def check_serve_arguments(args) -> None:
         raise UsageError("--served-model-name must not be empty")
 
 
+def check_replica_arguments(args) -> None:
+    """The flags of replicas under Ray Serve (serve --replicas), checked before Ray starts."""
+    ray_flags = {"--gpus-per-replica": args.gpus_per_replica, "--ray-address": args.ray_address,
+                 "--min-replicas": args.min_replicas, "--max-replicas": args.max_replicas}
+    if args.replicas is None:
+        given = [flag for flag, value in ray_flags.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} needs --replicas N (replicas of the server under Ray Serve)")
+        return
+    if args.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+    gpus = args.gpus_per_replica
+    if gpus is not None:
+        if not (math.isfinite(gpus) and 0 <= gpus <= 1):
+            raise UsageError(f"--gpus-per-replica must be in [0, 1] (a replica runs on one GPU; 0: on the CPU), "
+                             f"got {gpus}")
+        if gpus > 0 and args.device == "cpu":
+            raise UsageError(f"--gpus-per-replica {gpus:g} with --device cpu: give 0, or leave out --device")
+        if gpus == 0 and args.device == "cuda":
+            raise UsageError("--gpus-per-replica 0 runs the replicas on the CPU, which --device cuda contradicts")
+    if args.min_replicas is not None and args.max_replicas is None:
+        raise UsageError("--min-replicas needs --max-replicas (autoscaling between the two)")
+    if args.max_replicas is not None:
+        low = args.replicas if args.min_replicas is None else args.min_replicas
+        if not 1 <= low <= args.replicas <= args.max_replicas:
+            raise UsageError(f"the replicas must satisfy 1 <= --min-replicas <= --replicas <= --max-replicas, got "
+                             f"{low} <= {args.replicas} <= {args.max_replicas}")
+    if args.ray_address is not None and not args.ray_address.strip():
+        raise UsageError("--ray-address must not be empty ('auto': the cluster `ray start` made on this machine)")
+
+
 def command_serve(args) -> None:
     check_serve_arguments(args)
+    check_replica_arguments(args)
+    if args.replicas is not None:
+        try:
+            from .server.ray_app import serve_command
+        except ImportError as error:
+            raise CommandError(f"serve --replicas needs Ray Serve ({error}): pip install 'qwen-triton[ray]'") from None
+        serve_command(args)
+        note("stopped")
+        return
     try:
         from .server.app import create_app
         from .server.runner import bind_socket, serve
@@ -517,6 +558,24 @@ def _versions() -> str:
     return f"qwen-triton {__version__} ({', '.join(parts)})"
 
 
+def replica_options(serve) -> None:
+    """serve's flags for replicas under Ray Serve (server/ray_app.py; docs/serving.md)."""
+    group = serve.add_argument_group("replicas under Ray Serve (pip install 'qwen-triton[ray]')")
+    group.add_argument("--replicas", type=int, metavar="N",
+                       help="serve N replicas of the engine behind Ray Serve's HTTP proxy at --host --port "
+                            "(default: one process, no Ray)")
+    group.add_argument("--gpus-per-replica", type=float, metavar="F",
+                       help="each replica's share of a GPU: 0.5 puts two on one GPU, 0 runs them on the CPU "
+                            "(default: 1 where the Ray cluster has GPUs, else 0)")
+    group.add_argument("--ray-address", metavar="ADDR",
+                       help="the Ray cluster to run the replicas on: 'auto' for the one `ray start` made on this "
+                            "machine, or HEAD:6379 (default: a Ray instance started on this machine)")
+    group.add_argument("--min-replicas", type=int, metavar="N",
+                       help="with --max-replicas: the fewest replicas autoscaling keeps (default: --replicas)")
+    group.add_argument("--max-replicas", type=int, metavar="N",
+                       help="autoscale by the requests in flight, up to N replicas (--replicas at the start)")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="qwen-triton", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=_versions())
@@ -591,6 +650,7 @@ def build_parser() -> ArgumentParser:
                             "streams' time between tokens (default: 4 x --prefill-chunk)")
     serve.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=30.0,
                        help="on SIGTERM, how long requests in flight may take to finish before they are aborted")
+    replica_options(serve)
     serve.set_defaults(run=command_serve)
 
     bench = commands.add_parser("bench", help="latency of each variant against the measured floor (GPU)")
