@@ -8,7 +8,7 @@ lies below the row's k-th; so sample(..., top_k_bound=K_MAX) chooses from them t
 head's logits (lm_head_logits, then apply_penalties): over many seeds, in mixed batches (greedy rows, rows of
 different top_k, top-p and min-p, penalised rows with positive and negative penalties and repetition above and
 below 1, padding rows of slot -1), with ties, and with every logit equal (every token a candidate). CPU
-(interpreter): float32 and float16 heads of 600-2000 tokens, up to 17 rows (two groups of the screen's 16); the
+(interpreter): float32 and float16 heads of 100 to 5000 tokens, up to 17 rows (two groups of the screen's 16); the
 kernels compiled for sm_90 without spills. GPU: the 0.8B's head (248320 x 1024, bf16, random weights) at 1 and 16
 rows at Qwen's four settings, and a CUDA graph.
 """

@@ -183,9 +183,9 @@ def _check_top_k_kernel(
     HAS_PENALTIES: tl.constexpr, HAS_SLOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """BLOCK_R tokens of a row against its cut: each candidate, in increasing order, E_i from its row of W (screened.py's
-    check arithmetic), penalised as the penalties kernel would, written over its bound (a loop over the candidates,
-    as screened.py's check, since a tile holds few)."""
+    """BLOCK_R tokens of a row against its cut: each candidate, in increasing order, E_i from its row of W
+    (screened.py's check arithmetic), penalised as the penalties kernel would, written over its bound (a loop over
+    the candidates, as screened.py's check, since a tile holds few)."""
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
