@@ -9,6 +9,7 @@ from ..operators.gated_delta_rule import gated_delta_rule_decode_projected_cost
 from ..operators.gated_delta_rule.chunk import chunk_size_for
 from ..operators.linear import out_projection_mlp_cost
 from ..operators.lm_head.screened import screened_lm_head_bytes
+from ..operators.lm_head.screened_top_k import screened_top_k_bytes
 
 
 def rows_read(rows: int, width: int, element: int, times: int = 2):
@@ -78,11 +79,17 @@ def layer_tail(c: ModelConfig, rows: int, attended: int, gate: bool, element: in
                                    element_size=element)
 
 
-def lm_head(lm_head_weight, rows: int, logits: bool, screened: bool = False):
+def lm_head(lm_head_weight, rows: int, logits: bool, screened: bool = False, screened_top_k: bool = False,
+            penalized: bool = False):
+    """screened: the greedy screened head; screened_top_k: top-k sampling's (its logits and, penalized, the
+    penalties' histories included)."""
+    flops = 2 * rows * lm_head_weight.numel()
+    if screened_top_k:  # not the candidates' rows (data-dependent)
+        return screened_top_k_bytes(*lm_head_weight.shape, rows, penalized), flops
     weight = lm_head_weight.numel() * lm_head_weight.element_size()
     if screened:  # the int8 copy and the per-row floats, not the candidates' rows (few, data-dependent)
         weight = screened_lm_head_bytes(*lm_head_weight.shape)
-    return weight + rows * lm_head_weight.shape[0] * 4 * logits, 2 * rows * lm_head_weight.numel()
+    return weight + rows * lm_head_weight.shape[0] * 4 * logits, flops
 
 
 def sampling(c: ModelConfig, rows: int):

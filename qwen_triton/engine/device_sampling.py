@@ -7,10 +7,13 @@ The modes, each a fixed list of kernels after the layers (so a CUDA graph per mo
   temperature       the Gumbel-max LM head (no logits written)
   min-p             the logits, then sample's stats and draw kernels (min-p needs no search pass)
   top-k             the logits, then sample's top-k candidates and draw kernels (every sampled row has
-                    0 < top_k <= K_MAX; top-p and min-p over the candidates): 2 launches
+                    0 < top_k <= K_MAX; top-p and min-p over the candidates): 2 launches. Up to the plan's
+                    screened rows the logits come from the screened top-k head (lm_head/screened_top_k.py:
+                    exact at every token the top k can hold, from the int8 head), which chooses the same ids
   sample            the logits, then sample with its top-k / top-p search passes: 14 launches
   penalized         the logits, the penalties kernel, sample's stats and draw, the counting kernel
-  penalized-top-k   the logits, the penalties kernel, sample's top-k candidates and draw, the counting kernel
+  penalized-top-k   the logits, the penalties kernel, sample's top-k candidates and draw, the counting kernel;
+                    behind the screened top-k head, no penalties kernel: the head applies them to its candidates
   penalized-sample  the logits, the penalties kernel, sample with its search passes, the counting kernel
 The top-k modes choose the ids the search modes would (operators/sampling/sample.py); they run at one candidate
 width, K_MAX, whatever the batch's largest top_k, so the mode alone names the launch list (and the CUDA graph).

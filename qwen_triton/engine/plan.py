@@ -26,6 +26,7 @@ from ..operators.linear.gemv import MAX_ROWS
 from ..operators.lm_head.screened import MAX_COLUMNS as SCREEN_MAX_COLUMNS
 from ..tuning import Tuning, active, for_device_name
 from .buffers import bucket
+from .device_sampling import TOP_K_MODES
 
 PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
 
@@ -78,7 +79,7 @@ class Options:
     output_norm_in_projection: bool = True  # with it, the DeltaNet output norm in that kernel's prologue
     projected_delta_decode: bool = True  # one sequence: a DeltaNet layer's in-projection and step in one kernel
     staged_out_projection_mlp: bool = True  # one sequence, Hopper, bf16: the layer tail with its weights staged
-    screened_lm_head: bool = True  # greedy, up to 16 rows: the int8-screened exact LM head
+    screened_lm_head: bool = True  # greedy and top-k sampling, up to 16 rows: the LM heads through the int8 screen
     # several rows (a decode step of 2+ sequences, a prefill of 2-16 tokens): the GEMM, each weight read once for
     # all rows, with the norms folded (False: the GEMV up to 16 rows, each weight read once a row)
     batched_projections: bool = True
@@ -104,6 +105,7 @@ class Options:
 TAIL_STAGED, TAIL_FUSED, TAIL_LINEAR = "staged", "out_projection_mlp", "linear"
 DELTA_PROJECTED, DELTA_FUSED, DELTA_FUSED_NORM, DELTA_UNFUSED = "projected", "fused", "fused+norm", "unfused"
 HEAD_SCREENED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_LOGITS = "screened", "argmax", "gumbel", "logits"
+HEAD_SCREENED_TOP_K = "screened-top-k"  # logits exact at the top-k candidates, the penalties applied to them
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class Plan:
     delta_step: str  # DELTA_FUSED or DELTA_UNFUSED (several rows, or where the projected step is off)
     output_norm_in_projection: bool
     projected_delta: bool  # a one-row decode's DeltaNet layer is the projected step
-    screened_rows: int  # greedy decode buckets of up to this many rows use the screened head (0: none)
+    screened_rows: int  # greedy and top-k decode buckets of up to this many rows use the screened heads (0: none)
     lm_head_pdl: bool
     screened_lm_head_pdl: bool
     prefill_pdl_tokens: int  # prefills of up to this many tokens launch with PDL (0: none)
@@ -151,11 +153,14 @@ class Plan:
 
     def decode_lm_head(self, rows: int, mode: str) -> str:
         """A decode step's LM head for a sampling mode ("greedy", "temperature", "logits", or a mode whose LM head
-        writes logits for the sampling kernels: "min-p", "sample", "penalized", "penalized-sample";
-        engine/device_sampling.py). Past gemv_rows the argmax heads (which read the head once a row) give way to
-        the logits, read once for all rows, and the sampler's draw (greedy rows at temperature 0)."""
+        writes logits for the sampling kernels: "min-p", "top-k", "sample", "penalized", "penalized-top-k",
+        "penalized-sample"; engine/device_sampling.py). The top-k modes' screened head applies the penalties too.
+        Past gemv_rows the argmax heads (which read the head once a row) give way to the logits, read once for all
+        rows, and the sampler's draw (greedy rows at temperature 0)."""
         if mode == "greedy" and rows <= self.screened_rows:
             return HEAD_SCREENED
+        if mode in TOP_K_MODES and rows <= self.screened_rows:
+            return HEAD_SCREENED_TOP_K
         if mode in ("greedy", "temperature") and rows <= self.gemv_rows:
             return HEAD_ARGMAX if mode == "greedy" else HEAD_GUMBEL
         return HEAD_LOGITS
@@ -268,7 +273,8 @@ _DELTA_KERNELS = {
 _HEAD_KERNELS = {
     HEAD_SCREENED: "lm_head.screened (int8 screen, exact check)",
     HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel + _argmax_reduce_kernel",
-    HEAD_LOGITS: "lm_head logits (linear.gemm:_gemm_kernel) + sampling.sample's draw at temperature 0",
+    HEAD_SCREENED_TOP_K: "lm_head.screened_top_k (int8 screen, exact check; penalties in it)",
+    HEAD_LOGITS: "lm_head logits (linear.gemm:_gemm_kernel past one row; + penalties), then the sampler",
 }
 
 
@@ -309,6 +315,7 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
     head = plan.decode_lm_head(rows, "greedy")
     gemv = rows <= plan.gemv_rows
     projection = "linear.gemv:_gemv_kernel" if gemv else "linear.gemm:_gemm_kernel"
+    top_k_head = plan.decode_lm_head(rows, "penalized-top-k")
     return {
         "attention in-projection": projection + (" (norm in the prologue)" if gemv else " (norm folded)"),
         "q/k norm + rotary": "attention.qk_norm_rotary:_qk_norm_rotary_kernel",
@@ -317,7 +324,10 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
         "out-projection + MLP": _TAIL_KERNELS[tail] if tail != TAIL_LINEAR or gemv else projection + " x3",
         "LM head (greedy)": _HEAD_KERNELS[head] + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED
                                                               else plan.lm_head_pdl) else ""),
-        "LM head (temperature / top-k, top-p)": "lm_head.argmax (Gumbel-max) / lm_head logits + sampling.sample",
+        "LM head (top-k <= 64; penalties)": _HEAD_KERNELS[top_k_head] + (
+            ", PDL" if top_k_head == HEAD_SCREENED_TOP_K and plan.screened_lm_head_pdl else "")
+        + " + sampling.sample:_top_k_kernel, _draw_kernel",
+        "LM head (temperature / top-p)": "lm_head.argmax (Gumbel-max) / lm_head logits + sampling.sample",
         "LM head (min-p / penalties)": "lm_head logits + sampling.sample (stats + draw; the search for top-k, top-p) "
                                        "/ + sampling.penalties:_penalties_kernel before it, _count_kernel after",
         "PDL": "yes" if plan.pdl else "no",
@@ -343,8 +353,8 @@ def _left_out(plan: Plan, config: ModelConfig) -> list[str]:
                        f"launch plan needs sizes of multiples of 256 whose weights fit the {plan.device.sm_count} "
                        "SMs' shared memory, one attended width)")
     if options.screened_lm_head and not screened_head_fits(config):
-        reasons.append(f"the screened LM head (hidden {config.hidden_size} > its {SCREEN_MAX_COLUMNS} columns; "
-                       "the bf16 argmax head serves greedy decode)")
+        reasons.append(f"the screened LM heads (hidden {config.hidden_size} > their {SCREEN_MAX_COLUMNS} columns; "
+                       "the bf16 argmax head serves greedy decode, the logits head top-k sampling)")
     if options.projected_delta_decode and options.fused_delta_decode and not plan.projected_delta and (
             config.linear_key_head_dim % PROJECTED_ROWS or config.linear_value_head_dim % PROJECTED_ROWS):
         reasons.append(f"the projected DeltaNet step (head dims not multiples of {PROJECTED_ROWS})")

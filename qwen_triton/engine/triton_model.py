@@ -16,7 +16,8 @@ the gate/up epilogue and the attention output gate into the o_proj prologue; in 
 norm too, and, as the plan says, a one-sequence DeltaNet layer's in-projection, conv, gates and delta rule run as
 one kernel, and a layer's out-projection and MLP as one launch (on Hopper for one sequence with every weight in
 shared memory). A greedy step's LM head (up to 16 sequences) reads an int8 copy of the head made at load and
-computes exactly only the rows whose bound leaves them a chance (the exact argmax).
+computes exactly only the rows whose bound leaves them a chance (the exact argmax); a top-k sampling step's
+computes only the rows that can reach the top k (lm_head/screened_top_k.py).
 
 With `feedback=True` the step ends with a kernel that writes its chosen ids back as the next step's inputs, so
 generation can launch the next step before reading this one's ids (engine/decode_pipeline.py). With PDL (the
@@ -44,6 +45,7 @@ from ..operators.gated_delta_rule import (
 )
 from ..operators.lm_head import lm_head_argmax, lm_head_logits
 from ..operators.lm_head.screened import build_screen, lm_head_argmax_screened
+from ..operators.lm_head.screened_top_k import lm_head_screened_top_k
 from ..operators.linear import linear, out_projection_mlp
 from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.fusion import SQUARES_COLUMNS
@@ -61,7 +63,8 @@ from .device_sampling import (LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, TOP_K
 from .graphs import DecodeGraphs, PrefillGraphs
 from .packing import AttentionWeights, DeltaNetWeights, MLPWeights, pack_weights
 from .plan import (DELTA_FUSED, DELTA_FUSED_NORM, DELTA_PROJECTED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_LOGITS,
-                   HEAD_SCREENED, TAIL_LINEAR, TAIL_STAGED, DeviceProperties, Options, resolve_plan)
+                   HEAD_SCREENED, HEAD_SCREENED_TOP_K, TAIL_LINEAR, TAIL_STAGED, DeviceProperties, Options,
+                   resolve_plan)
 from .trace import KernelTrace
 
 __all__ = ["TritonModel", "DeviceSampling", "DecodeBuffers", "bucket"]
@@ -114,7 +117,7 @@ class TritonModel:
         packed = pack_weights(config, weights, plan.fold_norms)
         self.embed, self.lm_head, self.final_norm = packed.embed, packed.lm_head, packed.final_norm
         self.layers, self.mlps = packed.layers, packed.mlps
-        # the screened head's int8 copy (1 byte a weight) for a greedy step of up to plan.screened_rows sequences
+        # the screened heads' int8 copy (1 byte a weight) for a greedy or top-k step of up to plan.screened_rows rows
         self.lm_head_screen = build_screen(self.lm_head) if plan.screened_rows else None
         self._staged_descriptors: list = []
         self._staged_counters = None
@@ -399,12 +402,23 @@ class TritonModel:
         x = self._layers(x, step)
         final = dict(norm_weight=self.final_norm, eps=c.rms_norm_eps, pdl=plan.lm_head_pdl)
         head = plan.decode_lm_head(size, mode)
+        penalized = mode in PENALIZED_MODES
         kind = "final norm + lm head" + (" (int8 screen, exact check)" if head == HEAD_SCREENED else "")
+        if head == HEAD_SCREENED_TOP_K:
+            kind += " (int8 screen, exact check of the top-k candidates" + (" + penalties)" if penalized else ")")
         with self._traced(kind + (" + argmax" if mode in ("greedy", "temperature") else ""), None, costs.lm_head,
-                          self.lm_head, size, head == HEAD_LOGITS, head == HEAD_SCREENED):
+                          self.lm_head, size, head == HEAD_LOGITS, head == HEAD_SCREENED,
+                          head == HEAD_SCREENED_TOP_K, penalized):
             if head == HEAD_SCREENED:
                 lm_head_argmax_screened(x, self.lm_head, self.lm_head_screen, out=buffers.next_tokens,
                                         **dict(final, pdl=plan.screened_lm_head_pdl))
+            elif head == HEAD_SCREENED_TOP_K:  # the penalties too, on the candidates: no penalties kernel below
+                penalties = dict(counts=self.history.counts, prompt_mask=self.history.prompt_mask,
+                                 repetition=buffers.repetition_penalty, frequency=buffers.frequency_penalty,
+                                 presence=buffers.presence_penalty, slots=buffers.slots) if penalized else {}
+                lm_head_screened_top_k(x, self.lm_head, self.lm_head_screen, buffers.logits, buffers.temperature,
+                                       buffers.top_k, top_k_bound=sample_options(mode)["top_k_bound"], **penalties,
+                                       **dict(final, pdl=plan.screened_lm_head_pdl))
             elif head == HEAD_ARGMAX:
                 lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
             elif head == HEAD_GUMBEL:  # Gumbel-max inside the LM head: no logits written
@@ -412,8 +426,7 @@ class TritonModel:
                                seed=buffers.seed, step=buffers.step, **final)
             else:
                 lm_head_logits(x, self.lm_head, out=buffers.logits, gemv=size <= plan.gemv_rows, **final)
-        penalized = mode in PENALIZED_MODES
-        if penalized:
+        if penalized and head != HEAD_SCREENED_TOP_K:
             with self._traced("penalties (repetition, frequency, presence)", None, costs.penalties, c, size):
                 apply_penalties(buffers.logits, self.history.counts, self.history.prompt_mask,
                                 buffers.repetition_penalty, buffers.frequency_penalty, buffers.presence_penalty,

@@ -70,11 +70,15 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("16-17", "LM head (tied embedding) and argmax",
              (LINEAR_PREFILL, LINEAR_DECODE),
              ("lm_head.screened:_quantize_kernel", "lm_head.screened:_screen_kernel", "lm_head.screened:_check_kernel",
-              "lm_head.argmax:_lm_head_argmax_kernel", "lm_head.argmax:_argmax_reduce_kernel"),
+              "lm_head.screened_top_k:_screen_top_k_kernel", "lm_head.screened_top_k:_threshold_kernel",
+              "lm_head.screened_top_k:_check_top_k_kernel", "lm_head.argmax:_lm_head_argmax_kernel",
+              "lm_head.argmax:_argmax_reduce_kernel"),
              "prefill: logits of the rows needed through the projection kernels; decode: partial argmax (or "
              "Gumbel-max for temperature sampling) per vocabulary block, then a reduction, no logits written; "
              "greedy, up to 16 sequences: an int8 copy of the head screens the rows, the candidates' logits "
-             "computed exactly (screened_lm_head)"),
+             "computed exactly (screened_lm_head); top-k sampling (top_k <= 64), up to 16 sequences: the same screen "
+             "writes logits exact at every token that can reach the top k (penalties applied there), bounds "
+             "elsewhere, for the sampler"),
     Operator("18-19", "KV cache write and read",
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.prefill:_prefill_kernel"),
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel", "attention.decode:_decode_split_kernel"),
@@ -115,8 +119,9 @@ OPERATORS: tuple[Operator, ...] = (
               "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel", "sampling.penalties:_count_kernel"),
              ("sampling.penalties:_penalties_kernel", "sampling.sample:_stats_kernel",
               "sampling.sample:_search_kernel", "sampling.sample:_draw_kernel", "sampling.penalties:_count_kernel"),
-             "on the device, inside the decode CUDA graph; the penalties (on the logits, in place) and the counts "
-             "of the generated ids only when a row has a penalty (engine/device_sampling.py's modes)"),
+             "on the device, inside the decode CUDA graph; the penalties (on the logits, in place, or, for top-k "
+             "behind the screened head, inside its check) and the counts of the generated ids only when a row has a "
+             "penalty (engine/device_sampling.py's modes)"),
 )
 
 

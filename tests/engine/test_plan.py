@@ -26,6 +26,8 @@ def test_the_h200_plan_of_the_0_8b_model():
     assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
     assert plan.decode_lm_head(2, "temperature") == plans.HEAD_LOGITS
     assert plan.decode_lm_head(1, "sample") == plan.decode_lm_head(1, "logits") == plans.HEAD_LOGITS
+    assert [plan.decode_lm_head(rows, mode) for rows in (1, 16, 32) for mode in ("top-k", "penalized-top-k")] == [
+        plans.HEAD_SCREENED_TOP_K] * 4 + [plans.HEAD_LOGITS] * 2
     assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
     assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
     assert not plan.prefill_folded_norm(1) and plan.prefill_folded_norm(2)
@@ -62,6 +64,7 @@ def test_options_turn_variants_off():
     assert plan.decode_tail(1) == plans.TAIL_LINEAR and not plan.staged_tail and not plan.projected_delta
     assert plan.decode_delta(1) == plans.DELTA_FUSED_NORM
     assert plan.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
+    assert plan.decode_lm_head(1, "top-k") == plan.decode_lm_head(1, "penalized-top-k") == plans.HEAD_LOGITS
     assert not plan.prefill_pdl(1) and not plan.screened_lm_head_pdl and not plan.prefill_folded_norm(4096)
     assert resolve_plan(CONFIG, H200, Options(fused_delta_decode=False)).decode_delta(1) == plans.DELTA_UNFUSED
     assert resolve_plan(CONFIG, H200, Options(staged_out_projection_mlp=False)).decode_tail(1) == plans.TAIL_FUSED
@@ -91,6 +94,8 @@ def test_ops_prints_the_operator_table_and_the_plan(capsys):
     out = capsys.readouterr().out
     assert "| # | operator |" in out and "Plan for hidden 1024, 24 layers on NVIDIA H200" in out
     decode = next(line for line in out.splitlines() if line.startswith("| out-projection + MLP |"))
+    top_k = next(line for line in out.splitlines() if line.startswith("| LM head (top-k"))
+    assert top_k.count("lm_head.screened_top_k") == 5 and top_k.count("lm_head logits") == 1  # 1 to 16 rows, 32
     assert decode.split(" | ")[1] == "linear.staged_out_projection_mlp:_staged_kernel"
     prefill = next(line for line in out.splitlines() if line.startswith("| PDL | projections"))
     assert prefill.count("projections, convs, attention") == 3  # 16, 128 and 256 tokens

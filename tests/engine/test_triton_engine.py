@@ -157,6 +157,35 @@ def test_greedy_steps_through_the_screened_lm_head(checkpoints, monkeypatch):
     assert tokens[True] == tokens[False] and all(len(ids) == 4 for ids in tokens[True])
 
 
+def test_qwens_sampling_settings_step_through_the_screened_top_k_head(checkpoints, monkeypatch):
+    # Qwen's recommended settings, with and without presence_penalty 1.5, in one batch (penalized-top-k) and each
+    # alone: the screened top-k head (lm_head/screened_top_k.py, the penalties in it, no penalties kernel) draws the
+    # tokens of the logits head (screened_lm_head=False)
+    from qwen_triton.engine.sampling import SamplingParams
+
+    calls = {"screened": 0, "penalties": 0}
+    for name, key in (("lm_head_screened_top_k", "screened"), ("apply_penalties", "penalties")):
+        original = getattr(triton_model, name)
+        monkeypatch.setattr(triton_model, name, lambda *args, _original=original, _key=key, **kwargs:
+                            calls.__setitem__(_key, calls[_key] + 1) or _original(*args, **kwargs))
+    settings = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=1),
+                SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=2, presence_penalty=1.5),
+                SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3, presence_penalty=1.5),
+                SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=4)]
+    prompts = [[11, 200, 3, 47, 150], [5, 6], [9, 9, 9], [7, 100]]
+    tokens = {}
+    for screened in (True, False):
+        calls.update(screened=0, penalties=0)
+        llm = LLM(checkpoints["conditional"], backend="triton", device="cpu", dtype=torch.float32, max_length=32,
+                  max_batch=4, screened_lm_head=screened)
+        tokens[screened] = [r.token_ids for r in llm.generate(prompts, max_new_tokens=4, sampling_params=settings)]
+        alone = [llm.generate(prompts[0], max_new_tokens=4, sampling_params=settings[0]).token_ids]  # top-k mode
+        assert alone == tokens[screened][:1]
+        # 3 decode steps of the batch, 3 of the row alone (its first token: the prefill's logits)
+        assert calls == ({"screened": 6, "penalties": 0} if screened else {"screened": 0, "penalties": 3})
+    assert tokens[True] == tokens[False] and all(len(ids) == 4 for ids in tokens[True])
+
+
 def test_batched_generation_equals_one_at_a_time(checkpoints):
     llm = LLM(checkpoints["causal"], backend="triton", device="cpu", dtype=torch.float32, max_length=32,
               max_batch=4)

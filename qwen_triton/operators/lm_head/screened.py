@@ -162,6 +162,48 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _quantized_products(quantized_ptr, quantized_x_ptr, offs_v, v_mask, group, K, stride_qv,
+                        BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_V, 16] int32: the rows offs_v of q against the q_x of the 16 rows of x of `group` (one tensor-core int8
+    product, int32 accumulation; the rows of x are B's 16 columns, zero past M), pipelined over K as a GEMM."""
+    q_rows = offs_v.to(tl.int64) * stride_qv
+    x_rows = quantized_x_ptr + (group * 16 + tl.arange(0, 16)) * K
+    dot = tl.zeros([BLOCK_V, 16], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        q = tl.load(quantized_ptr + q_rows[:, None] + offs_k[None, :], mask=v_mask[:, None] & k_mask[None, :],
+                    other=0)
+        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0)  # [16, BLOCK_K]
+        dot = tl.dot(q, tl.trans(x), acc=dot, out_dtype=tl.int32)
+    return dot
+
+
+@triton.jit
+def _screen_bounds(dot, offs_v, v_mask, rows, row_mask, scale_ptr, residual_bound_ptr, quantized_norm_ptr,
+                   statistics_ptr, SINGLE: tl.constexpr):
+    """(c_i, B_i) of the tile's rows against each row of x: [BLOCK_V] vectors of row 0 alone for SINGLE (its column
+    of dot; measured faster than the [BLOCK_V, 16] epilogue), else [BLOCK_V, 16]."""
+    scale_v = tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)
+    residual_bound = tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0)
+    quantized_norm = tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0)
+    if SINGLE:
+        scale_x = tl.load(statistics_ptr)
+        x_norm = tl.load(statistics_ptr + 1)
+        r_norm = tl.load(statistics_ptr + 2)
+        approximate = tl.sum(tl.where(rows[None, :] == 0, dot, 0), axis=1).to(tl.float32) * scale_x * scale_v
+        bound = (residual_bound * x_norm + quantized_norm * r_norm) * 1.001 + tl.abs(approximate) * 1e-6
+    else:
+        scale_x = tl.load(statistics_ptr + rows * 3, mask=row_mask, other=1.0)
+        x_norm = tl.load(statistics_ptr + rows * 3 + 1, mask=row_mask, other=0.0)
+        r_norm = tl.load(statistics_ptr + rows * 3 + 2, mask=row_mask, other=0.0)
+        approximate = dot.to(tl.float32) * scale_x[None, :] * scale_v[:, None]
+        bound = (residual_bound[:, None] * x_norm[None, :] + quantized_norm[:, None] * r_norm[None, :]) * 1.001 \
+            + tl.abs(approximate) * 1e-6
+    return approximate, bound
+
+
+@triton.jit
 def _screen_kernel(
     quantized_ptr, scale_ptr, residual_bound_ptr, quantized_norm_ptr, quantized_x_ptr, statistics_ptr,
     upper_ptr, threshold_ptr,
@@ -180,42 +222,28 @@ def _screen_kernel(
     group = tl.program_id(1)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = offs_v < V
-    q_rows = offs_v.to(tl.int64) * stride_qv
     rows = group * 16 + tl.arange(0, 16)
     row_mask = rows < M
-    x_rows = quantized_x_ptr + rows * K
-    dot = tl.zeros([BLOCK_V, 16], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        q = tl.load(quantized_ptr + q_rows[:, None] + offs_k[None, :], mask=v_mask[:, None] & k_mask[None, :],
-                    other=0)
-        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=k_mask[None, :], other=0)  # [16, BLOCK_K]
-        dot = tl.dot(q, tl.trans(x), acc=dot, out_dtype=tl.int32)
-
-    scale_v = tl.load(scale_ptr + offs_v, mask=v_mask, other=0.0)
-    residual_bound = tl.load(residual_bound_ptr + offs_v, mask=v_mask, other=0.0)
-    quantized_norm = tl.load(quantized_norm_ptr + offs_v, mask=v_mask, other=0.0)
-    if SINGLE:  # one row of x: its column alone, as vectors (measured faster than the [BLOCK_V, 16] epilogue)
-        scale_x = tl.load(statistics_ptr)
-        x_norm = tl.load(statistics_ptr + 1)
-        r_norm = tl.load(statistics_ptr + 2)
-        approximate = tl.sum(tl.where(rows[None, :] == 0, dot, 0), axis=1).to(tl.float32) * scale_x * scale_v
-        bound = (residual_bound * x_norm + quantized_norm * r_norm) * 1.001 + tl.abs(approximate) * 1e-6
+    dot = _quantized_products(quantized_ptr, quantized_x_ptr, offs_v, v_mask, group, K, stride_qv, BLOCK_V, BLOCK_K)
+    approximate, bound = _screen_bounds(dot, offs_v, v_mask, rows, row_mask, scale_ptr, residual_bound_ptr,
+                                        quantized_norm_ptr, statistics_ptr, SINGLE)
+    if SINGLE:
         tl.store(upper_ptr + offs_v, approximate + bound, mask=v_mask)
         lower = tl.max(tl.where(v_mask, approximate - bound, float("-inf")), axis=0)
         tl.atomic_max(threshold_ptr, lower, sem="relaxed")
     else:
-        scale_x = tl.load(statistics_ptr + rows * 3, mask=row_mask, other=1.0)
-        x_norm = tl.load(statistics_ptr + rows * 3 + 1, mask=row_mask, other=0.0)
-        r_norm = tl.load(statistics_ptr + rows * 3 + 2, mask=row_mask, other=0.0)
-        approximate = dot.to(tl.float32) * scale_x[None, :] * scale_v[:, None]
-        bound = (residual_bound[:, None] * x_norm[None, :] + quantized_norm[:, None] * r_norm[None, :]) * 1.001 \
-            + tl.abs(approximate) * 1e-6
         tl.store(upper_ptr + rows.to(tl.int64)[None, :] * V + offs_v[:, None], approximate + bound,
                  mask=v_mask[:, None] & row_mask[None, :])
         lower = tl.max(tl.where(v_mask[:, None], approximate - bound, float("-inf")), axis=0)
         tl.atomic_max(threshold_ptr + rows, lower, mask=row_mask, sem="relaxed")
+
+
+@triton.jit
+def _exact_logit(w_ptr, index, stride_wv, normed, columns, K):
+    """E_i, the logit the bounds hold: row `index` of W read whole, against x_n (normed [BLOCK_X] float32, columns
+    its offsets), summed in float32."""
+    w = tl.load(w_ptr + index.to(tl.int64) * stride_wv + columns, mask=columns < K, other=0.0)
+    return tl.sum(w.to(tl.float32) * normed, axis=0)
 
 
 @triton.jit
@@ -244,9 +272,7 @@ def _check_kernel(
         normed = tl.load(normed_ptr + row * K + columns, mask=columns < K, other=0.0)
         while tl.max(remaining.to(tl.int32), axis=0) > 0:
             first = tl.argmax(remaining.to(tl.int32), axis=0, tie_break_left=True)  # the lowest candidate left
-            w = tl.load(w_ptr + (pid * BLOCK_R + first).to(tl.int64) * stride_wv + columns, mask=columns < K,
-                        other=0.0)
-            logit = tl.sum(w.to(tl.float32) * normed, axis=0)
+            logit = _exact_logit(w_ptr, pid * BLOCK_R + first, stride_wv, normed, columns, K)
             better = logit > best  # strictly: an equal logit at a higher index loses
             best = tl.where(better, logit, best)
             best_index = tl.where(better, pid * BLOCK_R + first, best_index)

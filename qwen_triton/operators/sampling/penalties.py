@@ -29,6 +29,23 @@ from ..common import check_same_device, check_slots, check_tensor, interpreting,
 
 
 @triton.jit
+def penalized_row(slot, repetition, frequency, presence):
+    """Whether a row's penalties change any logit: a live row (not padding) with a penalty on."""
+    return (slot >= 0) & ((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0))
+
+
+@triton.jit
+def penalized_logit(logit, count, in_prompt, repetition, frequency, presence):
+    """The penalised logit of a token of a penalised row (the module's formula; untouched when neither counted nor
+    in the prompt): the one arithmetic of every kernel that applies the penalties (lm_head/screened_top_k.py applies
+    it to its candidates), so they agree bit for bit."""
+    counted = count > 0
+    repeated = tl.where(logit > 0, logit / repetition, logit * repetition)
+    logit = tl.where(in_prompt | counted, repeated, logit)  # x / 1.0 and x * 1.0 are x exactly
+    return tl.where(counted, logit - frequency * count.to(tl.float32) - presence, logit)
+
+
+@triton.jit
 def _penalties_kernel(
     logits_ptr, stride_lm, counts_ptr, stride_cm, prompt_ptr, stride_pm,
     repetition_ptr, frequency_ptr, presence_ptr, slots_ptr, V,
@@ -40,7 +57,7 @@ def _penalties_kernel(
     repetition = tl.load(repetition_ptr + row)
     frequency = tl.load(frequency_ptr + row)
     presence = tl.load(presence_ptr + row)
-    if (slot >= 0) & ((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0)):
+    if penalized_row(slot, repetition, frequency, presence):
         offs = block * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = offs < V
         row64 = row.to(tl.int64)
@@ -48,10 +65,7 @@ def _penalties_kernel(
         logit = tl.load(logits_ptr + row64 * stride_lm + offs, mask=mask, other=0.0)
         count = tl.load(counts_ptr + slot64 * stride_cm + offs, mask=mask, other=0)
         in_prompt = tl.load(prompt_ptr + slot64 * stride_pm + offs, mask=mask, other=0) != 0
-        counted = count > 0
-        repeated = tl.where(logit > 0, logit / repetition, logit * repetition)
-        logit = tl.where(in_prompt | counted, repeated, logit)  # x / 1.0 and x * 1.0 are x exactly
-        logit = tl.where(counted, logit - frequency * count.to(tl.float32) - presence, logit)
+        logit = penalized_logit(logit, count, in_prompt, repetition, frequency, presence)
         tl.store(logits_ptr + row64 * stride_lm + offs, logit, mask=mask)
 
 

@@ -339,6 +339,14 @@ def _compact(packed, selected, scratch_ptr):
 
 
 @triton.jit
+def top_k_rounds(sampling, top_k, V, K: tl.constexpr):
+    """A row's k on the top-k path at candidate width K: its top_k, at most V and K; 1 for a greedy row, which needs
+    the argmax alone (top_k >= V keeps every token, as top-k off does)."""
+    rounds = tl.where(sampling, tl.minimum(top_k, V), 1)
+    return tl.minimum(tl.maximum(rounds, 1), K)
+
+
+@triton.jit
 def _top_k_kernel(
     logits_ptr, stride_lm, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
     candidate_ptr, tie_ptr, merge_ptr, state_int_ptr, counter_ptr, out_ptr,
@@ -351,9 +359,7 @@ def _top_k_kernel(
     temperature = tl.load(temperature_ptr + row)
     sampling = temperature > 0
     scale = tl.where(sampling, temperature, 1.0)
-    # greedy rows need the argmax alone; top_k >= V keeps every token, as top-k off does
-    rounds = tl.where(sampling, tl.minimum(tl.load(top_k_ptr + row), V), 1)
-    rounds = tl.minimum(tl.maximum(rounds, 1), K)
+    rounds = top_k_rounds(sampling, tl.load(top_k_ptr + row), V, K)
     offs = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < V
     s = tl.load(logits_ptr + row.to(tl.int64) * stride_lm + offs, mask=mask, other=0.0) / scale
@@ -574,6 +580,11 @@ def _workspace(device: torch.device, M: int, V: int) -> dict:
     return _workspaces[key]
 
 
+def candidate_width(top_k_bound: int) -> int:
+    """K, the top-k path's candidate slots a chunk for rows of top_k <= top_k_bound."""
+    return max(2, triton.next_power_of_2(top_k_bound))
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -628,7 +639,7 @@ def sample(
     geometry = dict(V=V, CHUNK=work["chunk"], NUM_CHUNKS=work["num_chunks"])
     seed_per_row = seed.shape[0] == M and M > 1
     if top_k_bound is not None:
-        width = max(2, triton.next_power_of_2(top_k_bound))
+        width = candidate_width(top_k_bound)
         _top_k_kernel[(work["top_k_chunks"], M)](
             logits, logits.stride(0), temperature, top_k, top_p, top_p if min_p is None else min_p, seed, step,
             work["candidates"], work["chunk_ties"], work["merge"], work["state_int"], work["counters"], out,
