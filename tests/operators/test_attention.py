@@ -511,6 +511,28 @@ def test_gpu_attention_prefill(length, start):
 
 
 @pytest.mark.gpu
+def test_gpu_attention_prefill_packed():
+    """The real shape in bf16: eight prompts of 1 to 1,531 tokens after 0 to 500 cached, in slots in any order: each
+    as one call of attention_prefill on its slot (bit for bit where the two autotuners chose the same tiles: within
+    bf16 roundings), and the reference; padding rows zero."""
+    from qwen_triton.operators.packed import PackedLayout
+
+    torch.manual_seed(9)
+    lengths, starts = (1, 5, 63, 64, 65, 130, 700, 1531), (0, 7, 0, 30, 2, 41, 500, 0)
+    layout = PackedLayout.of(lengths, starts, (3, 0, 7, 1, 6, 2, 5, 4))
+    key_cache = torch.randn(8, 2, 2048, 256, device="cuda", dtype=torch.bfloat16)
+    value_cache = torch.randn_like(key_cache)
+    q = layout.pack([torch.randn(n, 8, 256, device="cuda", dtype=torch.bfloat16) for n in lengths], fill=float("nan"))
+    out = attention.attention_prefill_packed(q, key_cache, value_cache, layout.blocks().cuda())
+    for rows, result, start, slot in zip(layout.unpack(q), layout.unpack(out), layout.starts, layout.slots):
+        assert_bf16_close(result, attention_prefill(rows, key_cache, value_cache, slot, start))
+        positions = torch.arange(start, start + rows.shape[0], device="cuda")
+        assert_bf16_close(result, fn.attention(rows.double(), key_cache[slot].double(), value_cache[slot].double(),
+                                               positions, start + rows.shape[0]))
+    assert (out[layout.token_slots().cuda() < 0] == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[128], [4096], [32768], [1, 130, 4097, 32768]])
 def test_gpu_attention_decode(lengths):
     torch.manual_seed(12)

@@ -378,6 +378,26 @@ CHANNELS, WIDTH = 6144, 4
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [640, 4096])
+def test_gpu_packed_prefill(tokens):
+    """The real shape in bf16, a packed layout of eight prompts (the length bucket of 640 rows runs the tile pick,
+    of 4096 the walking pick): each prompt as one call, bit for bit, states included; padding rows unwritten."""
+    lengths = (1, 5, 63, 64, 65, 130) if tokens == 640 else (1, 5, 63, 64, 65, 130, 1500, 1900)
+    layout, x, weight, states = packed_inputs(lengths, CHANNELS, WIDTH, torch.bfloat16, "cuda", seed=32,
+                                              tokens=tokens, slots=(4, 0, 6, 2, 5, 1, 3, 7))
+    states = torch.cat([states, states])  # 14 slots
+    blocks = layout.blocks().cuda()
+    packed_states = states.clone()
+    out = torch.full_like(x, 7.0)
+    conv_module.causal_conv1d_packed(x, weight, packed_states, blocks, out=out)
+    for rows, y, slot in zip(layout.unpack(x), layout.unpack(out), layout.slots):
+        alone_state = states[slot].clone()
+        alone = causal_conv1d(rows, weight, alone_state)
+        assert torch.equal(y, alone) and torch.equal(packed_states[slot], alone_state), slot
+    assert (out[layout.token_slots().cuda() < 0] == 7.0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("length", [128, 4096])
 def test_gpu_prefill(length):
     x = strided_rows(length, CHANNELS, torch.bfloat16, "cuda", seed=20)

@@ -1026,6 +1026,61 @@ def test_gpu_state_pass_in_gluon_equals_triton(length, chunk_size, monkeypatch):
     assert frobenius_error(results[True][2], initial) > 0.1  # the state moved
 
 
+GPU_PACKED_LENGTHS = (1, 5, 63, 64, 65, 130, 700, 1531)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_chunked_packed_equals_one_call_each(chunk_size, split, monkeypatch):
+    """The real shape in bf16 (the Gluon state pass, PACKED): eight prompts of 1 to 1,531 tokens in slots in any
+    order, kernel 1 whole or in two parts, the output norm: each prompt's output and final state against one call
+    each from its slot's state (the same chunks: within bf16 roundings), the reference, padding rows zero, the
+    spare slot untouched; also the Triton state pass on the same scratch."""
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else 10**9)
+    slots = (3, 0, 7, 1, 6, 2, 5, 4)
+    layout = PackedLayout.of(GPU_PACKED_LENGTHS, slots=slots, tokens=PackedLayout.of(GPU_PACKED_LENGTHS).used + 128)
+    inputs = make_inputs(layout.tokens, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=27)
+    inputs["a"].copy_((inputs["a"].float() / 6 - 1).to(torch.bfloat16))  # long memory
+    inputs["z"]._base[layout.token_slots().cuda() < 0] = float("nan")
+    states = random_state((9, HEADS, DIM, DIM), "cuda") * 0.2
+    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
+    blocks = layout.blocks().cuda()
+    packed_states = states.clone()
+    out = chunk_module.gated_delta_rule_chunked_packed(*kernel_arguments(inputs), packed_states, blocks,
+                                                       chunk_size=chunk_size)
+    normed = chunk_module.gated_delta_rule_chunked_packed(*kernel_arguments(inputs), states.clone(), blocks,
+                                                          chunk_size=chunk_size,
+                                                          output_norm=(inputs["z"], weight, 1e-6))
+    torch.cuda.synchronize()
+    for first, length, slot in zip(layout.firsts, layout.lengths, layout.slots):
+        rows = slice(first, first + length)
+        state = states[slot].clone()
+        alone = gated_delta_rule_chunked(*sequence_arguments(inputs, rows), state, chunk_size=chunk_size)
+        assert frobenius_error(out[rows], alone) < 1e-2, slot
+        assert frobenius_error(packed_states[slot], state) < 1e-2, slot
+        expected = gated_rms_norm(out[rows], inputs["z"][rows], weight, 1e-6)
+        assert frobenius_error(normed[rows].reshape(length, -1), expected) < 4e-3, slot
+        float_inputs = {name: inputs[name][rows].float() for name in ("q", "k", "v")}
+        g, beta = fn.gating(inputs["a"][rows], inputs["b"][rows], inputs["A_log"], inputs["dt_bias"])
+        ref_out, ref_state = fn.gated_delta_rule_chunked(float_inputs["q"], float_inputs["k"], float_inputs["v"],
+                                                         g, beta, states[slot].clone())
+        assert frobenius_error(out[rows], ref_out) < 1.5e-2 and frobenius_error(packed_states[slot], ref_state) < 1e-2
+    padding = layout.token_slots().cuda() < 0
+    assert (out[padding] == 0).all() and (normed[padding] == 0).all()
+    assert torch.equal(packed_states[8], states[8])
+    # the Triton state pass (the CPU's) on the same scratch as the Gluon one
+    q, k, v, a, b, A_log, dt_bias = kernel_arguments(inputs)
+    scratch = chunk_module.chunk_scratch(q, v, None, chunk_size)
+    chunk_module.launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch, blocks)
+    finals = []
+    for launch in (chunk_module.launch_state_pass, chunk_module.launch_triton_state_pass):
+        final = states.clone()
+        launch(final, scratch, blocks)
+        finals.append(final)
+    assert frobenius_error(finals[0], finals[1]) < 4e-3 and torch.isfinite(finals[0]).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [100, 4096])
 def test_gpu_chunked_long_memory(length):
