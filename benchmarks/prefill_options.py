@@ -2,7 +2,8 @@
 
 Each option set (comma-separated NAME=VALUE of the plan's Options, engine/plan.py; '' for the defaults) builds
 its own model (0.8B, random weights, bf16) and captures its prefill graphs (eager call, capture, replay, as
-`qwen-triton bench` meets them). The sets are then timed in alternation for `rounds` rounds, so that a drift of
+`qwen-triton bench` meets them: with packed_prefill, the default, the packed graphs of the length's bucket;
+"packed_prefill=False" the one-sequence graph of the length). The sets are then timed in alternation for `rounds` rounds, so that a drift of
 the machine falls on all alike:
   bench          reset + prefill (the logits of the last token), as the bench times it (time_calls)
   replay_ahead   the captured graph replayed back to back, the host not waiting: the GPU's time per prefill
@@ -23,6 +24,18 @@ import statistics
 import torch
 
 from qwen_triton.benchmark.harness import EngineRunner, plan_options, time_calls
+
+
+def replay(model, length: int):
+    """The captured prefill of `length` tokens in slot 0: the packed graphs of its bucket (layers, then the LM head
+    of one sequence) where the model has them, else its one-sequence graph."""
+    if model.packed_graphs is not None:
+        from qwen_triton.engine.packed import aligned, token_bucket
+
+        body = model.packed_graphs.bodies[token_bucket(aligned(length), model.packed_buckets)]
+        head = model.packed_graphs.heads[1][0]
+        return lambda: (body.replay(), head.replay())
+    return model.prefill_graphs.graphs[(length, 0, False)][0].replay
 
 
 def main() -> None:
@@ -49,11 +62,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for length, ids in prompts.items():
             for text, runner in runners.items():
-                graph = runner.model.prefill_graphs.graphs[(length, 0, False)][0]
                 times[(text, length, "bench")].append(
                     time_calls(lambda: runner.prefill(ids), args.steps, 3) * 1e3)
                 times[(text, length, "replay_ahead")].append(
-                    time_calls(graph.replay, args.steps, 3, back_to_back=True) * 1e3)
+                    time_calls(replay(runner.model, length), args.steps, 3, back_to_back=True) * 1e3)
     print(f"{torch.cuda.get_device_name()}: prefill, us (median over {args.rounds} rounds of medians of {args.steps})")
     results = []
     for (text, length, way), values in times.items():

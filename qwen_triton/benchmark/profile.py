@@ -150,8 +150,8 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
 
 
 def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -> dict:
-    """Profile a prefill of `tokens` random tokens into slot 0, as the engine runs it (a CUDA graph once
-    the length repeats, with cuda_graph; eager otherwise)."""
+    """Profile a prefill of `tokens` random tokens into slot 0, as the engine runs it (with cuda_graph its packed
+    bucket's graphs, or where packed_prefill is off a CUDA graph once the length repeats; eager otherwise)."""
     device = model.device
     token_ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     token_ids = token_ids.to(device)
@@ -160,9 +160,12 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
         model.reset(0)
         model.prefill(token_ids, slot=0, all_logits=False)
 
-    def run_eager():
+    def run_eager():  # the same kernels launched now, for the trace
         model.reset(0)
-        model.prefill_eager(token_ids, 0, 0, False)
+        if model.packed_graphs is not None:
+            model.prefill_packed([token_ids], [0], [0], graphs=False)
+        else:
+            model.prefill_eager(token_ids, 0, 0, False)
 
     run()  # warm-up: compile, autotune
     run()  # with cuda_graph: capture

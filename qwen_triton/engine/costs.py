@@ -35,6 +35,12 @@ def attention_prefill(c: ModelConfig, tokens: int, start: int, element: int):
     return moved, 4 * c.num_attention_heads * c.head_dim * visible
 
 
+def attention_prefill_packed(c: ModelConfig, sequences, element: int):
+    """A packed pass's attention: each sequence's (length, start) as its own prefill (padding rows need nothing)."""
+    parts = [attention_prefill(c, length, start, element) for length, start in sequences]
+    return sum(moved for moved, _ in parts), sum(flops for _, flops in parts)
+
+
 def attention_decode(c: ModelConfig, rows: int, context: int, element: int):
     """The KV cache at the traced context, q and the output."""
     keys = context + 1

@@ -1,11 +1,22 @@
-"""The CUDA-graph manager of the Triton backend: decode steps by batch bucket, and repeated prefills.
+"""The CUDA-graph manager of the Triton backend: decode steps by batch bucket, packed prefills by token bucket, and
+repeated one-sequence prefills.
 
 Decode: each (bucket, mode, feedback) step is captured once after a warm-up outside the graph (compilation,
 autotuning, workspaces) and replayed: inputs are copied into static buffers (the rows' slots too: a graph serves
 any slot set), nothing is allocated and nothing waits on the host. The warm-up runs the step for real, so the
 states it advances (those of its rows' slots) are restored before capture.
 
-Prefill: a prefill from position 0 that repeats an earlier (length, slot, all_logits) is captured on its second
+Packed prefill (engine/packed.py): the layers of a pass over a token bucket's rows are one graph per bucket, and
+the final norm and LM head of its sequences' last rows one graph per sequence bucket; both read what a pass is (its
+ids, positions, slots, layout and last rows) from one static int32 buffer that the host fills before each replay,
+and the layers leave each sequence's last row in a static buffer that the head reads, so a bucket's graphs serve
+any prompts, lengths, starts and slots that fit it. A bucket's first pass runs eagerly (it is this call's pass, and
+the kernels' first run: compilation and autotuning, done by the warm-up at load) and is captured after it; every
+later pass replays. The graphs share one memory pool (they never run at once); the warm-up captures the largest
+bucket first.
+
+One-sequence prefill (the logits of every position, `LLM.score`'s; every prefill where the packed graphs are
+off): a prefill from position 0 that repeats an earlier (length, slot, all_logits) is captured on its second
 call and replayed from then on: the ~180 launches of a prefill cost the host far more than the GPU work at short
 lengths. A length seen once runs eagerly (no capture cost for one-off prompts); the most recent `keep` graphs are
 kept, sharing one memory pool.
@@ -16,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from . import packed
 
 
 def _advanced(states, history) -> list[torch.Tensor]:
@@ -95,3 +108,55 @@ class PrefillGraphs:
         static_ids.copy_(token_ids)
         graph.replay()
         return logits.clone()
+
+
+class PackedPrefillGraphs:
+    def __init__(self, device: torch.device, largest_tokens: int, head_rows: int, hidden_size: int,
+                 dtype: torch.dtype):
+        self.device = device
+        self.rows = head_rows  # the static last rows' entries: the largest sequence bucket
+        self.inputs = torch.zeros(packed.input_size(largest_tokens, head_rows), device=device, dtype=torch.int32)
+        self.hidden = torch.zeros(head_rows, hidden_size, device=device, dtype=dtype)
+        self.bodies: dict[int, torch.cuda.CUDAGraph] = {}  # token bucket -> the layers' graph
+        self.heads: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # sequence bucket -> (graph, logits)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def load(self, token_ids, slots, starts, tokens: int) -> packed.PackedInputs:
+        """The pass's inputs copied into the static buffer (one copy from pinned memory, then the ids of prompts
+        given on the device); its views of bucket `tokens`."""
+        host, layout = packed.pack_inputs(token_ids, starts, slots, tokens, self.rows)
+        self.inputs[:host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        inputs = packed.PackedInputs.view(self.inputs, tokens, self.rows, layout)
+        packed.copy_device_prompts(inputs, token_ids, layout)
+        return inputs
+
+    def _capture(self, launch: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            result = launch()
+        return graph, result
+
+    def run(self, token_ids, slots, starts, tokens: int, body: Callable, head: Callable) -> torch.Tensor:
+        """Logits [S, vocab] of a pass of the prompts over `tokens` rows: body(inputs, hidden) launches its layers
+        and gathers its last rows, head(hidden rows) its LM head; each replayed from its bucket's graph, or run
+        eagerly and then captured on a bucket's first pass."""
+        inputs = self.load(token_ids, slots, starts, tokens)
+        graph = self.bodies.get(tokens)
+        if graph is None:
+            body(inputs, self.hidden)
+            self.bodies[tokens], _ = self._capture(lambda: body(inputs, self.hidden))
+        else:
+            graph.replay()
+        return self.head(packed.head_rows(len(token_ids)), head)[:len(token_ids)].clone()
+
+    def head(self, rows: int, head: Callable) -> torch.Tensor:
+        """The LM head of the static last rows' first `rows`: replayed, or run eagerly and then captured on a
+        sequence bucket's first use (its logits then this run's)."""
+        entry = self.heads.get(rows)
+        if entry is None:
+            logits = head(self.hidden[:rows])
+            self.heads[rows] = self._capture(lambda: head(self.hidden[:rows]))
+            return logits
+        graph, logits = entry
+        graph.replay()
+        return logits

@@ -73,7 +73,10 @@ class Options:
     """The user's choices (TritonModel's and LLM's keywords); None: the device's default."""
 
     split_k: bool = True  # split-K GEMV / GEMM configs where the tuning allows them
-    cuda_graph: bool = True  # decode steps and repeated prefills replayed from CUDA graphs (GPU only)
+    cuda_graph: bool = True  # decode steps and prefills replayed from CUDA graphs (GPU only)
+    # prompts prefilled in packed passes (engine/packed.py), with cuda_graph a graph per token bucket for any prompt's
+    # last logits; False: one prefill a prompt, graphs of repeated lengths only (the comparison)
+    packed_prefill: bool = True
     fused_delta_decode: bool = True  # a decode step's conv, gating, delta rule (and gated norm) in one kernel
     out_projection_mlp: bool = True  # a decode step's out-projection + residual and MLP as one kernel (<= 16 rows)
     output_norm_in_projection: bool = True  # with it, the DeltaNet output norm in that kernel's prologue
@@ -132,6 +135,7 @@ class Plan:
     prefill_pdl_tokens: int  # prefills of up to this many tokens launch with PDL (0: none)
     folded_norm_from: int  # prefills of this many tokens or more apply the folded norms in the GEMM's epilogue
     tune_decode_attention_at_full_length: bool
+    packed_prefill: bool = True  # prefill_batch (and, with cuda_graph, every prompt's prefill) in packed passes
     prefill_graphs: int = PREFILL_GRAPHS
 
     # ---- decode ----------------------------------------------------------------------------------
@@ -253,6 +257,7 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
         folded_norm_from=gemv_rows + 1 if fold_norms else 2**62,
         tune_decode_attention_at_full_length=options.tune_decode_attention_at_full_length,
+        packed_prefill=options.packed_prefill,
     )
 
 
@@ -299,6 +304,8 @@ def _prefill_rows(plan: Plan, tokens: int) -> dict[str, str]:
         "gated delta rule": f"gated_delta_rule.chunk: chunks of {chunk}, {prepare}, {state}, output (+ gated norm)",
         "PDL": "projections, convs, attention" if plan.prefill_pdl(tokens) else "none",
         "LM head": "final norm + linear (logits)",
+        "several prompts": "one packed pass (each prompt from a multiple of 64 rows; conv, chunked rule and attention "
+                           "take the layout)" if plan.packed_prefill else "one prefill each",
     }
 
 
@@ -370,7 +377,8 @@ def describe_plan(plan: Plan, config: ModelConfig, decode_rows, prefill_tokens) 
         "",
         f"split_k={plan.split_k} cuda_graph={plan.cuda_graph} pdl={plan.pdl} fold_norms={plan.fold_norms} "
         f"staged_tail={plan.staged_tail} projected_delta={plan.projected_delta} "
-        f"screened_rows={plan.screened_rows} gemv_rows={plan.gemv_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens}",
+        f"screened_rows={plan.screened_rows} gemv_rows={plan.gemv_rows} prefill_pdl_tokens={plan.prefill_pdl_tokens} "
+        f"packed_prefill={plan.packed_prefill}",
         "",
     ]
     left_out = _left_out(plan, config)

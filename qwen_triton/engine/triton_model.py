@@ -33,11 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..operators.attention import attention_decode, attention_prefill, decode_splits, qk_norm_rotary, rotary_table
-from ..operators.conv import causal_conv1d, causal_conv1d_step
+from ..operators.attention import (attention_decode, attention_prefill, attention_prefill_packed, decode_splits,
+                                   qk_norm_rotary, rotary_table)
+from ..operators.conv import causal_conv1d, causal_conv1d_packed, causal_conv1d_step
 from ..operators.embedding import embedding
 from ..operators.gated_delta_rule import (
     gated_delta_rule_chunked,
+    gated_delta_rule_chunked_packed,
     gated_delta_rule_decode_fused,
     gated_delta_rule_decode_projected,
     gated_delta_rule_recurrent,
@@ -60,7 +62,8 @@ from .backend import check_decode_slots, check_prefill_batch
 from .buffers import DecodeBuffers, PenaltyHistory, bucket
 from .device_sampling import (LOGITS_MODES, PENALIZED_MODES, SEARCH_MODES, TOP_K_MODES, DeviceSampling, choose_first,
                               sample_options)
-from .graphs import DecodeGraphs, PrefillGraphs
+from . import packed as prefill_packing
+from .graphs import DecodeGraphs, PackedPrefillGraphs, PrefillGraphs
 from .packing import AttentionWeights, DeltaNetWeights, MLPWeights, pack_weights
 from .plan import (DELTA_FUSED, DELTA_FUSED_NORM, DELTA_PROJECTED, HEAD_ARGMAX, HEAD_GUMBEL, HEAD_LOGITS,
                    HEAD_SCREENED, HEAD_SCREENED_TOP_K, TAIL_LINEAR, TAIL_STAGED, DeviceProperties, Options,
@@ -73,7 +76,8 @@ __all__ = ["TritonModel", "DeviceSampling", "DecodeBuffers", "bucket"]
 @dataclass
 class ForwardPass:
     """What the layers of one forward pass need beside their weights and x: prefill (one sequence in `slot`
-    after `start` cached tokens) or a decode step on `buffers` (row r: the sequence in slot slots[r])."""
+    after `start` cached tokens, or with `packed` the sequences of a packed layout: its blocks, operators/packed.py)
+    or a decode step on `buffers` (row r: the sequence in slot slots[r])."""
 
     rows: int
     positions: torch.Tensor
@@ -83,6 +87,8 @@ class ForwardPass:
     squares: torch.Tensor | None = None  # a prefill's rows' sums of squares (the folded norms)
     slot: int = 0
     start: int = 0
+    packed: torch.Tensor | None = None  # a packed prefill's blocks [T / 64, 4]
+    sequences: tuple = ()  # a packed prefill's (length, start) of each prompt (the floors of a trace)
 
     @property
     def scratch(self) -> dict | None:
@@ -137,6 +143,14 @@ class TritonModel:
         self.history = PenaltyHistory(max_batch, c.vocab_size, self.device)  # each slot's, for the penalties
         self.decode_graphs = DecodeGraphs(self.device, self.state, self.history) if plan.cuda_graph else None
         self.prefill_graphs = PrefillGraphs(plan.prefill_graphs) if plan.cuda_graph else None
+        # a packed pass's token buckets (engine/packed.py) and, with cuda_graph, a graph per bucket
+        self.packed_buckets = prefill_packing.token_buckets(max_length)
+        # the LM head's sequence buckets: a pass holds at most max_batch prompts, one per aligned block
+        self.packed_head_buckets = prefill_packing.sequence_buckets(
+            min(max_batch, self.packed_buckets[-1] // prefill_packing.ALIGN))
+        self.packed_graphs = (PackedPrefillGraphs(self.device, self.packed_buckets[-1], self.packed_head_buckets[-1],
+                                                  c.hidden_size, dtype)
+                              if plan.cuda_graph and plan.packed_prefill else None)
         self._decode_attention_tuned = False  # _tune_decode_attention has run
         # progress of the warm-ups on stderr (the first prefill, each decode graph's first step): they compile
         # and autotune the kernels, once per machine (the choices are cached on disk)
@@ -198,6 +212,10 @@ class TritonModel:
     def _attend(self, i, q, step: ForwardPass):
         c, element = self.config, self.embed.element_size()
         key, value = self.state.key[i], self.state.value[i]
+        if step.packed is not None:
+            with self._traced("attention (flash prefill, packed)", i, costs.attention_prefill_packed, c,
+                              step.sequences, element):
+                return attention_prefill_packed(q, key, value, step.packed, pdl=step.pdl)
         if step.buffers is None:
             with self._traced("attention (flash prefill)", i, costs.attention_prefill, c, step.rows, step.start,
                               element):
@@ -229,13 +247,22 @@ class TritonModel:
         projection = self._linear("deltanet in-projection", i, x, w.projection,
                                   **self._norm(w.input_norm, step.squares), pdl=step.pdl)
         mixed, z, b, a = self._split_projection(projection)
+        conv_state, state, norm = self.state.conv[i], self.state.recurrent[i], (z, w.norm, c.rms_norm_eps)
+        if step.packed is not None:  # each sequence from and into its slot's states
+            valid = sum(length for length, _ in step.sequences)  # the floors count the prompts' tokens
+            with self._traced("deltanet conv + silu (packed)", i, costs.conv_prefill, c, valid, element):
+                mixed = causal_conv1d_packed(mixed, w.conv, conv_state, step.packed, pdl=step.pdl)
+            with self._traced("gated delta rule (chunked, packed) + gated norm", i, costs.delta_rule_chunked, c,
+                              valid, element):
+                out = gated_delta_rule_chunked_packed(*self._heads(mixed), a, b, w.A_log, w.dt_bias, state,
+                                                      step.packed, output_norm=norm)
+            return self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, step)
         with self._traced("deltanet conv + silu", i, costs.conv_prefill, c, tokens, element):
-            mixed = causal_conv1d(mixed, w.conv, self.state.conv[i][step.slot], pdl=step.pdl)
+            mixed = causal_conv1d(mixed, w.conv, conv_state[step.slot], pdl=step.pdl)
         q, k, v = self._heads(mixed)
         # the gated RMSNorm in the chunked rule's output kernel (each of its programs holds whole head rows)
         with self._traced("gated delta rule (chunked) + gated norm", i, costs.delta_rule_chunked, c, tokens, element):
-            out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, self.state.recurrent[i][step.slot],
-                                           output_norm=(z, w.norm, c.rms_norm_eps))
+            out = gated_delta_rule_chunked(q, k, v, a, b, w.A_log, w.dt_bias, state[step.slot], output_norm=norm)
         return self._layer_tail(i, "deltanet out-projection", out.view(tokens, -1), w.out, x, mlp, step)
 
     def _deltanet_layer_decode(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, step: ForwardPass):
@@ -324,12 +351,17 @@ class TritonModel:
                 self._layer_done(i + 1, len(self.layers))
         return x
 
-    # ---- prefill: one sequence ------------------------------------------------------------------
+    # ---- prefill: one sequence, or several in a packed pass ------------------------------------------
     @torch.no_grad()
     def prefill(self, token_ids: torch.Tensor, slot: int = 0, start: int = 0, all_logits: bool = True):
         """Tokens [T] of the sequence in `slot` after `start` cached ones: float32 logits [T or 1, vocab].
-        With cuda_graph, a prefill from position 0 whose (length, slot, all_logits) repeats is replayed from a
-        CUDA graph (graphs.PrefillGraphs)."""
+        The last token's logits (all_logits=False) with the packed graphs (plan.packed_prefill with cuda_graph): a
+        packed pass, its bucket's CUDA graph replayed (`prefill_packed`), whatever the length. Otherwise the
+        one-sequence kernels: with cuda_graph, a prefill from position 0 whose (length, slot, all_logits) repeats is
+        replayed from a CUDA graph (graphs.PrefillGraphs)."""
+        if not all_logits and self.packed_graphs is not None:
+            check_prefill_batch([token_ids], [slot], [start], self.max_batch, self.max_length)
+            return self.prefill_packed([token_ids], [slot], [start])
         token_ids = token_ids.to(self.device)
         if self.prefill_graphs is None or start != 0:
             return self.prefill_eager(token_ids, slot, start, all_logits)
@@ -340,10 +372,40 @@ class TritonModel:
     def prefill_batch(self, token_ids: list[torch.Tensor], slots: list[int],
                       starts: list[int] | None = None) -> torch.Tensor:
         """Several prompts, each into its slot after its cached tokens (engine/backend.py): float32 logits
-        [S, vocab] of each prompt's last token."""
+        [S, vocab] of each prompt's last token. With plan.packed_prefill, in packed passes (`prefill_packed`; one
+        prompt without the packed graphs: `prefill`); else one prefill each."""
         starts = check_prefill_batch(token_ids, slots, starts, self.max_batch, self.max_length)
+        if self.plan.packed_prefill and (len(token_ids) > 1 or self.packed_graphs is not None):
+            return self.prefill_packed(token_ids, slots, starts)
         return torch.cat([self.prefill(ids, slot, start, all_logits=False)
                           for ids, slot, start in zip(token_ids, slots, starts)])
+
+    def prefill_packed(self, token_ids: list[torch.Tensor], slots: list[int], starts: list[int],
+                       graphs: bool = True) -> torch.Tensor:
+        """Prompts (arguments checked by the caller: check_prefill_batch) in packed passes (engine/packed.py: as
+        many as fit the largest token bucket each), each pass over its token bucket's rows: replayed from the
+        bucket's CUDA graph with the packed graphs (captured on the bucket's first pass), else (or with
+        graphs=False) launched now. float32 logits [S, vocab] of each prompt's last token. Ids on the host are laid
+        out there; ids on the device are copied into their rows on the device."""
+        lengths = [ids.shape[0] for ids in token_ids]
+        logits = []
+        for group in prefill_packing.passes(lengths, self.packed_buckets[-1]):
+            logits.append(self._packed_pass([token_ids[i] for i in group], [slots[i] for i in group],
+                                            [starts[i] for i in group], graphs))
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _packed_pass(self, token_ids, slots, starts, graphs: bool) -> torch.Tensor:
+        rows = sum(prefill_packing.aligned(ids.shape[0]) for ids in token_ids)
+        tokens = prefill_packing.token_bucket(rows, self.packed_buckets)
+        if graphs and self.packed_graphs is not None:
+            return self.packed_graphs.run(token_ids, slots, starts, tokens, self._packed_body, self._packed_head)
+        head_rows = prefill_packing.head_rows(len(token_ids))
+        host, layout = prefill_packing.pack_inputs(token_ids, starts, slots, tokens, head_rows)
+        inputs = prefill_packing.PackedInputs.view(host.to(self.device), tokens, head_rows, layout)
+        prefill_packing.copy_device_prompts(inputs, token_ids, layout)
+        hidden = torch.empty(head_rows, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        self._packed_body(inputs, hidden)
+        return self._packed_head(hidden)[:len(token_ids)]
 
     def _first_run_work(self) -> str:
         """What a first run of the kernels costs, in the progress line's words."""
@@ -351,29 +413,61 @@ class TritonModel:
             return "the kernels run under Triton's interpreter (nothing is compiled or tuned)"
         return "compiling and autotuning (cached on disk)"
 
-    def prefill_eager(self, token_ids: torch.Tensor, slot: int, start: int, all_logits: bool):
-        """The prefill's kernels launched now (no graph)."""
-        c, plan = self.config, self.plan
-        tokens = token_ids.shape[0]
+    def _prefill_layers(self, token_ids: torch.Tensor, step: ForwardPass) -> torch.Tensor:
+        """The embedding (and its rows' sums of squares for the folded norm) and every layer of a prefill."""
+        c, tokens = self.config, step.rows
         element = self.embed.element_size()
         if self.progress and not self._prefilled:
             self._layer_done = progress_printer(f"first prefill: {self._first_run_work()}, layers")
         self._prefilled = True
         with self._traced("embedding", None, costs.rows_read, tokens, c.hidden_size, element):
             x = embedding(token_ids, self.embed)
-        step = ForwardPass(rows=tokens, slot=slot, start=start, pdl=plan.prefill_pdl(tokens),
-                    positions=torch.arange(start, start + tokens, device=self.device, dtype=torch.int32),
-                    slots=torch.full((tokens,), slot, device=self.device, dtype=torch.int32))
-        if plan.prefill_folded_norm(tokens):
+        if self.plan.prefill_folded_norm(tokens):
             step.squares = torch.empty(tokens, -(-c.hidden_size // SQUARES_COLUMNS), device=self.device,
                                        dtype=torch.float32)
             with self._traced("embedding's sums of squares", None, costs.rows_read, tokens, c.hidden_size, element, 1):
                 row_squares(x, out=step.squares)
         x = self._layers(x, step)
         self._layer_done = None
+        return x
+
+    def prefill_eager(self, token_ids: torch.Tensor, slot: int, start: int, all_logits: bool):
+        """The prefill's kernels launched now (no graph)."""
+        c, tokens = self.config, token_ids.shape[0]
+        step = ForwardPass(rows=tokens, slot=slot, start=start, pdl=self.plan.prefill_pdl(tokens),
+                           positions=torch.arange(start, start + tokens, device=self.device, dtype=torch.int32),
+                           slots=torch.full((tokens,), slot, device=self.device, dtype=torch.int32))
+        x = self._prefill_layers(token_ids, step)
         rows = x if all_logits else x[-1:]
         with self._traced("final norm + lm head", None, costs.lm_head, self.lm_head, rows.shape[0], True):
             return lm_head_logits(rows, self.lm_head, norm_weight=self.final_norm, eps=c.rms_norm_eps)
+
+    def _packed_body(self, inputs: prefill_packing.PackedInputs, hidden: torch.Tensor) -> None:
+        """A packed pass's layers over its bucket's rows (padding rows computed and never read), then each
+        sequence's last row gathered into hidden [S, H] (the embedding kernel's gather): launches only, reading
+        the pass from `inputs` (what a packed graph captures)."""
+        tokens = inputs.tokens
+        step = ForwardPass(rows=tokens, positions=inputs.positions, slots=inputs.slots,
+                           pdl=self.plan.prefill_pdl(tokens), packed=inputs.blocks,
+                           sequences=() if inputs.layout is None else tuple(zip(inputs.layout.lengths,
+                                                                                inputs.layout.starts)))
+        x = self._prefill_layers(inputs.token_ids, step)
+        with self._traced("each sequence's last row", None, costs.rows_read, hidden.shape[0], x.shape[1],
+                          x.element_size()):
+            embedding(inputs.last_rows, x, out=hidden)
+
+    def _packed_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head of a packed pass's last rows hidden [S, H]: float32 logits [S, vocab]."""
+        with self._traced("final norm + lm head", None, costs.lm_head, self.lm_head, hidden.shape[0], True):
+            return lm_head_logits(hidden, self.lm_head, norm_weight=self.final_norm, eps=self.config.rms_norm_eps)
+
+    def warm_up_packed_head(self, rows: int) -> None:
+        """The LM head of a packed pass of `rows` head rows (a sequence bucket), run once (and captured with the
+        packed graphs) on zero rows: what a pass of that many prompts meets."""
+        if self.packed_graphs is not None:
+            self.packed_graphs.head(rows, self._packed_head)
+        else:
+            self._packed_head(torch.zeros(rows, self.config.hidden_size, device=self.device, dtype=self.dtype))
 
     # ---- decode: one token for each of B sequences, row r's in slot slots[r] --------------------
     def buffers_for(self, batch: int) -> DecodeBuffers:

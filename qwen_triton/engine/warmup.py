@@ -20,6 +20,12 @@ case of each value they take up to the model's max_length and max_batch:
   tuple; `prefill_lengths` takes the longest length of each signature, a bucket's longest first, so that each
   bucket is tuned at its longest prompt. The prefills run in slot 0, and in any slot whose states differ from
   slot 0's in alignment (none at the presets' shapes).
+- A packed prefill (engine/packed.py: `prefill_batch` of several prompts, and with CUDA graphs every prompt's
+  last logits): its kernels' shapes, keys and specialisations are functions of its token bucket alone (the rows T,
+  T's chunks; the layout, the lengths, starts and slots are device data), and its LM head's of its sequence bucket.
+  The warm-up runs one pass per token bucket (one prompt of the bucket's length, or of max_length, in slot 0), the
+  largest first, and the LM head at each sequence bucket; with CUDA graphs each is captured after its run
+  (graphs.PackedPrefillGraphs), so that a prompt of any length replays a graph.
 - A decode step: its batch bucket (1, 2, 4, ... up to max_batch) and its sampling mode (device_sampling.py's,
   with feedback as generation runs them; "logits" without, as `LLM.score` runs it). The context is device data
   (positions, lengths): no kernel of the step specialises on it, and the decode attention makes its one pick over
@@ -30,8 +36,9 @@ case of each value they take up to the model's max_length and max_batch:
   alignment (a row's views start at row x 4 or 8 bytes, its penalty rows at row x vocabulary).
 - Each slot's reset (its zeroing launch).
 
-Not covered: a prefill from a position past 0 (`TritonModel.prefill(start=...)`, which no `LLM` call makes: the
-attention's key adds the context bucket of start + T) and `LLM.score`'s prefill, whose LM head writes the logits of
+Not covered: a one-sequence prefill from a position past 0 (`TritonModel.prefill(start=...)` where the packed
+graphs are off: the attention's key adds the context bucket of start + T; with them a chunk runs packed, covered)
+and `LLM.score`'s prefill, whose LM head writes the logits of
 every position (a GEMM per length bucket over the whole vocabulary: 4 GB of float32 logits at 4096 tokens of the
 0.8B, too much to allocate at load).
 
@@ -100,6 +107,25 @@ def prefill_lengths(plan: Plan, max_length: int, row_bytes: int) -> list[int]:
     return sorted(chosen.values(), key=lambda tokens: (triton.next_power_of_2(tokens), -tokens))
 
 
+def warm_up_packed(model, progress: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One packed pass per token bucket, the largest first, and the LM head at every sequence bucket (captured with
+    the packed graphs); nothing without plan.packed_prefill. Returns the buckets run. The caller resets the slot."""
+    if not model.plan.packed_prefill:
+        return (), ()
+    tokens_run = sorted(model.packed_buckets, reverse=True)
+    report = progress_printer("warm-up: packed prefill buckets" + (" (CUDA graphs)" if model.packed_graphs else "")) \
+        if progress else None
+    for index, tokens in enumerate(tokens_run):
+        model.reset(0)
+        prompt = torch.zeros(min(tokens, model.max_length), dtype=torch.int64)
+        model.prefill_packed([prompt], [0], [0])
+        if report is not None:
+            report(index + 1, len(tokens_run))
+    for rows in model.packed_head_buckets:
+        model.warm_up_packed_head(rows)
+    return tuple(tokens_run), tuple(model.packed_head_buckets)
+
+
 def decode_batches(max_batch: int) -> list[int]:
     """The decode batch buckets a model of max_batch sequences runs (a bucket past max_batch is refused)."""
     sizes = [1]
@@ -134,6 +160,8 @@ class WarmUp:
 
     prefill_lengths: tuple[int, ...]
     prefill_slots: tuple[int, ...]
+    packed_tokens: tuple[int, ...]  # the packed passes' token buckets
+    packed_rows: tuple[int, ...]  # their LM head's sequence buckets
     batches: tuple[int, ...]
     modes: tuple[str, ...]
     first_token_rows: tuple[int, ...]
@@ -142,8 +170,10 @@ class WarmUp:
     def summary(self) -> str:
         lengths = self.prefill_lengths
         buckets = sorted({triton.next_power_of_2(tokens) for tokens in lengths})
+        packed_buckets = (f", {len(self.packed_tokens)} packed prefill buckets ({min(self.packed_tokens)} to "
+                          f"{max(self.packed_tokens)} tokens)" if self.packed_tokens else "")
         return (f"warm-up: {len(lengths)} prefill lengths ({len(buckets)} buckets, {lengths[0]} to "
-                f"{max(lengths)} tokens), decode at batch {', '.join(map(str, self.batches))} in "
+                f"{max(lengths)} tokens){packed_buckets}, decode at batch {', '.join(map(str, self.batches))} in "
                 f"{len(self.modes)} modes: {self.seconds:.1f} s")
 
 
@@ -185,6 +215,7 @@ def warm_up(model, progress: bool = False) -> WarmUp:
                 logits = model.prefill_eager(torch.zeros(tokens, dtype=torch.int64, device=device), slot, 0, False)
         if report is not None:
             report(index + 1, len(buckets))
+    packed_tokens, packed_rows = warm_up_packed(model, progress)
 
     batches = decode_batches(model.max_batch)
     rows = first_token_rows(batches[-1], config.vocab_size)
@@ -219,7 +250,8 @@ def warm_up(model, progress: bool = False) -> WarmUp:
         model.history.prompt_mask.zero_()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    done = WarmUp(tuple(lengths), tuple(slots), tuple(batches), tuple(mode for mode, _, _ in DECODE_MODES),
+    done = WarmUp(tuple(lengths), tuple(slots), packed_tokens, packed_rows, tuple(batches),
+                  tuple(mode for mode, _, _ in DECODE_MODES),
                   tuple(rows), time.perf_counter() - started)
     if progress:
         print(done.summary(), file=sys.stderr, flush=True)
@@ -227,4 +259,4 @@ def warm_up(model, progress: bool = False) -> WarmUp:
 
 
 __all__ = ["DECODE_MODES", "WarmUp", "decode_batches", "first_token_rows", "prefill_lengths",
-           "prefill_signature", "prefill_slots", "specialization", "warm_up"]
+           "prefill_signature", "prefill_slots", "specialization", "warm_up", "warm_up_packed"]

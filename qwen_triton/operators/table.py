@@ -47,9 +47,10 @@ OPERATORS: tuple[Operator, ...] = (
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",),
              ("attention.qk_norm_rotary:_qk_norm_rotary_kernel",)),
     Operator("5-7, 20-21", "attention: scores, scale, causal mask, softmax, PV",
-             ("attention.prefill:_prefill_kernel",),
+             ("attention.prefill:_prefill_kernel", "attention.prefill:_packed_prefill_kernel"),
              ("attention.decode:_decode_split_kernel", "attention.decode:_decode_merge_kernel"),
-             "prefill: flash (online softmax); decode: split-KV then merge"),
+             "prefill: flash (online softmax), several prompts of a packed pass each against its slot's cache "
+             "(_packed_prefill_kernel); decode: split-KV then merge"),
     Operator("8-9", "sigmoid output gate, attention output projection, residual add",
              (PROLOGUE_PREFILL, LINEAR_PREFILL), (STAGED_TAIL_DECODE, LAYER_TAIL_DECODE),
              "gate: a prologue (decode, phase 1 of the layer's tail kernel: staged for one sequence on Hopper, "
@@ -68,12 +69,13 @@ OPERATORS: tuple[Operator, ...] = (
              "weights, its 1/rms that projection's prologue (decode) or epilogue, from the sums of squares the "
              "add's epilogue wrote (prefill)"),
     Operator("16-17", "LM head (tied embedding) and argmax",
-             (LINEAR_PREFILL, LINEAR_DECODE),
+             (LINEAR_PREFILL, LINEAR_DECODE, "embedding.embedding:_embedding_kernel"),
              ("lm_head.screened:_quantize_kernel", "lm_head.screened:_screen_kernel", "lm_head.screened:_check_kernel",
               "lm_head.screened_top_k:_screen_top_k_kernel", "lm_head.screened_top_k:_threshold_kernel",
               "lm_head.screened_top_k:_check_top_k_kernel", "lm_head.argmax:_lm_head_argmax_kernel",
               "lm_head.argmax:_argmax_reduce_kernel"),
-             "prefill: logits of the rows needed through the projection kernels; decode: partial argmax (or "
+             "prefill: logits of the rows needed through the projection kernels (a packed pass: each prompt's "
+             "last row gathered by the embedding kernel first); decode: partial argmax (or "
              "Gumbel-max for temperature sampling) per vocabulary block, then a reduction, no logits written; "
              "greedy, up to 16 sequences: an int8 copy of the head screens the rows, the candidates' logits "
              "computed exactly (screened_lm_head); top-k sampling (top_k <= 64), up to 16 sequences: the same screen "
@@ -86,6 +88,7 @@ OPERATORS: tuple[Operator, ...] = (
     Operator("22", "causal depthwise conv1d (width 4) + SiLU",
              ("conv.causal_conv1d:_causal_conv1d_kernel",),
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
+             "prefill: one prompt, or a packed pass's prompts each from its slot's conv state (PACKED); "
              "decode: the one-step conv update inside the DeltaNet step (one sequence: the projected step kernel, "
              "its projection tiles; several: the fused step)"),
     Operator("23", "gating prep: L2 norm of q, k; beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias)",
@@ -101,7 +104,8 @@ OPERATORS: tuple[Operator, ...] = (
              (PROJECTED_STEP_DECODE, FUSED_STEP_DECODE),
              "prefill: chunks of 32 tokens up to 1024, else 64, UT form, fp32 state (the chunk's preparation one "
              "kernel up to 2048 tokens, else two; the sequential state pass in Gluon on Hopper with 16-bit "
-             "operands, else in Triton); decode: one recurrent step on the fp32 state in place, "
+             "operands, else in Triton; a packed pass's prompts each from and to its slot's state, padding rows "
+             "g = beta = 0); decode: one recurrent step on the fp32 state in place, "
              "after the in-projection in one kernel for one sequence (projected_decode.py), else the fused step; "
              "a new prompt's conv and recurrent states zeroed first, every layer's in one launch (reset)"),
     Operator("25", "gated RMSNorm: norm(o) * w * SiLU(z)",

@@ -241,8 +241,10 @@ def test_the_warm_up_shows_its_progress_and_time(models):
     assert report.prefill_lengths == (1, 2, 4) and report.batches == (1, 2) and len(report.modes) == len(warmup.DECODE_MODES) == 9
     assert "warm-up: prefill buckets: 3/3" in printed and "warm-up: decode batches: 2/2" in printed
     assert printed.strip().splitlines()[-1] == report.summary()
-    assert report.summary().startswith("warm-up: 3 prefill lengths (3 buckets, 1 to 4 tokens), decode at batch 1, 2 "
-                                       "in 9 modes: ")
+    assert report.packed_tokens == (64,) and report.packed_rows == (1,)  # max_length 4: one bucket, one prompt a pass
+    assert "warm-up: packed prefill buckets: 1/1" in printed
+    assert report.summary().startswith("warm-up: 3 prefill lengths (3 buckets, 1 to 4 tokens), 1 packed prefill "
+                                       "buckets (64 to 64 tokens), decode at batch 1, 2 in 9 modes: ")
     assert 0 < report.seconds <= load_seconds
     assert "first prefill" not in printed  # the model's first-run lines: the warm-up's say it instead
     print(f"\n{report.summary()} (LLM() {load_seconds:.1f} s)")
@@ -273,10 +275,9 @@ def test_gpu_random_prompt_lengths_neither_compile_nor_tune_after_the_warm_up(mo
         prompts = [[draw.randrange(248_000) for _ in range(length if row == 0 else 8 + row)] for row in range(rows)]
         llm.generate(prompts, max_new_tokens=4,
                      sampling_params=[SAMPLINGS[(index + row) % len(SAMPLINGS)] for row in range(rows)])
-    # a length never seen, three times: eager, captured in a CUDA graph (graphs.PrefillGraphs), replayed
+    # a length never seen, three times: each replays its packed bucket's graphs (graphs.PackedPrefillGraphs)
     times = [llm.generate([draw.randrange(248_000) for _ in range(1531)], max_new_tokens=1)
              .timings["time_to_first_token_s"] * 1e3 for _ in range(3)]
-    print("time to first token at 1,531 tokens, eager / captured / replayed: "
-          + " / ".join(f"{ms:.2f}" for ms in times) + " ms")
+    print("time to first token at 1,531 tokens, three times: " + " / ".join(f"{ms:.2f}" for ms in times) + " ms")
     assert not benchmarked, f"autotuning in a request: {benchmarked[:5]}"
     assert not compiled, "compiled in a request:\n" + "\n".join(compiled[:10])

@@ -276,6 +276,62 @@ def test_attention_decode_over_slots(device):
         attention_decode(q, key_cache, value_cache, lengths, slots=slots.long())
 
 
+PACKED_LENGTHS = (1, 5, 63, 64, 65, 130)
+PACKED_STARTS = (0, 7, 0, 30, 2, 41)  # cached tokens before each sequence: unmasked key tiles
+PACKED_SLOTS = (4, 0, 6, 2, 5, 1)  # any order
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, dtype",
+    [
+        (4, 2, 48, torch.float32),  # group 2: 32 rows a program, two parts a block
+        (6, 2, 40, torch.float32),  # group 3: 21 rows a part, a block in four parts, the last of one row
+        (4, 4, 32, torch.float16),  # group 1: a part of 64 rows
+    ],
+)
+def test_attention_prefill_packed_equals_one_call_each(heads, kv_heads, dim, dtype, device):
+    """Six sequences of 1 to 130 tokens after 0 to 41 cached ones, in slots in any order, a bucket's tail of one
+    block after them: each sequence's rows as one call of attention_prefill on its slot (bit for bit where the
+    parts are its blocks: groups 1 and 2), against the reference; padding rows zero; q's padding rows (NaN) never
+    read."""
+    from qwen_triton.operators.packed import PackedLayout
+
+    torch.manual_seed(8)
+    layout = PackedLayout.of(PACKED_LENGTHS, PACKED_STARTS, PACKED_SLOTS, tokens=704)
+    key_cache = torch.randn(7, kv_heads, 200, dim, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    q = layout.pack([torch.randn(n, heads, dim, device=device, dtype=dtype) for n in PACKED_LENGTHS],
+                    fill=float("nan"))
+    out = torch.full_like(q, 5.0)
+    assert attention.attention_prefill_packed(q, key_cache, value_cache, layout.blocks().to(device), out=out) is out
+    for rows, result, start, slot in zip(layout.unpack(q), layout.unpack(out), layout.starts, layout.slots):
+        positions = torch.arange(start, start + rows.shape[0], device=device)
+        ref = fn.attention(rows.float(), key_cache[slot].float(), value_cache[slot].float(), positions,
+                           start + rows.shape[0])
+        torch.testing.assert_close(result.float(), ref, **tolerance(dtype))
+        if heads // kv_heads in (1, 2):
+            assert torch.equal(result, attention_prefill(rows, key_cache, value_cache, slot, start))
+    padding = layout.token_slots().to(device) < 0
+    assert (out[padding] == 0).all()
+
+
+def test_attention_prefill_packed_argument_errors(device):
+    from qwen_triton.operators.packed import PackedLayout
+
+    layout = PackedLayout.of([3, 70])
+    q = torch.randn(layout.tokens, 4, 32, device=device)
+    key_cache = torch.zeros(2, 2, 160, 32, device=device)
+    blocks = layout.blocks().to(device)
+    with pytest.raises(ValueError, match="blocks"):
+        attention.attention_prefill_packed(q, key_cache, key_cache, blocks[1:])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        attention.attention_prefill_packed(q[:100], key_cache, key_cache, blocks)
+    with pytest.raises(ValueError, match="value_cache"):
+        attention.attention_prefill_packed(q, key_cache, key_cache[:1], blocks)
+    with pytest.raises(ValueError, match="q has 3 heads"):
+        attention.attention_prefill_packed(q[:, :3], key_cache, key_cache, blocks)
+
+
 def test_qk_norm_rotary_writes_no_cache_for_a_padding_row(device):
     torch.manual_seed(7)
     heads, kv_heads, dim, max_length = 2, 1, 32, 8
@@ -452,6 +508,28 @@ def test_gpu_attention_prefill(length, start):
     ref = fn.attention(q.double(), key_cache[1].double(), value_cache[1].double(), positions, start + length)
     assert_bf16_close(out, ref)
     assert torch.equal(out, attention_prefill(q, key_cache, value_cache, 1, start))
+
+
+@pytest.mark.gpu
+def test_gpu_attention_prefill_packed():
+    """The real shape in bf16: eight prompts of 1 to 1,531 tokens after 0 to 500 cached, in slots in any order: each
+    as one call of attention_prefill on its slot (bit for bit where the two autotuners chose the same tiles: within
+    bf16 roundings), and the reference; padding rows zero."""
+    from qwen_triton.operators.packed import PackedLayout
+
+    torch.manual_seed(9)
+    lengths, starts = (1, 5, 63, 64, 65, 130, 700, 1531), (0, 7, 0, 30, 2, 41, 500, 0)
+    layout = PackedLayout.of(lengths, starts, (3, 0, 7, 1, 6, 2, 5, 4))
+    key_cache = torch.randn(8, 2, 2048, 256, device="cuda", dtype=torch.bfloat16)
+    value_cache = torch.randn_like(key_cache)
+    q = layout.pack([torch.randn(n, 8, 256, device="cuda", dtype=torch.bfloat16) for n in lengths], fill=float("nan"))
+    out = attention.attention_prefill_packed(q, key_cache, value_cache, layout.blocks().cuda())
+    for rows, result, start, slot in zip(layout.unpack(q), layout.unpack(out), layout.starts, layout.slots):
+        assert_bf16_close(result, attention_prefill(rows, key_cache, value_cache, slot, start))
+        positions = torch.arange(start, start + rows.shape[0], device="cuda")
+        assert_bf16_close(result, fn.attention(rows.double(), key_cache[slot].double(), value_cache[slot].double(),
+                                               positions, start + rows.shape[0]))
+    assert (out[layout.token_slots().cuda() < 0] == 0).all()
 
 
 @pytest.mark.gpu

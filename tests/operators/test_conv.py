@@ -23,6 +23,7 @@ import torch
 import triton
 
 from qwen_triton.operators.conv import benchmark_cases, causal_conv1d, causal_conv1d_step
+from qwen_triton.operators.packed import ALIGN, PackedLayout
 from qwen_triton.reference import functional as fn
 
 # the module (the package's `causal_conv1d` is the function)
@@ -284,9 +285,116 @@ def test_argument_errors(device):
         causal_conv1d_step(x.int(), weight, torch.zeros(5, 8, 3, device=device))
 
 
+# ---- packed prefill: several sequences in one call -------------------------------------------------------------
+PACKED_LENGTHS = (1, 5, 63, 64, 65, 130)  # inside the first block, one block, just over, two blocks and more
+PACKED_SLOTS = (4, 0, 6, 2, 5, 1)  # any order; slot 3 holds no sequence
+
+
+def packed_inputs(lengths, channels, width, dtype, device, seed, tokens=None, slots=PACKED_SLOTS):
+    """A packed layout of `lengths` in `slots` (T = tokens rows), its x as a strided view with NaN in every padding
+    row (a padding row read by a token would show), the weight and random conv states of 7 slots."""
+    layout = PackedLayout.of(lengths, slots=slots[:len(lengths)], tokens=tokens)
+    wide = strided_rows(layout.tokens, channels, dtype, device, seed=seed)
+    valid = torch.zeros(layout.tokens, dtype=torch.bool, device=device)
+    for first, length in zip(layout.firsts, layout.lengths):
+        valid[first:first + length] = True
+    wide.masked_fill_(~valid[:, None], float("nan"))
+    weight = make_weight(channels, width, dtype, device)
+    states = torch.randn(7, channels, width - 1).to(device=device, dtype=dtype)
+    return layout, wide, weight, states
+
+
+def check_packed_against_one_call_each(layout, x, weight, states, config):
+    """The packed call with `config` pinned: each sequence's y and its slot's state equal one call each, bit for
+    bit, and the reference; padding rows unwritten; the slots without a sequence untouched."""
+    blocks = layout.blocks().to(x.device)
+    packed_states = states.clone()
+    out = torch.full_like(x, 7.0)
+    with pinned_prefill(config):
+        assert conv_module.causal_conv1d_packed(x, weight, packed_states, blocks, out=out) is out
+    for rows, y, slot in zip(layout.unpack(x), layout.unpack(out), layout.slots):
+        alone_state = states[slot].clone()
+        with pinned_prefill(config):
+            alone = causal_conv1d(rows, weight, alone_state)
+        assert torch.equal(y, alone) and torch.equal(packed_states[slot], alone_state), slot
+        ref_out, ref_state = fn.causal_conv1d(rows, weight, states[slot].clone())
+        torch.testing.assert_close(y, ref_out, **TOLERANCE[x.dtype])
+        assert torch.equal(alone_state, ref_state)
+    written = layout.token_slots().to(x.device) >= 0
+    assert (out[~written] == 7.0).all()
+    others = [slot for slot in range(states.shape[0]) if slot not in layout.slots]
+    assert torch.equal(packed_states[others], states[others])
+
+
+@pytest.mark.parametrize("config", [TILE, triton.Config({"BLOCK_T": 4, "BLOCK_C": 32, "WALK_BLOCKS": 2}, num_warps=1),
+                                    triton.Config({"BLOCK_T": 16, "BLOCK_C": 64, "WALK_BLOCKS": 4}, num_warps=2)],
+                         ids=["tile", "walk4x32x2", "walk16x64x4"])
+def test_packed_prefill_equals_one_call_each(device, config):
+    """Six sequences of 1 to 130 tokens in slots in any order, a bucket's tail of one block after them, width 4
+    (a token near its sequence's start reads its slot's state, three of its inputs)."""
+    layout, x, weight, states = packed_inputs(PACKED_LENGTHS, 37, 4, torch.float32, device, seed=30,
+                                              tokens=640)
+    check_packed_against_one_call_each(layout, x, weight, states, config)
+
+
+@pytest.mark.parametrize("width", [2, 16])
+def test_packed_prefill_widths(device, width):
+    """The narrowest conv and the widest (a sequence shorter than its W-1 inputs keeps part of its old state)."""
+    layout, x, weight, states = packed_inputs((3, 70, 1), 21, width, torch.float32, device, seed=31)
+    check_packed_against_one_call_each(layout, x, weight, states, TILE)
+
+
+def test_packed_prefill_prunes_the_configs_that_straddle_blocks():
+    """A packed program's rows must lie in one aligned block: the configs whose rows do not divide 64 go; the tile
+    and the long-prompt pick stay."""
+    space = conv_module.prefill_config_space()
+    kept = conv_module._prune_prefill(space, {"length_bucket": 4096}, PACKED=True)
+    assert kept and all(ALIGN % conv_module.rows_per_program(c.kwargs) == 0 for c in kept)
+    straddling = [c for c in space if ALIGN % conv_module.rows_per_program(c.kwargs)]
+    assert straddling and not any(c in kept for c in straddling)
+    for bucket in (128, 4096):
+        pick = conv_module._prune_prefill(space, {"length_bucket": bucket}, PACKED=True)
+        assert pick == conv_module._prune_prefill(space, {"length_bucket": bucket}), bucket
+
+
+def test_packed_prefill_argument_errors(device):
+    layout = PackedLayout.of([5, 70])
+    x = torch.randn(layout.tokens, 8, device=device)
+    weight = torch.randn(8, 4, device=device)
+    blocks = layout.blocks().to(device)
+    with pytest.raises(ValueError, match="conv_states"):
+        conv_module.causal_conv1d_packed(x, weight, torch.zeros(8, 3, device=device), blocks)
+    with pytest.raises(ValueError, match="blocks"):
+        conv_module.causal_conv1d_packed(x, weight, torch.zeros(2, 8, 3, device=device), blocks[:1])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        conv_module.causal_conv1d_packed(x[:100], weight, torch.zeros(2, 8, 3, device=device), blocks)
+    with pytest.raises(ValueError, match="blocks"):
+        conv_module.causal_conv1d_packed(x, weight, torch.zeros(2, 8, 3, device=device), blocks.long())
+
+
 # ---- GPU, bfloat16, the real shapes ---------------------------------------------------------------
 
 CHANNELS, WIDTH = 6144, 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [640, 4096])
+def test_gpu_packed_prefill(tokens):
+    """The real shape in bf16, a packed layout of eight prompts (the length bucket of 640 rows runs the tile pick,
+    of 4096 the walking pick): each prompt as one call, bit for bit, states included; padding rows unwritten."""
+    lengths = (1, 5, 63, 64, 65, 130) if tokens == 640 else (1, 5, 63, 64, 65, 130, 1500, 1900)
+    layout, x, weight, states = packed_inputs(lengths, CHANNELS, WIDTH, torch.bfloat16, "cuda", seed=32,
+                                              tokens=tokens, slots=(4, 0, 6, 2, 5, 1, 3, 7))
+    states = torch.cat([states, states])  # 14 slots
+    blocks = layout.blocks().cuda()
+    packed_states = states.clone()
+    out = torch.full_like(x, 7.0)
+    conv_module.causal_conv1d_packed(x, weight, packed_states, blocks, out=out)
+    for rows, y, slot in zip(layout.unpack(x), layout.unpack(out), layout.slots):
+        alone_state = states[slot].clone()
+        alone = causal_conv1d(rows, weight, alone_state)
+        assert torch.equal(y, alone) and torch.equal(packed_states[slot], alone_state), slot
+    assert (out[layout.token_slots().cuda() < 0] == 7.0).all()
 
 
 @pytest.mark.gpu

@@ -38,6 +38,7 @@ from qwen_triton.operators.gated_delta_rule import (
     gated_rms_norm,
     gating,
 )
+from qwen_triton.operators.packed import PackedLayout
 from qwen_triton.reference import functional as fn
 from tests.support import run_without_interpreter
 
@@ -338,6 +339,90 @@ def test_chunked_precision_options(device, precision):
         assert frobenius_error(state, ref_state) < 5e-3  # test_gpu_chunked's bound for the option
     else:
         torch.testing.assert_close(state, ref_state, rtol=1e-3, atol=1e-4)
+
+
+# ---- packed prefill: several sequences in one call ----------------------------------------------------------
+PACKED_LENGTHS = (5, 64, 65, 33)  # inside a chunk, one aligned block, just over, and a chunk of 32 + 1
+PACKED_SLOTS = (3, 0, 2, 1)  # any order; slot 4 holds no sequence
+
+
+def packed_case(dtype, device, seed, tokens=None, value_heads=2):
+    """A packed layout of PACKED_LENGTHS (T = tokens rows), its inputs with NaN in every padding row of the fused
+    projection (a kernel that read one would show it), and random states of 5 slots."""
+    layout = PackedLayout.of(PACKED_LENGTHS, slots=PACKED_SLOTS, tokens=tokens)
+    inputs = make_inputs(layout.tokens, 1, value_heads, 24, 40, dtype, device, seed=seed)
+    inputs["a"].copy_((inputs["a"].float() / 6 - 1).to(dtype))  # long memory: the carried states matter
+    padding = layout.token_slots().to(device) < 0
+    inputs["z"]._base[padding] = float("nan")
+    states = random_state((5, value_heads, 24, 40), device)
+    return layout, inputs, states
+
+
+def sequence_arguments(inputs, rows: slice):
+    return [x[rows] for x in kernel_arguments(inputs)[:5]] + [inputs["A_log"], inputs["dt_bias"]]
+
+
+def check_packed_against_one_call_each(layout, inputs, states, exact: bool, **options):
+    """The packed call against one gated_delta_rule_chunked call per sequence from its slot's state (bit for bit
+    where exact, else within float32 roundings) and the reference; padding rows zero; slot 4 untouched."""
+    packed_states = states.clone()
+    z = options.pop("z", None)
+    norm = None if z is None else (z, options.pop("weight"), 1e-6)
+    out = chunk_module.gated_delta_rule_chunked_packed(*kernel_arguments(inputs), packed_states,
+                                                       layout.blocks().to(states.device), output_norm=norm, **options)
+    for first, length, slot in zip(layout.firsts, layout.lengths, layout.slots):
+        rows = slice(first, first + length)
+        state = states[slot].clone()
+        sequence_norm = None if norm is None else (z[rows], *norm[1:])
+        alone = gated_delta_rule_chunked(*sequence_arguments(inputs, rows), state, output_norm=sequence_norm,
+                                         **options)
+        if exact:
+            assert torch.equal(out[rows], alone) and torch.equal(packed_states[slot], state), slot
+        else:
+            torch.testing.assert_close(out[rows], alone, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(packed_states[slot], state, rtol=1e-5, atol=1e-6)
+        if norm is None:
+            g, beta = fn.gating(inputs["a"][rows], inputs["b"][rows], inputs["A_log"], inputs["dt_bias"])
+            ref_out, ref_state = fn.gated_delta_rule_chunked(inputs["q"][rows], inputs["k"][rows], inputs["v"][rows],
+                                                             g, beta, states[slot].clone())
+            torch.testing.assert_close(out[rows].float(), ref_out.float(), **TOLERANCE[out.dtype])
+            torch.testing.assert_close(packed_states[slot], ref_state, rtol=1e-3, atol=1e-4)
+    padding = layout.token_slots().to(states.device) < 0
+    assert (out[padding] == 0).all()
+    assert torch.equal(packed_states[4], states[4])
+
+
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+def test_chunked_packed_equals_one_call_each(device, chunk_size):
+    """Four sequences in slots in any order and a bucket's tail of one block: each sequence's output and final
+    state as one call from its slot's state (kernel 1 whole, the Triton state pass: the interpreter's)."""
+    layout, inputs, states = packed_case(torch.float32, device, seed=40, tokens=384)
+    check_packed_against_one_call_each(layout, inputs, states, exact=device == "cpu", chunk_size=chunk_size)
+
+
+def test_chunked_packed_split_prepare_and_output_norm(device, monkeypatch):
+    """Kernel 1 in two parts (the scores formed in the output kernel) and the gated norm in the output kernel,
+    float16: the same as one call each."""
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1)
+    layout, inputs, states = packed_case(torch.float16, device, seed=41, value_heads=2)
+    weight = (1 + 0.3 * torch.randn(40, generator=torch.Generator().manual_seed(4))).to(device, torch.float16)
+    check_packed_against_one_call_each(layout, inputs, states, exact=device == "cpu", z=inputs["z"], weight=weight)
+
+
+def test_chunked_packed_argument_errors(device):
+    layout = PackedLayout.of([5, 70])
+    inputs = make_inputs(layout.tokens, 1, 2, 16, 16, torch.float32, device, seed=2)
+    states = torch.zeros(2, 2, 16, 16, device=device)
+    blocks = layout.blocks().to(device)
+    packed = chunk_module.gated_delta_rule_chunked_packed
+    with pytest.raises(ValueError, match="states"):
+        packed(*kernel_arguments(inputs), states[0], blocks)
+    with pytest.raises(ValueError, match="states"):
+        packed(*kernel_arguments(inputs), states.double(), blocks)
+    with pytest.raises(ValueError, match="blocks"):
+        packed(*kernel_arguments(inputs), states, blocks[:1])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        packed(*[x[:100] for x in kernel_arguments(inputs)[:5]], inputs["A_log"], inputs["dt_bias"], states, blocks)
 
 
 # ---- the chunk's (I + A)^-1 ---------------------------------------------------------------------
@@ -719,21 +804,21 @@ rows = torch.zeros(heads, length, dim, dtype=torch.bfloat16)  # the scratch's W,
 state = torch.zeros(heads, dim, dim)
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 results = {}
-for chunk in (32, 64):
+for chunk, packed in ((32, False), (64, False), (32, True), (64, True)):
     chunk_states = torch.zeros(length // chunk, heads, dim, dim, dtype=torch.bfloat16)
     descriptors = state_pass.descriptors(state, rows, rows, rows, rows, chunk_states, chunk)
     kernel = state_pass._state_pass_kernel
-    pointers = dict(decay_ptr="*fp32", state_ptr="*fp32", length="i32", chunks="i32")
+    pointers = dict(decay_ptr="*fp32", state_ptr="*fp32", blocks_ptr="*i32", length="i32", chunks="i32")
     signature = {name: mangle_type(descriptors[name]) if name in descriptors else pointers.get(name, "constexpr")
                  for name in kernel.arg_names}
-    constants = dict(V_HEADS=heads, K_DIM=dim, V_DIM=dim, CHUNK_ROWS=chunk, STAGES=state_pass.STAGES)
+    constants = dict(V_HEADS=heads, K_DIM=dim, V_DIM=dim, CHUNK_ROWS=chunk, STAGES=state_pass.STAGES, PACKED=packed)
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=state_pass.WARPS))
     path = os.path.join(tempfile.mkdtemp(), "kernel.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     products = [line for line in compiled.asm["ptx"].splitlines() if "wgmma.mma_async" in line]
-    results[chunk] = dict(shared=compiled.metadata.shared, stack=int(usage.split("STACK:")[1].split()[0]),
+    results[f"{chunk}{' packed' if packed else ''}"] = dict(shared=compiled.metadata.shared, stack=int(usage.split("STACK:")[1].split()[0]),
                           products=len(products),
                           left_from_registers=sum(bool(re.search(r"\\}, \\{", line)) for line in products))
 print(json.dumps(results))
@@ -741,10 +826,12 @@ print(json.dumps(results))
 
 
 def test_state_pass_compiles_for_hopper():
-    """The Gluon state pass compiled for sm_90 on the CPU (the interpreter runs no Gluon): no spills, within the
-    shared memory of an H100/H200 program, and every tensor-core product takes its left operand from registers,
-    the kernel's premise (state_pass.py: no shared-memory round trip in the step's chain)."""
+    """The Gluon state pass compiled for sm_90 on the CPU (the interpreter runs no Gluon), for one sequence and for a
+    packed layout (PACKED: the slots' states loaded and stored in the loop): no spills, within the shared memory of
+    an H100/H200 program, and every tensor-core product takes its left operand from registers, the kernel's premise
+    (state_pass.py: no shared-memory round trip in the step's chain)."""
     results = run_without_interpreter(STATE_PASS_FOR_HOPPER)
+    assert len(results) == 4
     for chunk, result in results.items():
         assert result["stack"] == 0, (chunk, result)
         assert result["shared"] <= 227 * 1024, (chunk, result)
@@ -937,6 +1024,61 @@ def test_gpu_state_pass_in_gluon_equals_triton(length, chunk_size, monkeypatch):
         assert frobenius_error(ours, triton_kernel) < 4e-3, name
     assert frobenius_error(results[True][2], ref_state) < 1e-2
     assert frobenius_error(results[True][2], initial) > 0.1  # the state moved
+
+
+GPU_PACKED_LENGTHS = (1, 5, 63, 64, 65, 130, 700, 1531)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", chunk_module.CHUNK_SIZES)
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_chunked_packed_equals_one_call_each(chunk_size, split, monkeypatch):
+    """The real shape in bf16 (the Gluon state pass, PACKED): eight prompts of 1 to 1,531 tokens in slots in any
+    order, kernel 1 whole or in two parts, the output norm: each prompt's output and final state against one call
+    each from its slot's state (the same chunks: within bf16 roundings), the reference, padding rows zero, the
+    spare slot untouched; also the Triton state pass on the same scratch."""
+    monkeypatch.setattr(chunk_module, "SPLIT_PREPARE_TOKENS", -1 if split else 10**9)
+    slots = (3, 0, 7, 1, 6, 2, 5, 4)
+    layout = PackedLayout.of(GPU_PACKED_LENGTHS, slots=slots, tokens=PackedLayout.of(GPU_PACKED_LENGTHS).used + 128)
+    inputs = make_inputs(layout.tokens, HEADS, HEADS, DIM, DIM, torch.bfloat16, "cuda", seed=27)
+    inputs["a"].copy_((inputs["a"].float() / 6 - 1).to(torch.bfloat16))  # long memory
+    inputs["z"]._base[layout.token_slots().cuda() < 0] = float("nan")
+    states = random_state((9, HEADS, DIM, DIM), "cuda") * 0.2
+    weight = torch.linspace(0.5, 1.5, DIM, device="cuda", dtype=torch.bfloat16)
+    blocks = layout.blocks().cuda()
+    packed_states = states.clone()
+    out = chunk_module.gated_delta_rule_chunked_packed(*kernel_arguments(inputs), packed_states, blocks,
+                                                       chunk_size=chunk_size)
+    normed = chunk_module.gated_delta_rule_chunked_packed(*kernel_arguments(inputs), states.clone(), blocks,
+                                                          chunk_size=chunk_size,
+                                                          output_norm=(inputs["z"], weight, 1e-6))
+    torch.cuda.synchronize()
+    for first, length, slot in zip(layout.firsts, layout.lengths, layout.slots):
+        rows = slice(first, first + length)
+        state = states[slot].clone()
+        alone = gated_delta_rule_chunked(*sequence_arguments(inputs, rows), state, chunk_size=chunk_size)
+        assert frobenius_error(out[rows], alone) < 1e-2, slot
+        assert frobenius_error(packed_states[slot], state) < 1e-2, slot
+        expected = gated_rms_norm(out[rows], inputs["z"][rows], weight, 1e-6)
+        assert frobenius_error(normed[rows].reshape(length, -1), expected) < 4e-3, slot
+        float_inputs = {name: inputs[name][rows].float() for name in ("q", "k", "v")}
+        g, beta = fn.gating(inputs["a"][rows], inputs["b"][rows], inputs["A_log"], inputs["dt_bias"])
+        ref_out, ref_state = fn.gated_delta_rule_chunked(float_inputs["q"], float_inputs["k"], float_inputs["v"],
+                                                         g, beta, states[slot].clone())
+        assert frobenius_error(out[rows], ref_out) < 1.5e-2 and frobenius_error(packed_states[slot], ref_state) < 1e-2
+    padding = layout.token_slots().cuda() < 0
+    assert (out[padding] == 0).all() and (normed[padding] == 0).all()
+    assert torch.equal(packed_states[8], states[8])
+    # the Triton state pass (the CPU's) on the same scratch as the Gluon one
+    q, k, v, a, b, A_log, dt_bias = kernel_arguments(inputs)
+    scratch = chunk_module.chunk_scratch(q, v, None, chunk_size)
+    chunk_module.launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch, blocks)
+    finals = []
+    for launch in (chunk_module.launch_state_pass, chunk_module.launch_triton_state_pass):
+        final = states.clone()
+        launch(final, scratch, blocks)
+        finals.append(final)
+    assert frobenius_error(finals[0], finals[1]) < 4e-3 and torch.isfinite(finals[0]).all()
 
 
 @pytest.mark.gpu

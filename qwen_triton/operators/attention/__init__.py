@@ -2,6 +2,7 @@
 
     qk_norm_rotary     per-head RMSNorm + RoPE of q and k, k and v written into the KV cache
     attention_prefill  causal GQA of one sequence's prompt (flash attention)
+    attention_prefill_packed  the same for the sequences of a packed layout, each against its slot's cache
     attention_decode   one token per sequence, split over the keys (flash-decoding) and merged
 
 The output gate (sigmoid) and o_proj belong to the GEMM that follows.
@@ -13,7 +14,7 @@ import torch
 
 from ..common import built_on_first_call
 from .decode import attention_decode, attention_decode_cost, decode_splits
-from .prefill import attention_prefill, attention_prefill_cost
+from .prefill import attention_prefill, attention_prefill_cost, attention_prefill_packed
 from .qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_cost, rotary_table
 
 # Qwen3.5-0.8B's full-attention shapes
@@ -79,6 +80,6 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
 
 
 __all__ = [
-    "qk_norm_rotary", "rotary_table", "attention_prefill", "attention_decode", "decode_splits",
+    "qk_norm_rotary", "rotary_table", "attention_prefill", "attention_prefill_packed", "attention_decode", "decode_splits",
     "benchmark_cases", "qk_norm_rotary_cost", "attention_prefill_cost", "attention_decode_cost",
 ]

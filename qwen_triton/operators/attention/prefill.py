@@ -18,6 +18,13 @@ Floor at the real shapes (Hq 8, Hkv 2, D 256, bf16, start 0):
     bytes  = 2 T Hq D 2 (q, out) + 2 T Hkv D 2 (K, V)
                                          T=128: 1.25 MiB       T=4096: 40 MiB
 Prefill of a long prompt is compute-bound; a short one is launch/latency-bound.
+
+Packed (`attention_prefill_packed`): the rows of several sequences in the packed layout (operators/packed.py),
+each against its own slot's cache. The programs take an aligned block's rows in parts of TOKENS = BLOCK_M / G
+(ceil(ALIGN / TOKENS) parts a block, the last one short where TOKENS does not divide ALIGN): a part's rows are of
+one sequence, whose first row, length, start and slot the block's entry gives; it runs the same loops as the
+one-sequence kernel over that slot's keys (`_attend_rows`), a part of padding none. Grid (T / ALIGN x parts,
+Hkv), the latest blocks first.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import triton.language as tl
 
 from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_tensor, launch_options,
                       wait_for_previous_kernel)
+from ..packed import ALIGN, ALIGN_ROWS, block_sequence, check_blocks
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2_E = 1.4426950408889634
@@ -73,6 +81,45 @@ def _configs():
     ])
 
 
+@triton.jit
+def _attend_rows(
+    q, key_base, value_base, token, head, row_valid, query_position, first_position, last_position, unmasked_end,
+    scale_log2, stride_q_token, stride_q_head, stride_k_position, stride_v_position,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The attention of a program's BLOCK_M rows (row r: q row token[r], head head[r], at query_position[r]) over
+    the keys of one sequence's cache (key_base, value_base: its slot's KV head), those before unmasked_end without a
+    mask, then those up to last_position on the causal diagonal: [BLOCK_M, BLOCK_D] float32."""
+    lanes = tl.arange(0, BLOCK_D)
+    in_head = lanes < HEAD_DIM
+    q_tile = tl.load(
+        q + token[:, None] * stride_q_token + head[:, None] * stride_q_head + lanes[None, :],
+        mask=row_valid[:, None] & in_head[None, :], other=0.0,
+    )
+    keys_in_tile = tl.arange(0, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row with nothing visible yet stays NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # keys before the block's first query position are visible to every row: no causal mask
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        n = tile_start + keys_in_tile
+        k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=in_head[None, :], other=0.0)
+        v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=in_head[None, :], other=0.0)
+        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, None, False, IEEE)
+    # the diagonal: key n is visible to the row at position p when n <= p
+    for tile_start in range(unmasked_end, last_position + 1, BLOCK_N):
+        n = tile_start + keys_in_tile
+        loaded = (n <= last_position)[:, None] & in_head[None, :]
+        k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=loaded, other=0.0)
+        v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=loaded, other=0.0)
+        visible = n[None, :] <= query_position[:, None]
+        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, visible, True, IEEE)
+
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    return acc / l_i[:, None]
+
+
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket", "context_bucket"], cache_results=True)
 @triton.jit
 def _prefill_kernel(
@@ -94,43 +141,65 @@ def _prefill_kernel(
     token = block * TOKENS + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_valid = (rows < TOKENS * GROUP) & (token < length)
-    lanes = tl.arange(0, BLOCK_D)
-    in_head = lanes < HEAD_DIM
-    q_tile = tl.load(
-        q + token[:, None] * stride_q_token + head[:, None] * stride_q_head + lanes[None, :],
-        mask=row_valid[:, None] & in_head[None, :], other=0.0,
-    )
-    query_position = start + token
     first_position = start + block * TOKENS
     last_position = tl.minimum(first_position + TOKENS, start + length) - 1
-    key_base = key + kv_head.to(tl.int64) * stride_k_head
-    value_base = value + kv_head.to(tl.int64) * stride_v_head
-    keys_in_tile = tl.arange(0, BLOCK_N)
-
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row with nothing visible yet stays NaN-free
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # keys before the block's first query position are visible to every row: no causal mask
-    unmasked_end = (first_position // BLOCK_N) * BLOCK_N
-    for tile_start in range(0, unmasked_end, BLOCK_N):
-        n = tile_start + keys_in_tile
-        k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=in_head[None, :], other=0.0)
-        v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=in_head[None, :], other=0.0)
-        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, None, False, IEEE)
-    # the diagonal: key n is visible to the row at position p when n <= p
-    for tile_start in range(unmasked_end, last_position + 1, BLOCK_N):
-        n = tile_start + keys_in_tile
-        loaded = (n <= last_position)[:, None] & in_head[None, :]
-        k = tl.load(key_base + n[:, None] * stride_k_position + lanes[None, :], mask=loaded, other=0.0)
-        v = tl.load(value_base + n[:, None] * stride_v_position + lanes[None, :], mask=loaded, other=0.0)
-        visible = n[None, :] <= query_position[:, None]
-        m_i, l_i, acc = online_softmax_step(q_tile, k, v, m_i, l_i, acc, scale_log2, visible, True, IEEE)
-
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)
-    result = acc / l_i[:, None]
+    result = _attend_rows(
+        q, key + kv_head.to(tl.int64) * stride_k_head, value + kv_head.to(tl.int64) * stride_v_head, token, head,
+        row_valid, start + token, first_position, last_position, (first_position // BLOCK_N) * BLOCK_N, scale_log2,
+        stride_q_token, stride_q_head, stride_k_position, stride_v_position, HEAD_DIM, BLOCK_D, IEEE, BLOCK_M, BLOCK_N)
+    lanes = tl.arange(0, BLOCK_D)
     tl.store(
         out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + lanes[None, :],
-        result.to(out.dtype.element_ty), mask=row_valid[:, None] & in_head[None, :],
+        result.to(out.dtype.element_ty), mask=row_valid[:, None] & (lanes < HEAD_DIM)[None, :],
+    )
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "GROUP", "length_bucket"], cache_results=True)
+@triton.jit(do_not_specialize=["length_bucket"])  # a tuning key only
+def _packed_prefill_kernel(
+    q, key, value, out, blocks,
+    scale_log2,
+    stride_q_token, stride_q_head,
+    stride_k_slot, stride_k_head, stride_k_position, stride_v_slot, stride_v_head, stride_v_position,
+    stride_out_token, stride_out_head,
+    length_bucket,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Grid (T / ALIGN x PARTS, Hkv): the PARTS programs of an aligned block each take TOKENS of its rows (the last
+    program of a block fewer when TOKENS does not divide ALIGN), the latest blocks first."""
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    PARTS: tl.constexpr = (ALIGN_ROWS + TOKENS - 1) // TOKENS
+    program = tl.num_programs(0) - 1 - tl.program_id(0)
+    aligned_block = program // PARTS
+    part = program % PARTS
+    kv_head = tl.program_id(1)
+    first, length, start, slot = block_sequence(blocks, aligned_block * ALIGN_ROWS)
+    rows = tl.arange(0, BLOCK_M)
+    in_block = part * TOKENS + rows // GROUP
+    token = aligned_block * ALIGN_ROWS + in_block  # the q and out row
+    head = kv_head * GROUP + rows % GROUP
+    in_part = (rows < TOKENS * GROUP) & (in_block < ALIGN_ROWS)
+    row_valid = in_part & (token - first < length)
+    # the program's first row in its sequence, and its valid rows (none in padding, or in the bucket's tail)
+    first_index = aligned_block * ALIGN_ROWS + part * TOKENS - first
+    count = tl.maximum(tl.minimum(tl.minimum(TOKENS, ALIGN_ROWS - part * TOKENS), length - first_index), 0)
+    first_position = start + first_index
+    key_offset = tl.maximum(slot, 0).to(tl.int64)
+    result = _attend_rows(
+        q, key + key_offset * stride_k_slot + kv_head.to(tl.int64) * stride_k_head,
+        value + key_offset * stride_v_slot + kv_head.to(tl.int64) * stride_v_head, token, head, row_valid,
+        start + token - first, first_position, first_position + count - 1,
+        tl.where(count > 0, (first_position // BLOCK_N) * BLOCK_N, 0), scale_log2,
+        stride_q_token, stride_q_head, stride_k_position, stride_v_position, HEAD_DIM, BLOCK_D, IEEE, BLOCK_M, BLOCK_N)
+    lanes = tl.arange(0, BLOCK_D)
+    # a padding row's output is zero (its q too: nothing it could read is written)
+    tl.store(
+        out + token[:, None] * stride_out_token + head[:, None] * stride_out_head + lanes[None, :],
+        tl.where(row_valid[:, None], result, 0.0).to(out.dtype.element_ty),
+        mask=in_part[:, None] & (lanes < HEAD_DIM)[None, :],
     )
 
 
@@ -186,6 +255,55 @@ def attention_prefill(
     return out
 
 
+def attention_prefill_packed(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Causal GQA of the sequences of a packed layout (operators/packed.py): q [T, Hq, D] their rows, blocks
+    [T / ALIGN, 4] where they lie; sequence s's rows (positions start_s .. start_s + T_s - 1) against keys
+    0 .. start_s + T_s - 1 of its slot (those of this pass already written, e.g. by qk_norm_rotary). Returns out
+    [T, Hq, D]: padding rows zero."""
+    check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
+    length, num_heads, head_dim = q.shape
+    check_blocks(blocks, length)
+    check_tensor("key_cache", key_cache, shape=(None, None, None, head_dim), dtype=q.dtype)
+    check_tensor("value_cache", value_cache, shape=tuple(key_cache.shape), dtype=q.dtype)
+    num_kv_heads = key_cache.shape[1]
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(
+            f"q has {num_heads} heads: expected a multiple of key_cache's {num_kv_heads} KV heads, "
+            f"at most {MAX_GROUP} per KV head"
+        )
+    if out is None:
+        out = torch.empty(length, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    check_tensor("out", out, shape=(length, num_heads, head_dim), dtype=q.dtype)
+    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, blocks=blocks, out=out)
+    if length == 0:
+        return out
+    group = num_heads // num_kv_heads
+
+    def grid(meta):
+        tokens = meta["BLOCK_M"] // group
+        return length // ALIGN * triton.cdiv(ALIGN, tokens), num_kv_heads
+
+    _packed_prefill_kernel[grid](
+        q, key_cache, value_cache, out, blocks,
+        LOG2_E / math.sqrt(head_dim),
+        q.stride(0), q.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out.stride(0), out.stride(1),
+        triton.next_power_of_2(length),
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, **launch_options(pdl),
+    )
+    return out
+
+
 def attention_prefill_cost(length: int, num_heads: int, num_kv_heads: int, head_dim: int, start: int = 0,
                            element_bytes: int = 2):
     """(bytes, FLOPs) floor: q and out once, K and V of the whole context once; causal QK^T and PV."""
@@ -195,4 +313,4 @@ def attention_prefill_cost(length: int, num_heads: int, num_kv_heads: int, head_
     return data, flops
 
 
-__all__ = ["attention_prefill", "attention_prefill_cost"]
+__all__ = ["attention_prefill", "attention_prefill_cost", "attention_prefill_packed"]

@@ -1,6 +1,7 @@
 """The Gated DeltaNet's causal depthwise conv1d + SiLU over the q | k | v channels.
 
     causal_conv1d        prefill of one sequence, the conv state carried in place
+    causal_conv1d_packed prefill of the sequences of a packed layout, each carrying its slot's conv state
     causal_conv1d_step   one decode step of B sequences, the conv state shifted in place
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..common import built_on_first_call
-from .causal_conv1d import causal_conv1d, causal_conv1d_cost, causal_conv1d_step, causal_conv1d_step_cost
+from .causal_conv1d import (causal_conv1d, causal_conv1d_cost, causal_conv1d_packed, causal_conv1d_step,
+                            causal_conv1d_step_cost)
 
 # Qwen3.5-0.8B: 2 x 16 x 128 (q, k) + 16 x 128 (v) channels, width 4
 CHANNELS, WIDTH = 6144, 4
@@ -51,4 +53,4 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
     return [prefill_case(128), prefill_case(4096), step_case(1), step_case(4)]
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_cost", "causal_conv1d_step_cost", "benchmark_cases"]
+__all__ = ["causal_conv1d", "causal_conv1d_packed", "causal_conv1d_step", "causal_conv1d_cost", "causal_conv1d_step_cost", "benchmark_cases"]

@@ -37,6 +37,16 @@ shared-memory traffic in the loop (the tile kernel converts each tap through sha
 engine's 4096-token prefill (the pin comment below): 34.4 us per layer against the tile's 48.8-49.1, 70% of
 the 24 us byte floor; at 128 tokens its few long programs lose to the tile, which short prompts keep.
 
+Packed prefill (`causal_conv1d_packed`): the rows of several sequences in the packed layout (operators/packed.py:
+each sequence from a multiple of ALIGN = 64 rows, its padding after it), conv_states [S, C, W-1]. The same kernel
+(PACKED): a program's rows (a tile's BLOCK_T, a walk's BLOCK_T x WALK_BLOCKS; configs whose rows do not divide
+ALIGN are pruned) lie in one aligned block, whose entry gives the sequence's first row, length and slot; the program
+then runs as the one-sequence kernel on that sequence's rows (its tile counted from the sequence's first row), so
+a token near its sequence's start reads its slot's state and never the previous sequence's tokens, and the
+sequence's first programs write its last W-1 inputs to its slot. Padding rows are neither read by a token nor
+written; a block of the bucket's tail (slot -1) reads and writes nothing. The same arithmetic as one call per
+sequence: the same values bit for bit.
+
 Decode: a program owns BLOCK_C channels of one row's sequence; it reads its slot's state and the weight as
 [BLOCK_C, W] tiles, then shifts the state in place after a barrier. A padding row (negative slot) reads and
 writes nothing.
@@ -56,6 +66,7 @@ import triton.language as tl
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, check_same_device, check_slots, check_tensor,
                       keep_preferred, launch_options, sequence_slot, wait_for_previous_kernel)
+from ..packed import ALIGN, ALIGN_ROWS, block_sequence, check_blocks
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_WIDTH = 16  # the state reads of a prefill program stay inside the first time block (BLOCK_T >= 16)
@@ -100,6 +111,8 @@ def rows_per_program(meta) -> int:
 
 
 def _prune_prefill(configs, named_args, **kwargs):
+    if kwargs.get("PACKED"):  # a program's rows inside one aligned block of the packed layout
+        configs = [c for c in configs if ALIGN % rows_per_program(c.kwargs) == 0]
     long = named_args["length_bucket"] >= LONG_PREFILL_FROM
     return keep_preferred(configs, LONG_PREFILL_PICK if long else PREFILL_PICK)
 
@@ -134,12 +147,10 @@ def _write_new_state(x_ptr, state_ptr, cols, col_mask, length, stride_xt, stride
 
 @triton.jit
 def _shifted_tiles(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
-                   stride_ot, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                   stride_ot, time_block, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_C: tl.constexpr):
-    """The tile kernel: one [BLOCK_T, BLOCK_C] tile per program from W shifted loads of x."""
-    # channel blocks vary fastest: the programs running together read and write whole rows of x and y
-    # (contiguous), not a strip of each of many rows
-    time_block = tl.program_id(1)
+    """The tile kernel: one [BLOCK_T, BLOCK_C] tile per program from W shifted loads of x (time block
+    `time_block` of the sequence)."""
     rows = time_block * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < length
@@ -174,14 +185,14 @@ def _shifted_tiles(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stri
 
 @triton.jit
 def _walked_rows(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
-                 stride_ot, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+                 stride_ot, segment, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_C: tl.constexpr, WALK_BLOCKS: tl.constexpr):
-    """The walking kernel: a program walks WALK_BLOCKS time blocks of BLOCK_T rows down BLOCK_C channels,
-    each x row loaded once as a [BLOCK_C] vector, the last W-1 rows carried in registers."""
+    """The walking kernel: a program walks WALK_BLOCKS time blocks of BLOCK_T rows down BLOCK_C channels (segment
+    `segment` of the sequence), each x row loaded once as a [BLOCK_C] vector, the last W-1 rows carried in
+    registers."""
     # a segment spans at least W-1 rows: the W-1 rows before any later segment are x's, and only the first
     # segment's programs, which write the new state, read the old one
     tl.static_assert(BLOCK_T * WALK_BLOCKS >= WIDTH - 1)
-    segment = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < channels
     start = segment * (WALK_BLOCKS * BLOCK_T)
@@ -228,21 +239,34 @@ def _walked_rows(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride
                  cache_results=True)
 @triton.jit(do_not_specialize=["length_bucket"])  # a tuning key only: no recompilation per bucket
 def _causal_conv1d_kernel(
-    x_ptr, weight_ptr, state_ptr, out_ptr,
-    length, channels, stride_xt, stride_wc, stride_sc, stride_ot, length_bucket,
+    x_ptr, weight_ptr, state_ptr, out_ptr, blocks_ptr,
+    length, channels, stride_xt, stride_wc, stride_sc, stride_ot, stride_slot, length_bucket,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    WALK_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    WALK_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr = False, PACKED: tl.constexpr = False,
 ):
     # the grid: (channel blocks, time blocks) for the tile kernel (WALK_BLOCKS = 0), (channel blocks, segments
-    # of WALK_BLOCKS time blocks) for the walking kernel
+    # of WALK_BLOCKS time blocks) for the walking kernel; channel blocks vary fastest: the programs running
+    # together read and write whole rows of x and y (contiguous), not a strip of each of many rows
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
+    index = tl.program_id(1)
+    if PACKED:
+        # the program's rows lie in one aligned block: its sequence's rows and slot, the program's tile counted
+        # from the sequence's first row; a block of the bucket's tail (slot -1) reads and writes nothing
+        ROWS: tl.constexpr = BLOCK_T * (1 if WALK_BLOCKS == 0 else WALK_BLOCKS)
+        tl.static_assert(ALIGN_ROWS % ROWS == 0)
+        first, length, _, slot = block_sequence(blocks_ptr, index * ROWS)
+        index = (index * ROWS - first) // ROWS
+        channels = tl.where(slot >= 0, channels, 0)
+        x_ptr += first.to(tl.int64) * stride_xt
+        out_ptr += first.to(tl.int64) * stride_ot
+        state_ptr += tl.maximum(slot, 0).to(tl.int64) * stride_slot
     if WALK_BLOCKS == 0:
         _shifted_tiles(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
-                       stride_ot, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C)
+                       stride_ot, index, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C)
     else:
         _walked_rows(x_ptr, weight_ptr, state_ptr, out_ptr, length, channels, stride_xt, stride_wc, stride_sc,
-                     stride_ot, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C, WALK_BLOCKS)
+                     stride_ot, index, WIDTH, BLOCK_W, BLOCK_T, BLOCK_C, WALK_BLOCKS)
 
 
 @triton.jit
@@ -370,10 +394,43 @@ def causal_conv1d(
         return triton.cdiv(channels, meta["BLOCK_C"]), triton.cdiv(length, rows_per_program(meta))
 
     _causal_conv1d_kernel[grid](
-        x, weight, conv_state, out,
-        length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0),
+        x, weight, conv_state, out, x,  # (no packed layout: x stands in for blocks)
+        length, channels, x.stride(0), weight.stride(0), conv_state.stride(0), out.stride(0), 0,
         min(triton.next_power_of_2(length), 4096),
         WIDTH=width, BLOCK_W=triton.next_power_of_2(width), USE_PDL=pdl, **launch_options(pdl),
+    )
+    return out
+
+
+def causal_conv1d_packed(
+    x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, blocks: torch.Tensor,
+    out: torch.Tensor | None = None, pdl: bool = False,
+) -> torch.Tensor:
+    """Prefill of the sequences of a packed layout (operators/packed.py): x [T, C] their rows, blocks [T / ALIGN,
+    4] where they lie; each sequence's rows read its slot's conv state (conv_states [S, C, W-1]) before its first
+    token and write its last W-1 inputs there. y [T, C]: each sequence's rows (padding rows unwritten)."""
+    check_tensor("x", x, shape=(None, None), dtype=ACTIVATION_DTYPES)
+    length, channels = x.shape
+    width = _check_weight(weight, channels)
+    check_blocks(blocks, length)
+    check_tensor("conv_states", conv_states, shape=(None, channels, width - 1), dtype=ACTIVATION_DTYPES)
+    if out is None:
+        out = torch.empty(length, channels, device=x.device, dtype=x.dtype)
+    check_tensor("out", out, shape=(length, channels), dtype=x.dtype)
+    check_same_device(x=x, weight=weight, conv_states=conv_states, blocks=blocks, out=out)
+    if length == 0 or channels == 0:
+        return out
+    if triton.cdiv(length, MIN_BLOCK_T) > MAX_GRID_Y:
+        raise ValueError(f"x has {length} rows: at most {MAX_GRID_Y * MIN_BLOCK_T} tokens in one prefill call")
+
+    def grid(meta):
+        return triton.cdiv(channels, meta["BLOCK_C"]), length // rows_per_program(meta)
+
+    _causal_conv1d_kernel[grid](
+        x, weight, conv_states, out, blocks,
+        length, channels, x.stride(0), weight.stride(0), conv_states.stride(1), out.stride(0), conv_states.stride(0),
+        min(triton.next_power_of_2(length), 4096),
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width), USE_PDL=pdl, PACKED=True, **launch_options(pdl),
     )
     return out
 

@@ -2,6 +2,7 @@
 
     gating                       g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (fused into the two below)
     gated_delta_rule_chunked     prefill of one sequence, 32 or 64 tokens at a time (the UT / WY form)
+    gated_delta_rule_chunked_packed  the same for the sequences of a packed layout, each from and to its slot
     gated_delta_rule_recurrent   one decode step of B sequences, the float32 state updated in place
     gated_rms_norm               per-head RMSNorm of the output, gated by silu(z)
     gated_delta_rule_decode_fused  conv step + gates + norms + recurrent step + gated norm of a layer's
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..common import built_on_first_call
-from .chunk import gated_delta_rule_chunked, gated_delta_rule_chunked_cost
+from .chunk import gated_delta_rule_chunked, gated_delta_rule_chunked_cost, gated_delta_rule_chunked_packed
 from .fused_decode import gated_delta_rule_decode_fused, gated_delta_rule_decode_fused_cost
 from .projected_decode import gated_delta_rule_decode_projected, gated_delta_rule_decode_projected_cost
 from .gated_rms_norm import gated_rms_norm, gated_rms_norm_cost
@@ -142,7 +143,8 @@ def benchmark_cases(device="cuda", dtype=torch.bfloat16) -> list[dict]:
 
 
 __all__ = [
-    "gating", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "gated_rms_norm", "benchmark_cases",
+    "gating", "gated_delta_rule_chunked", "gated_delta_rule_chunked_packed", "gated_delta_rule_recurrent",
+    "gated_rms_norm", "benchmark_cases",
     "gated_delta_rule_decode_fused", "gating_cost", "gated_delta_rule_chunked_cost",
     "gated_delta_rule_recurrent_cost", "gated_rms_norm_cost", "gated_delta_rule_decode_fused_cost",
     "gated_delta_rule_decode_projected", "gated_delta_rule_decode_projected_cost",

@@ -193,6 +193,7 @@ import triton.language as tl
 
 from ...tuning import active
 from ..common import autotune_configs, check_same_device, check_tensor, keep_preferred
+from ..packed import ALIGN_ROWS, block_sequence, check_blocks
 from . import state_pass
 from .gated_rms_norm import gated_rms_norm_values
 from .gating import ACTIVATION_DTYPES, check_gate_parameters, gate_and_beta, l2_normalize_rows
@@ -216,6 +217,19 @@ def _load_rows(base, rows, length, stride_row, cols, width, TO_FLOAT: tl.constex
     if TO_FLOAT:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _valid_end(blocks_ptr, chunk, length, CHUNK_ROWS: tl.constexpr, PACKED: tl.constexpr):
+    """The end of chunk `chunk`'s valid rows (the rows below it are tokens): the sequence's length, or in a packed
+    layout (blocks_ptr, operators/packed.py) its sequence's last token + 1 (0 in the bucket's tail). The kernels
+    load a chunk's inputs below it (zeros past it: no decay, no write) and write every row of the layout."""
+    if PACKED:
+        first, tokens, _, _ = block_sequence(blocks_ptr, chunk * CHUNK_ROWS)
+        end = first + tokens
+    else:
+        end = length
+    return end
 
 
 @triton.jit
@@ -457,29 +471,30 @@ def _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM: tl.constexpr, 
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr,
-    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
+    w_ptr, u_ptr, qk_ptr, decay_ptr, decayed_keys_ptr, system_ptr, blocks_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
 ):
     """Grid (chunks, Hv, 2): program (c, h, 0) writes chunk c's causal Q K^T * exp(G_i - G_j) [C, C] of head
     h; program (c, h, 1) its G [C], W [C, Dk], U [C, Dv] and the decayed keys diag(exp(G_C - G)) K [C, Dk],
     through (I + A)^-1 [C, C] (float32, formed in its [C, C] block of system_ptr)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
+    end = _valid_end(blocks_ptr, chunk, length, CHUNK_ROWS, PACKED)
     if tl.program_id(2) == 0:
-        _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, length, scale,
+        _store_scores(q_ptr, k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qk_ptr, chunk, head, end, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_at, stride_bt,
                       V_HEADS, GROUP, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
     else:
         rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
         # the loads first, so that their latencies overlap
-        k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K), K_DIM,
+        k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, end, stride_kt, tl.arange(0, BLOCK_K), K_DIM,
                        False)
-        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
-        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        v = _load_rows(v_ptr + head * stride_vh, rows, end, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
+        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, end, stride_at, stride_bt)
         tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
         k = _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
                          V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
@@ -516,19 +531,20 @@ INVERSE_CONFIGS = [
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_inverse_kernel(
-    k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, decay_ptr, decayed_keys_ptr, system_ptr,
+    k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, decay_ptr, decayed_keys_ptr, system_ptr, blocks_ptr,
     length, chunk_bucket, stride_kt, stride_kh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
 ):
     """Kernel 1 split, first part. Grid (chunks, Hv): program (c, h) writes chunk c's G [C] and decayed keys
     [C, Dk] of head h, and forms (I + A)^-1 [C, C] in its block of system_ptr (float32)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
+    end = _valid_end(blocks_ptr, chunk, length, CHUNK_ROWS, PACKED)
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
-    k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K), K_DIM,
+    k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, end, stride_kt, tl.arange(0, BLOCK_K), K_DIM,
                    False)
-    decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+    decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, end, stride_at, stride_bt)
     tl.store(decay_ptr + head * length + rows, decay, mask=rows < length)
     _form_system(k, decay, beta, decayed_keys_ptr, system_ptr, chunk, head, length,
                  V_HEADS, K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
@@ -548,12 +564,12 @@ PRODUCTS_CONFIGS = [
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_products_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, system_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, w_ptr, u_ptr, qk_ptr, system_ptr, blocks_ptr,
     length, chunk_bucket, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_ROWS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
 ):
     """Kernel 1 split, second part, after `_chunk_inverse_kernel`. Grid (chunks, Hv, 2): program (c, h, 0) writes
     chunk c's W [C, Dk] of head h and program (c, h, 1) its U [C, Dv], from the inverse in system_ptr; G and beta
@@ -561,18 +577,19 @@ def _chunk_products_kernel(
     kernel 3's (q_ptr, qk_ptr and scale unused: the one kernel's arguments)."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
+    end = _valid_end(blocks_ptr, chunk, length, CHUNK_ROWS, PACKED)
     rows = chunk * CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
     if tl.program_id(2) == 0:
-        k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, tl.arange(0, BLOCK_K),
+        k = _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, end, stride_kt, tl.arange(0, BLOCK_K),
                        K_DIM, False)
-        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at,
+        decay, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, end, stride_at,
                                    stride_bt)
         inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
         _store_w(inverse, l2_normalize_rows(k.to(tl.float32), 1.0), decay, beta, w_ptr, chunk, head, length,
                  K_DIM, BLOCK_K, CHUNK_ROWS, DOT_DTYPE, PRECISION)
     else:
-        v = _load_rows(v_ptr + head * stride_vh, rows, length, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
-        _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, length, stride_at, stride_bt)
+        v = _load_rows(v_ptr + head * stride_vh, rows, end, stride_vt, tl.arange(0, BLOCK_V), V_DIM, False)
+        _, beta = _chunk_gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, head, rows, end, stride_at, stride_bt)
         inverse = _load_inverse(system_ptr, chunk, head, V_HEADS, CHUNK_ROWS)
         _store_u(inverse, v, beta, u_ptr, chunk, head, length, V_DIM, BLOCK_V, CHUNK_ROWS, DOT_DTYPE, PRECISION)
 
@@ -615,20 +632,24 @@ def _state_step_tiles(w_base, u_base, keys_base, decay_base, chunk, length, keys
 # chunk_bucket: a tuning key only (no recompilation per bucket); chunks: not specialised to 1 (above)
 @triton.jit(do_not_specialize=["chunk_bucket", "chunks"])
 def _chunk_state_kernel(
-    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr,
+    decayed_keys_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, new_values_ptr, chunk_states_ptr, blocks_ptr,
     length, chunks, chunk_bucket,
     V_HEADS: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr = False,
 ):
     """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks,
     storing each chunk's start state [chunks, Hv, Dk, Dv] and V' [Hv, T, Dv] (in DOT_DTYPE) on the way and
-    the final state (float32) in place."""
+    the final state (float32) in place. PACKED: state_ptr holds every slot's states [S, Hv, Dk, Dv]; a sequence's
+    first chunk starts from its slot's state, and its last chunk's end state is stored there."""
     head = tl.program_id(0)
     keys = tl.arange(0, BLOCK_K)
     values = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     slab, slab_mask = state_slab(state_ptr + head * (K_DIM * V_DIM), keys, values, K_DIM, V_DIM)
-    state = tl.load(slab, mask=slab_mask, other=0.0)
+    if PACKED:
+        state = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)  # (the first chunk starts a sequence)
+    else:
+        state = tl.load(slab, mask=slab_mask, other=0.0)
 
     keys_base = decayed_keys_ptr + head * length * K_DIM
     decay_base = decay_ptr + head * length
@@ -641,13 +662,24 @@ def _chunk_state_kernel(
         # tiles into shared memory (cp.async) while this chunk's products run
         w, u, decayed_keys, decay_last = _state_step_tiles(
             w_base, u_base, keys_base, decay_base, chunk, length, keys, values, K_DIM, V_DIM, CHUNK_ROWS)
+        if PACKED:
+            first, tokens, _, slot = block_sequence(blocks_ptr, chunk * CHUNK_ROWS)
+            sequence_slab = slab + tl.maximum(slot, 0).to(tl.int64) * (V_HEADS * K_DIM * V_DIM)
+            if (slot >= 0) & (chunk * CHUNK_ROWS == first):
+                state = tl.load(sequence_slab, mask=slab_mask, other=0.0)
         start_slab, _ = state_slab(chunk_states_ptr + (chunk * V_HEADS + head) * (K_DIM * V_DIM), keys, values,
                                    K_DIM, V_DIM)
         tl.store(start_slab, state.to(chunk_states_ptr.dtype.element_ty), mask=slab_mask)
         new_values = u - _mm(w, state, DOT_DTYPE, PRECISION)
         _store_rows(new_values_base, chunk * CHUNK_ROWS + offsets, length, V_DIM, values, V_DIM, new_values)
         state = state * tl.exp(decay_last) + _mm(tl.trans(decayed_keys), new_values, DOT_DTYPE, PRECISION)
-    tl.store(slab, state, mask=slab_mask)
+        if PACKED:
+            # the sequence's rows end with its chunk of its last aligned block
+            end = first + (tokens + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
+            if (slot >= 0) & (chunk * CHUNK_ROWS + CHUNK_ROWS == end):
+                tl.store(sequence_slab, state, mask=slab_mask)
+    if not PACKED:
+        tl.store(slab, state, mask=slab_mask)
 
 
 # No BLOCK_V of 32: forming the scores (SCORES_HERE) without the norm, the kernel at BLOCK_V 32 and 4 warps wrote
@@ -680,13 +712,13 @@ def _prune_output(configs, named_args, **kwargs):
                  cache_results=True)
 @triton.jit(do_not_specialize=["chunk_bucket"])  # a tuning key only: no recompilation per bucket
 def _chunk_output_kernel(
-    q_ptr, k_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr,
+    q_ptr, k_ptr, qk_ptr, decay_ptr, new_values_ptr, chunk_states_ptr, out_ptr, z_ptr, norm_weight_ptr, blocks_ptr,
     length, chunk_bucket, scale, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_zt,
     V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
-    SCORES_HERE: tl.constexpr = False, SCORES_DTYPE: tl.constexpr = tl.float32,
+    SCORES_HERE: tl.constexpr = False, SCORES_DTYPE: tl.constexpr = tl.float32, PACKED: tl.constexpr = False,
 ):
     """Grid (chunks, Hv, Dv / BLOCK_V): program (c, h, j) writes columns j of chunk c's output of head h,
     O = diag(exp(G)) Q S + (Q K^T decayed, causal) V', S the chunk's start state. NORM: grid (chunks, Hv,
@@ -704,12 +736,13 @@ def _chunk_output_kernel(
     offsets = tl.arange(0, CHUNK_ROWS)
     rows = chunk * CHUNK_ROWS + offsets
     block = chunk * V_HEADS + head
+    end = _valid_end(blocks_ptr, chunk, length, CHUNK_ROWS, PACKED)
     decay = tl.load(decay_ptr + head * length + rows, mask=rows < length, other=0.0)
-    q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, length, stride_qt, keys, K_DIM),
+    q = l2_normalize_rows(_load_rows(q_ptr + (head // GROUP) * stride_qh, rows, end, stride_qt, keys, K_DIM),
                           scale)
     if SCORES_HERE:  # (before the state's and V''s loads: k's tile is gone before theirs are live)
         k = l2_normalize_rows(
-            _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, length, stride_kt, keys, K_DIM), 1.0)
+            _load_rows(k_ptr + (head // GROUP) * stride_kh, rows, end, stride_kt, keys, K_DIM), 1.0)
         qk = _decayed_scores(q, k, decay, SCORES_DTYPE, PRECISION, False).to(new_values_ptr.dtype.element_ty)
     else:
         qk = tl.load(qk_ptr + block * (CHUNK_ROWS * CHUNK_ROWS) + offsets[:, None] * CHUNK_ROWS + offsets[None, :],
@@ -721,10 +754,38 @@ def _chunk_output_kernel(
     out = _mm(q, state, DOT_DTYPE, PRECISION) + _mm(qk, new_values, DOT_DTYPE, PRECISION)
     if NORM:
         dtype = out_ptr.dtype.element_ty
-        z = _load_rows(z_ptr + head * V_DIM, rows, length, stride_zt, values, V_DIM)
+        z = _load_rows(z_ptr + head * V_DIM, rows, end, stride_zt, values, V_DIM)
         weight = tl.load(norm_weight_ptr + values, mask=values < V_DIM, other=0.0).to(tl.float32)
         out = gated_rms_norm_values(out.to(dtype).to(tl.float32), z, weight, eps, V_DIM, ROUND_PRODUCT, dtype)
     _store_rows(out_ptr + head * stride_oh, rows, length, stride_ot, values, V_DIM, out)
+
+
+def _check_arguments(q, k, v, a, b, A_log, dt_bias, chunk_size, out, dot_precision, output_norm) -> torch.Tensor:
+    """Raise ValueError naming the offending argument; returns out (allocated when None)."""
+    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES}, got {chunk_size}")
+    check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
+    length, key_heads, key_dim = q.shape
+    check_tensor("k", k, shape=(length, key_heads, key_dim), dtype=q.dtype)
+    check_tensor("v", v, shape=(length, None, None), dtype=q.dtype)
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    if key_heads == 0 or value_heads % key_heads:
+        raise ValueError(f"v has {value_heads} heads, not a multiple of the {key_heads} heads of q and k")
+    check_gate_parameters(a, b, A_log, dt_bias, rows=length, heads=value_heads)
+    if out is None:
+        out = torch.empty(length, value_heads, value_dim, device=v.device, dtype=v.dtype)
+    check_tensor("out", out, shape=(length, value_heads, value_dim), dtype=v.dtype)
+    check_same_device(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out)
+    if dot_precision not in (None, "tf32", "ieee"):
+        raise ValueError(f"dot_precision must be None, 'tf32' or 'ieee', got {dot_precision!r}")
+    if output_norm is not None:
+        if not (isinstance(output_norm, tuple) and len(output_norm) == 3):
+            raise ValueError("output_norm must be a tuple (z, weight, eps)")
+        z, weight, _ = output_norm
+        check_tensor("output_norm's z", z, shape=(length, value_heads * value_dim), dtype=v.dtype)
+        check_tensor("output_norm's weight", weight, shape=(value_dim,), dtype=ACTIVATION_DTYPES, contiguous=True)
+        check_same_device(v=v, z=z, weight=weight)
+    return out
 
 
 def gated_delta_rule_chunked(
@@ -747,37 +808,50 @@ def gated_delta_rule_chunked(
     output_norm: (z [T, Hv * Dv], weight [Dv], eps): return gated_rms_norm(o, z, weight, eps) instead of o
     (gated_rms_norm.py's roundings, o rounded to v's dtype first), formed by the output kernel.
     """
-    if chunk_size is not None and chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be None or one of {CHUNK_SIZES}, got {chunk_size}")
-    check_tensor("q", q, shape=(None, None, None), dtype=ACTIVATION_DTYPES)
-    length, key_heads, key_dim = q.shape
-    check_tensor("k", k, shape=(length, key_heads, key_dim), dtype=q.dtype)
-    check_tensor("v", v, shape=(length, None, None), dtype=q.dtype)
-    value_heads, value_dim = v.shape[1], v.shape[2]
-    if key_heads == 0 or value_heads % key_heads:
-        raise ValueError(f"v has {value_heads} heads, not a multiple of the {key_heads} heads of q and k")
-    check_gate_parameters(a, b, A_log, dt_bias, rows=length, heads=value_heads)
-    check_tensor("state", state, shape=(value_heads, key_dim, value_dim), dtype=torch.float32, contiguous=True)
-    if out is None:
-        out = torch.empty(length, value_heads, value_dim, device=v.device, dtype=v.dtype)
-    check_tensor("out", out, shape=(length, value_heads, value_dim), dtype=v.dtype)
-    check_same_device(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state, out=out)
-    if dot_precision not in (None, "tf32", "ieee"):
-        raise ValueError(f"dot_precision must be None, 'tf32' or 'ieee', got {dot_precision!r}")
-    if output_norm is not None:
-        if not (isinstance(output_norm, tuple) and len(output_norm) == 3):
-            raise ValueError("output_norm must be a tuple (z, weight, eps)")
-        z, weight, _ = output_norm
-        check_tensor("output_norm's z", z, shape=(length, value_heads * value_dim), dtype=v.dtype)
-        check_tensor("output_norm's weight", weight, shape=(value_dim,), dtype=ACTIVATION_DTYPES, contiguous=True)
-        check_same_device(v=v, z=z, weight=weight)
-    if length == 0:
+    out = _check_arguments(q, k, v, a, b, A_log, dt_bias, chunk_size, out, dot_precision, output_norm)
+    check_tensor("state", state, shape=(v.shape[1], q.shape[2], v.shape[2]), dtype=torch.float32, contiguous=True)
+    check_same_device(v=v, state=state)
+    if q.shape[0] == 0:
         return out
 
     scratch = chunk_scratch(q, v, dot_precision, chunk_size)
     launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch)
     launch_state_pass(state, scratch)
     launch_output(q, k, out, scratch, output_norm)
+    return out
+
+
+def gated_delta_rule_chunked_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    blocks: torch.Tensor,
+    chunk_size: int | None = None,
+    out: torch.Tensor | None = None,
+    dot_precision: str | None = None,
+    output_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Prefill of the sequences of a packed layout (operators/packed.py): q, k, v, a, b their rows [T, ...], blocks
+    [T / ALIGN, 4] where they lie; states [S, Hv, Dk, Dv] float32, every slot's: each sequence starts from its
+    slot's state and leaves its final state there. o [T, Hv, Dv] (or its gated norm, output_norm as
+    gated_delta_rule_chunked's): padding rows zero. Chunks of chunk_size_for(T) unless chunk_size says."""
+    out = _check_arguments(q, k, v, a, b, A_log, dt_bias, chunk_size, out, dot_precision, output_norm)
+    check_blocks(blocks, q.shape[0])
+    check_tensor("states", states, shape=(None, v.shape[1], q.shape[2], v.shape[2]), dtype=torch.float32,
+                 contiguous=True)
+    check_same_device(v=v, states=states, blocks=blocks)
+    if q.shape[0] == 0:
+        return out
+
+    scratch = chunk_scratch(q, v, dot_precision, chunk_size)
+    launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch, blocks)
+    launch_state_pass(states, scratch, blocks)
+    launch_output(q, k, out, scratch, output_norm, blocks)
     return out
 
 
@@ -843,61 +917,71 @@ def _prepare_arguments(q, k, v, a, b, scratch: _Scratch):
     return triton.cdiv(length, scratch.chunk), shapes, values, strides
 
 
-def launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+def _blocks(blocks, scratch: _Scratch) -> torch.Tensor:
+    """The kernels' blocks_ptr: the packed layout's blocks, or (one sequence, PACKED False) a stand-in pointer."""
+    return scratch.decay if blocks is None else blocks
+
+
+def launch_prepare(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, blocks=None) -> None:
     """Kernel 1, or for prompts of more than SPLIT_PREPARE_TOKENS tokens its two parts (launch_inverse, then
-    launch_products); arguments checked by gated_delta_rule_chunked, scratch from `chunk_scratch`."""
+    launch_products); arguments checked by gated_delta_rule_chunked, scratch from `chunk_scratch`; blocks: the
+    packed layout's (gated_delta_rule_chunked_packed), None for one sequence."""
     length, value_heads, key_dim = v.shape[0], v.shape[1], q.shape[2]
     if length > SPLIT_PREPARE_TOKENS:
-        launch_inverse(q, k, v, a, b, A_log, dt_bias, scratch)
-        launch_products(q, k, v, a, b, A_log, dt_bias, scratch)
+        launch_inverse(q, k, v, a, b, A_log, dt_bias, scratch, blocks)
+        launch_products(q, k, v, a, b, A_log, dt_bias, scratch, blocks)
         return
     chunks, shapes, values, strides = _prepare_arguments(q, k, v, a, b, scratch)
     _chunk_prepare_kernel[(chunks, value_heads, 2)](
         q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.decay, scratch.decayed_keys,
-        scratch.system, length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides, **shapes, **values)
+        scratch.system, _blocks(blocks, scratch), length, triton.next_power_of_2(chunks), key_dim**-0.5, *strides,
+        **shapes, **values, PACKED=blocks is not None)
 
 
-def launch_inverse(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+def launch_inverse(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, blocks=None) -> None:
     """Kernel 1's first part: G, the decayed keys and each chunk's inverse (I + A)^-1. Grid (chunks, Hv)."""
     chunks, shapes, _, _ = _prepare_arguments(q, k, v, a, b, scratch)
     _chunk_inverse_kernel[(chunks, v.shape[1])](
-        k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system,
-        v.shape[0], triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes)
+        k, a, b, A_log, dt_bias, scratch.decay, scratch.decayed_keys, scratch.system, _blocks(blocks, scratch),
+        v.shape[0], triton.next_power_of_2(chunks), k.stride(0), k.stride(1), a.stride(0), b.stride(0), **shapes,
+        PACKED=blocks is not None)
 
 
-def launch_products(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch) -> None:
+def launch_products(q, k, v, a, b, A_log, dt_bias, scratch: _Scratch, blocks=None) -> None:
     """Kernel 1's second part, after launch_inverse: each chunk's W and U. Grid (chunks, Hv, 2)."""
     chunks, shapes, values, strides = _prepare_arguments(q, k, v, a, b, scratch)
     _chunk_products_kernel[(chunks, v.shape[1], 2)](
-        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system,
-        v.shape[0], triton.next_power_of_2(chunks), q.shape[2]**-0.5, *strides, **shapes, **values)
+        q, k, v, a, b, A_log, dt_bias, scratch.w, scratch.u, scratch.qk, scratch.system, _blocks(blocks, scratch),
+        v.shape[0], triton.next_power_of_2(chunks), q.shape[2]**-0.5, *strides, **shapes, **values,
+        PACKED=blocks is not None)
 
 
-def launch_state_pass(state, scratch: _Scratch) -> None:
-    """Kernel 2: the state [Hv, Dk, Dv] carried in place, V' and the chunk start states written; in Gluon where
-    it applies (Hopper, 16-bit operands: state_pass.py), else the Triton kernel."""
+def launch_state_pass(state, scratch: _Scratch, blocks=None) -> None:
+    """Kernel 2: the state [Hv, Dk, Dv] carried in place (with blocks, a packed layout's: every slot's [S, Hv, Dk,
+    Dv], each sequence's read and written in its slot), V' and the chunk start states written; in Gluon where it
+    applies (Hopper, 16-bit operands: state_pass.py), else the Triton kernel."""
     if state_pass.applies(state, scratch.dot_dtype, scratch.chunk):
         state_pass.launch(state, scratch.w, scratch.u, scratch.decayed_keys, scratch.decay, scratch.new_values,
-                          scratch.chunk_states, scratch.chunk)
+                          scratch.chunk_states, scratch.chunk, blocks)
         return
-    launch_triton_state_pass(state, scratch)
+    launch_triton_state_pass(state, scratch, blocks)
 
 
-def launch_triton_state_pass(state, scratch: _Scratch) -> None:
+def launch_triton_state_pass(state, scratch: _Scratch, blocks=None) -> None:
     """Kernel 2 in Triton: `_chunk_state_kernel`, grid (Hv, Dv / BLOCK_V)."""
-    (value_heads, key_dim, value_dim), length = state.shape, scratch.decay.shape[1]
+    (value_heads, key_dim, value_dim), length = state.shape[-3:], scratch.decay.shape[1]
     chunks = triton.cdiv(length, scratch.chunk)
     grid = lambda meta: (value_heads, triton.cdiv(value_dim, meta["BLOCK_V"]))  # noqa: E731
     _chunk_state_kernel[grid](
         scratch.decayed_keys, scratch.w, scratch.u, scratch.decay, state, scratch.new_values, scratch.chunk_states,
-        length, chunks, triton.next_power_of_2(chunks),
+        _blocks(blocks, scratch), length, chunks, triton.next_power_of_2(chunks),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
-        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision,
+        DOT_DTYPE=TORCH_TO_TRITON[scratch.dot_dtype], PRECISION=scratch.product_precision, PACKED=blocks is not None,
     )
 
 
-def launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
+def launch_output(q, k, out, scratch: _Scratch, output_norm=None, blocks=None) -> None:
     """Kernel 3: o (or its gated norm, with output_norm) written into out."""
     (length, value_heads, value_dim), (key_heads, key_dim) = out.shape, q.shape[1:]
     chunks = triton.cdiv(length, scratch.chunk)
@@ -908,8 +992,9 @@ def launch_output(q, k, out, scratch: _Scratch, output_norm=None) -> None:
 
     _chunk_output_kernel[grid](
         q, k, scratch.qk, scratch.decay, scratch.new_values, scratch.chunk_states, out, z, weight,
-        length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
+        _blocks(blocks, scratch), length, triton.next_power_of_2(chunks), key_dim**-0.5, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1), z.stride(0),
+        PACKED=blocks is not None,
         V_HEADS=value_heads, GROUP=value_heads // key_heads, K_DIM=key_dim, V_DIM=value_dim,
         CHUNK_ROWS=scratch.chunk, BLOCK_K=max(16, triton.next_power_of_2(key_dim)),
         BLOCK_D=max(16, triton.next_power_of_2(value_dim)),

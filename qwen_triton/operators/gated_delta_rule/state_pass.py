@@ -26,6 +26,15 @@ head's first rows (or zeros past the end) where the Triton kernel masks them to 
 columns past the sequence's end, which is what those rows feed (W and U rows only reach V', and K~ rows are
 multiplied by V' rows; the next head's rows are finite: kernel 1 wrote every one).
 
+Packed (PACKED, chunk.py's gated_delta_rule_chunked_packed): the chunks are those of several sequences in the
+packed layout (operators/packed.py: a chunk never straddles two), state_ptr holds every slot's states
+[S, Hv, Dk, Dv]. Each step reads its chunk's aligned-block entry (its sequence's first row, length and slot;
+before the wait for the tiles, so that the loads overlap it); a sequence's first chunk starts from its slot's state
+(a pointer load in the accumulator's layout), and after its last chunk's second product the state is stored to the
+slot (a pointer store). A chunk of padding rows holds zero W, U and K~ rows (kernel 1 writes every row of the
+layout, from inputs loaded as zeros): it leaves the state as it is. The one-sequence form (PACKED False) is the
+kernel as it was: its final state through TMA, no per-step load.
+
 Rounding as the Triton kernel's: S and V' rounded to the operand dtype for the products and the stores, float32
 accumulation; U - W S accumulates W S onto U in the tensor core's order instead of subtracting the finished
 product (a float32 rounding apart).
@@ -54,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common import hopper_or_later, interpreting
+from ..packed import ALIGN_ROWS
 
 BLOCK_V = 64  # state columns a program carries: the rows of both products (wgmma's m64 for one warpgroup)
 WARPS = 4  # one warpgroup computes
@@ -68,7 +78,7 @@ def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
     """Whether this kernel serves the call: a Hopper GPU (not the interpreter, which runs no Gluon), 16-bit
     operands, Dv a multiple of BLOCK_V, Dk a multiple of 16 up to 256, chunks of a multiple of 16 rows whose W
     tiles hold the final state's float32 tile (STAGES x C >= 2 x BLOCK_V: chunks of 32 or more)."""
-    _, key_dim, value_dim = state.shape
+    key_dim, value_dim = state.shape[-2:]
     return (not interpreting() and hopper_or_later(state.device) and dot_dtype in OPERAND_DTYPES
             and value_dim % BLOCK_V == 0 and key_dim % 16 == 0 and key_dim <= 256 and chunk % 16 == 0
             and STAGES * chunk >= 2 * BLOCK_V)
@@ -76,10 +86,11 @@ def applies(state: torch.Tensor, dot_dtype: torch.dtype, chunk: int) -> bool:
 
 @gluon.jit
 def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_descriptor, chunk_states_descriptor,
-                       state_descriptor, decay_ptr, state_ptr, length, chunks,
+                       state_descriptor, decay_ptr, state_ptr, blocks_ptr, length, chunks,
                        V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr,
-                       STAGES: gl.constexpr):
-    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks."""
+                       STAGES: gl.constexpr, PACKED: gl.constexpr = False):
+    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks. PACKED: the
+    chunks of a packed layout's sequences (blocks_ptr), state_ptr every slot's states (module docstring)."""
     dtype: gl.constexpr = w_descriptor.dtype
     BLOCK: gl.constexpr = u_descriptor.block_type.shape[1]
     head = gl.program_id(0)
@@ -104,8 +115,9 @@ def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_d
 
     gl.warp_specialize([
         (_carry_state, (w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
-                        first_value, first_row, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS, BLOCK, STAGES)),
+                        new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr,
+                        blocks_ptr, head, first_value, first_row, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS,
+                        BLOCK, STAGES, PACKED)),
         (_load_tiles, (w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
                        first_value, first_row, chunks, CHUNK_ROWS, STAGES)),
     ], [1], [LOADER_REGISTERS])
@@ -135,9 +147,10 @@ def _load_tiles(w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, k
 
 @gluon.jit
 def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
-                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, head,
-                 first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr,
-                 CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+                 new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, blocks_ptr,
+                 head, first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr,
+                 V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                 PACKED: gl.constexpr):
     """The computing warpgroup: S^T in registers through the chunks (module docstring)."""
     dtype: gl.constexpr = w_tiles.dtype
     # accumulators: S^T [BLOCK, Dk] of the second product, V'^T [BLOCK, C] of the first; each product's left
@@ -149,7 +162,10 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
     state_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=values_layout, k_width=2)
     values_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=state_layout, k_width=2)
 
-    state = gl.load(state_ptr + _state_offsets(head, first_value, K_DIM, V_DIM, BLOCK, state_layout))
+    if PACKED:
+        state = gl.zeros([BLOCK, K_DIM], gl.float32, state_layout)  # (the first chunk starts a sequence)
+    else:
+        state = gl.load(state_ptr + _state_offsets(head, first_value, K_DIM, V_DIM, BLOCK, state_layout))
     tokens = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(0, values_layout))
     new_values_view = new_values_tile.reshape([CHUNK_ROWS, BLOCK]).permute((1, 0))  # V'^T
     chunk_state_view = chunk_state_tile.permute((1, 0))  # S^T
@@ -159,7 +175,16 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
     for chunk in range(chunks):
         stage = chunk % STAGES
         start = chunk * CHUNK_ROWS
+        if PACKED:  # the chunk's sequence: its aligned block's entry (operators/packed.py), read before the wait
+            entry = blocks_ptr + (start // ALIGN_ROWS) * 4
+            sequence_first = gl.load(entry)
+            sequence_end = sequence_first + (gl.load(entry + 1) + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
+            slot = gl.load(entry + 3)
         mbarrier.wait(loaded.index(stage), (chunk // STAGES) & 1)
+        if PACKED:
+            if (slot >= 0) & (start == sequence_first):  # a sequence's first chunk starts from its slot's state
+                state = gl.load(state_ptr + _state_offsets(slot * V_HEADS + head, first_value, K_DIM, V_DIM, BLOCK,
+                                                           state_layout))
         u = u_tiles.index(stage).permute((1, 0)).load(values_layout).to(gl.float32)
         carried = state.to(dtype)
         left = gl.convert_layout(-carried, state_operand)
@@ -183,16 +208,23 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
         fence_async_shared()
         tma.async_copy_shared_to_global(new_values_descriptor, [head, start, first_value], new_values_tile)
         state, left = warpgroup_mma_wait(num_outstanding=0, deps=(state, left))
+        if PACKED:
+            if (slot >= 0) & (start + CHUNK_ROWS == sequence_end):  # a sequence's last chunk: its final state
+                gl.store(state_ptr + _state_offsets(slot * V_HEADS + head, first_value, K_DIM, V_DIM, BLOCK,
+                                                    state_layout), state)
         mbarrier.arrive(consumed.index(stage))
-    # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a pointer
-    # store would stay live in registers through the loop, the initial load's being the same
-    gl.static_assert(STAGES * CHUNK_ROWS * dtype.primitive_bitwidth >= BLOCK * 32,
-                     "the W tiles must hold the final state's float32 tile")
-    final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
-    final_tile.permute((1, 0)).store(state)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(state_descriptor, [head * K_DIM, first_value], final_tile)
-    tma.store_wait(pendings=0)
+    if PACKED:
+        tma.store_wait(pendings=0)
+    else:
+        # the final state through TMA from the first stages' W tiles (every load has landed): offsets for a
+        # pointer store would stay live in registers through the loop, the initial load's being the same
+        gl.static_assert(STAGES * CHUNK_ROWS * dtype.primitive_bitwidth >= BLOCK * 32,
+                         "the W tiles must hold the final state's float32 tile")
+        final_tile = w_tiles._reinterpret(gl.float32, state_descriptor.block_type.shape, state_descriptor.layout)
+        final_tile.permute((1, 0)).store(state)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(state_descriptor, [head * K_DIM, first_value], final_tile)
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -212,7 +244,7 @@ def descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 def descriptors(state, w, u, decayed_keys, new_values, chunk_states, chunk: int) -> dict[str, TensorDescriptor]:
     """The kernel's TMA descriptors, by argument name, over chunk.py's scratch (see `launch`)."""
-    value_heads, key_dim, value_dim = state.shape
+    value_heads, key_dim, value_dim = state.shape[-3:]
     rows = w.shape[0] * w.shape[1]
     return dict(
         w_descriptor=descriptor(w.view(rows, key_dim), [chunk, key_dim]),
@@ -224,14 +256,16 @@ def descriptors(state, w, u, decayed_keys, new_values, chunk_states, chunk: int)
     )
 
 
-def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int) -> None:
+def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: int, blocks=None) -> None:
     """The state pass on the scratch of chunk.py (w, u, decayed_keys [Hv, T, D] in the operand dtype; decay [Hv, T]
     float32; new_values [Hv, T, Dv] and chunk_states [chunks, Hv, Dk, Dv] written; state [Hv, Dk, Dv] float32
-    carried in place). The caller checks `applies`."""
-    value_heads, key_dim, value_dim = state.shape
+    carried in place; with blocks, a packed layout's, every slot's states [S, Hv, Dk, Dv]). The caller checks
+    `applies`."""
+    value_heads, key_dim, value_dim = state.shape[-3:]
     length = decay.shape[1]
     _state_pass_kernel[(value_heads, value_dim // BLOCK_V)](
         **descriptors(state, w, u, decayed_keys, new_values, chunk_states, chunk), decay_ptr=decay, state_ptr=state,
-        length=length, chunks=triton.cdiv(length, chunk),
-        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES, num_warps=WARPS,
+        blocks_ptr=decay if blocks is None else blocks, length=length, chunks=triton.cdiv(length, chunk),
+        V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES, PACKED=blocks is not None,
+        num_warps=WARPS,
     )
