@@ -317,9 +317,9 @@ def command_serve(args) -> None:
         app = create_app(llm, model_name=name, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
                          max_prefill_tokens=args.max_prefill_tokens, drain_timeout=args.drain_timeout)
         host, port = sock.getsockname()[:2]
-        note(f"serving {name} at http://{host}:{port}/v1 ({args.max_num_seqs} sequences at a time, up to "
-             f"{args.max_queue} waiting); SIGTERM or Ctrl-C stops it")
-        serve(app, sock, args.drain_timeout)
+        serve(app, sock, args.drain_timeout, on_started=lambda: note(
+            f"serving {name} at http://{host}:{port}/v1 ({args.max_num_seqs} sequences at a time, up to "
+            f"{args.max_queue} waiting); SIGTERM or Ctrl-C stops it"))
     note("stopped")
 
 

@@ -26,9 +26,10 @@ REPO_ID = "Qwen/Qwen3.5-0.8B"
 
 
 def code_blocks(section: str, language: str) -> list[str]:
-    """The ```language blocks of the README section whose heading is `section`."""
+    """The ```language blocks of the README section (or subsection) whose heading is `section`, up to the next
+    heading."""
     text = README.read_text()
-    body = re.split(r"^## ", text, flags=re.M)
+    body = re.split(r"^###? ", text, flags=re.M)
     chosen = next(part for part in body if part.startswith(section + "\n"))
     return re.findall(rf"```{language}\n(.*?)```", chosen, flags=re.S)
 

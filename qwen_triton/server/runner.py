@@ -18,13 +18,15 @@ import uvicorn
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free one), made before the weights load so that an address in use
-    is reported at once. OSError where it cannot be bound."""
+    """A socket bound to host:port (port 0: a free one) and listening, made before the weights load so that an
+    address in use is reported at once (connections made before the server starts wait in its backlog). OSError
+    where it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise
@@ -42,11 +44,16 @@ class DrainingServer(uvicorn.Server):
     error saying the server is stopping (an error event, then [DONE], for a stream) rather than a cut connection.
     uvicorn itself waits CLOSING_GRACE_S seconds longer for the connections to close."""
 
-    def __init__(self, app, drain_timeout: float, log_level: str = "info"):
+    def __init__(self, app, drain_timeout: float, log_level: str = "info", on_started=None):
         super().__init__(uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=drain_timeout + CLOSING_GRACE_S,
                                         log_level=log_level, access_log=False))
-        self.app, self.drain_timeout = app, drain_timeout
+        self.app, self.drain_timeout, self.on_started = app, drain_timeout, on_started
         self._deadline: threading.Timer | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     def handle_exit(self, sig, frame) -> None:
         scheduler = self.app.state.scheduler
@@ -58,13 +65,14 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info") -> None:
-    """Serve `app` on `sock` until SIGTERM or SIGINT, then drain (above) and return."""
+def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info", on_started=None) -> None:
+    """Serve `app` on `sock` until SIGTERM or SIGINT, then drain (above) and return; `on_started()` is called once
+    the app has started and requests are answered."""
     # uvicorn raises the signal again once it has shut down, for the default action; SIGTERM's would end the
     # process with -15 after a clean drain, so it is made a no-op for that moment.
     previous = signal.signal(signal.SIGTERM, lambda number, frame: None)
     try:
-        DrainingServer(app, drain_timeout, log_level).run(sockets=[sock])
+        DrainingServer(app, drain_timeout, log_level, on_started).run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
 

