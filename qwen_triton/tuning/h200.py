@@ -111,7 +111,11 @@ TABLE = Tuning(
     gemv_by_k=GEMV_BY_K,
     gemm_by_k=GEMM_BY_K,
     gemm_decode_rows=64,
-    gemm_decode_by_k=None,
+    # a decode step of 2-64 rows (and prompts of 2-16 tokens): the short prompts' pins, measured at up to 256
+    # tokens, until a sweep at the decode buckets chooses their own (benchmarks/gemm_sweep.py --tokens 2,16,64).
+    # Unpinned, each bucket autotuned ~15 configs per projection at load: a warm-up for 128 sequences ran past
+    # 350 s on an empty Triton cache (docs/decisions.md, D123). One SPLIT_K per K for every bucket: batch invariance
+    gemm_decode_by_k=GEMM_BY_K,
     gemm_long_by_n=GEMM_LONG_BY_N,
     gemm_medium_by_n=GEMM_MEDIUM_BY_N,
     gemm_long_prompt_rows=4096,
