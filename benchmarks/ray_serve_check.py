@@ -14,14 +14,16 @@ A phase's JSON goes to --out (default $OUT) and to --keep (default /tmp/ray_serv
 the same warm machine finds it.
 
 On the GPU machine, whose image lacks Ray (79 MB wheel, over the 64 MiB a call carries), in two calls made while
-the machine stays warm (files under /tmp survive between them):
-  call 1, carry [".whl-ray/part1"]:
-      mkdir -p /tmp/whl && cp .whl-ray/part1/* /tmp/whl/ && python3 benchmarks/ray_serve_check.py --phase single
+the machine stays warm (files under /tmp survive between them); part1 is Ray's first 50 MB and two small wheels,
+so that it travels with `.whl`:
+  call 1, carry [".whl", ".whl-ray/part1"]:
+      (install .whl into /tmp/site) && mkdir -p /tmp/whl && cp .whl-ray/part1/* /tmp/whl/
+      && python3 benchmarks/ray_serve_check.py --phase single --concurrency 1,8,64,128
   call 2, carry [".whl-ray/part2", ".whl"]:
       cp .whl-ray/part2/* /tmp/whl/ && cd /tmp/whl && cat ray-*.part-* > ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
       && sha256sum -c ray.sha256 && cd - && python3 -m pip install -q --no-index --no-deps --no-compile
       --no-cache-dir --target /tmp/site /tmp/whl/*.whl .whl/*.whl && export PYTHONPATH=/tmp/site
-      && python3 benchmarks/ray_serve_check.py --phase ray
+      && python3 benchmarks/ray_serve_check.py --phase ray --concurrency 64
 (`.whl` holds the server's own wheels: FastAPI, uvicorn, pydantic, openai.)
 """
 
@@ -41,7 +43,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = f"{sys.executable} -m qwen_triton.cli serve --max-num-seqs 64 --max-length 4096 --served-model-name qwen"
+SERVER = f"{sys.executable} -m qwen_triton.cli serve --max-num-seqs 128 --max-length 2304 --served-model-name qwen"
 # the variants' bench runs first (the load's floors need its copy and matmul rates): one variant, one size each
 BENCH = (f"{sys.executable} -m qwen_triton.cli bench --serve --variants triton+split_k+cuda_graph --quick "
          "--prefill 128 --contexts 128")
@@ -98,11 +100,11 @@ def complete(url: str, prompt: str) -> tuple[str, str | None]:
         return json.load(response)["choices"][0]["text"], response.headers.get(REPLICA_HEADER)
 
 
-def run_bench(bench: str, url: str, concurrency: int, directory: Path) -> dict:
+def run_bench(bench: str, url: str, concurrency: str, directory: Path) -> dict:
     """The load generator against url: its report's `serve` section, or the error that stopped it."""
-    command = [*shlex.split(bench), "--url", url, "--concurrency", str(concurrency), "--out", str(directory)]
+    command = [*shlex.split(bench), "--url", url, "--concurrency", concurrency, "--out", str(directory)]
     log(f"load: {' '.join(command)}")
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=480)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
     (directory / "bench.log").write_text(result.stdout + result.stderr)
     report = directory / "latest.json"
     if result.returncode != 0 or not report.exists():
@@ -175,7 +177,8 @@ def main() -> None:
     parser.add_argument("--server", default=SERVER, help=f"the serve command line (default: {SERVER})")
     parser.add_argument("--ray-args", default=RAY_ARGS, help=f"added to it for Ray (default: {RAY_ARGS})")
     parser.add_argument("--bench", default=BENCH, help=f"the load generator (default: {BENCH})")
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", default="64", help="the load's levels, N,N,... (issue 35: 1,8,64,128)")
+    parser.add_argument("--compare-at", type=int, default=64, help="the level the two phases are compared at")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--start-timeout", type=float, default=420, help="seconds for the server to serve")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/ray_serve_check/out")))
@@ -192,7 +195,7 @@ def main() -> None:
         if not single_path.exists():
             log(f"no {single_path}: run --phase single first on this machine")
             return
-        summary = compare(json.loads(single_path.read_text()), result, args.concurrency)
+        summary = compare(json.loads(single_path.read_text()), result, args.compare_at)
         (args.out / "compare.json").write_text(json.dumps(summary, indent=2))
         print(json.dumps({key: value for key, value in summary.items() if not key.endswith("_level")}, indent=2))
 

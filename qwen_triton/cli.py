@@ -517,6 +517,33 @@ def command_profile(args) -> None:
     print(format_profile(report))
 
 
+def command_tune(args) -> None:
+    """Warm up an engine with full autotuning (no recorded picks) and write what the autotuner chose: the picks file
+    that makes a first start on this GPU skip the autotuner (tuning/picks.py)."""
+    import os
+    import time
+
+    import torch
+
+    if args.max_batch < 1 or args.max_length < 1:
+        raise UsageError("--max-batch and --max-length must be >= 1")
+    if not torch.cuda.is_available():
+        raise CommandError("tune needs a CUDA GPU: the interpreter tunes nothing")
+    os.environ["QWEN_TRITON_PICKS"] = "off"  # every key this warm-up reaches is timed, none taken from a file
+    from .engine.llm import LLM
+    from .tuning.picks import PICKS_DIRECTORY, device_file_name, record
+
+    name = torch.cuda.get_device_name()
+    out = Path(args.out) if args.out else PICKS_DIRECTORY / device_file_name(name)
+    model = args.model or default_model("cuda", args.preset)
+    started = time.perf_counter()
+    LLM(model, device="cuda", max_batch=args.max_batch, max_length=args.max_length, progress=True, warm_up=True)
+    seconds = time.perf_counter() - started
+    count = record(out, name, note=f"qwen-triton tune --max-batch {args.max_batch} --max-length {args.max_length} "
+                                   f"({args.model or args.preset}): the warm-up with full autotuning, {seconds:.0f} s")
+    note(f"{count} picks of {name} written to {out} (the warm-up took {seconds:.1f} s)")
+
+
 # ---- the parser ----------------------------------------------------------------------------------
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors (exit status 2) and defaults shown in --help."""
@@ -695,6 +722,14 @@ def build_parser() -> ArgumentParser:
     profile.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     profile.add_argument("--out", help="write the full report (every kernel) as JSON here")
     profile.set_defaults(run=command_profile)
+
+    tune = commands.add_parser("tune", help="record this GPU's autotuner picks, for first starts without tuning")
+    tune.add_argument("--model", metavar="DIR_OR_REPO_ID", help="a checkpoint (default: the preset's random weights)")
+    tune.add_argument("--preset", choices=preset_names(), default="0.8b", help="the model shape without --model")
+    tune.add_argument("--max-batch", type=int, default=128, metavar="N", help="the most sequences the warm-up covers")
+    tune.add_argument("--max-length", type=int, default=4096, metavar="N", help="the longest context it covers")
+    tune.add_argument("--out", help="the picks file (default: qwen_triton/tuning/picks/<this gpu>.json)")
+    tune.set_defaults(run=command_tune)
 
     ops = commands.add_parser("ops", help="the table of operators and the plan: which kernel runs at which size")
     ops.add_argument("--preset", choices=preset_names(), default="0.8b", help="the model shape (default 0.8b)")

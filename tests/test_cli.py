@@ -189,3 +189,11 @@ def test_no_warm_up_reaches_the_llm_and_bench_takes_it_with_workloads_only(tiny,
     capsys.readouterr()
     assert main(["bench", "--device", "cpu", "--no-warm-up"]) == 2
     assert "--no-warm-up is for --workloads" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_tune_refuses_without_a_gpu_and_checks_its_sizes(capsys):
+    assert main(["tune", "--max-batch", "0"]) == 2
+    assert "--max-batch and --max-length must be >= 1" in capsys.readouterr().err
+    assert main(["tune"]) == 1
+    assert "tune needs a CUDA GPU" in capsys.readouterr().err

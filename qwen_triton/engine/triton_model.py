@@ -56,7 +56,9 @@ from ..operators.norm import row_squares
 from ..operators.sampling import apply_penalties, count_tokens, feed_back, sample
 from ..progress import progress_printer
 from ..state import ModelState
+from ..operators.common import interpreting
 from ..tuning import active
+from ..tuning.picks import install as install_picks
 from . import costs
 from .backend import check_decode_slots, check_prefill_batch
 from .buffers import DecodeBuffers, PenaltyHistory, bucket
@@ -120,6 +122,8 @@ class TritonModel:
         self.max_length = max_length
         self.plan = plan = resolve_plan(config, DeviceProperties.of(self.device), Options(**options), dtype,
                                         tuning=active())
+        if self.device.type == "cuda" and not interpreting():
+            install_picks(torch.cuda.get_device_name(self.device))  # tuning/picks.py: this GPU's recorded picks
         packed = pack_weights(config, weights, plan.fold_norms)
         self.embed, self.lm_head, self.final_norm = packed.embed, packed.lm_head, packed.final_norm
         self.layers, self.mlps = packed.layers, packed.mlps

@@ -3,11 +3,15 @@
 A kernel file holds its kernel, its config space and its launcher; where an in-graph sweep found a config the
 autotuner's one-launch timing misses, the pick comes from here. `active()` is the table of the GPU this process
 runs on, read once by the kernel modules at import:
-- a GPU with a table (its name names it, e.g. "NVIDIA H200"): that table;
+- a GPU with a table (its name names it, e.g. "NVIDIA H200"): that table; an H100 takes the H200's (the same
+  Hopper SM count and shared memory: the pins are the same kernels' tiles, and its HBM only slower);
 - under the interpreter or without a GPU: the H200's (the reference table, so the CPU tests check its pins
   against the config spaces; the interpreter runs each space's first config anyway);
 - any other GPU: `DEFAULT`, the H200's size thresholds and no picks, so every kernel autotunes over its whole
   config space (never an error). QWEN_TRITON_TUNING=h200|default names a table explicitly.
+
+Beside the tables, `picks.py`: the autotuner's own picks recorded per GPU (`qwen-triton tune`), so that the keys
+no table pins do not autotune on a first start either.
 
 To tune a new GPU: run the sweeps in benchmarks/ (decode_sweep.py, gemm_sweep.py, chunk_sweep.py,
 prefill_options.py) on it, write `<gpu>.py` with a `TABLE = Tuning(...)` of its winners, and add it to TABLES.
@@ -79,9 +83,12 @@ DEFAULT = without_picks(H200)
 TABLES = {"h200": H200, "default": DEFAULT}
 
 
+HOPPER_NAMES = ("H200", "H100")  # the H200's pins serve the H100 too (docs/decisions.md, D144)
+
+
 def for_device_name(name: str) -> Tuning:
     """The table of a GPU by its name (torch.cuda.get_device_name), DEFAULT for one without a table."""
-    return H200 if "H200" in name.upper() else DEFAULT
+    return H200 if any(part in name.upper() for part in HOPPER_NAMES) else DEFAULT
 
 
 def _resolve() -> Tuning:

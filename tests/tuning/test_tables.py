@@ -56,6 +56,7 @@ def test_the_kernels_read_the_active_table_which_is_the_h200s_here():
 
 def test_a_gpu_without_a_table_keeps_the_thresholds_and_autotunes_every_config(monkeypatch):
     assert tuning.for_device_name("NVIDIA H200") is tuning.H200
+    assert tuning.for_device_name("NVIDIA H100 80GB HBM3") is tuning.H200  # the Hopper table (D144)
     default = tuning.for_device_name("NVIDIA A100-SXM4-80GB")
     assert default is tuning.DEFAULT and default.gemv_by_k is None and default.chunk_long_prompt_picks == {}
     assert default.chunk_split_prepare_tokens == tuning.H200.chunk_split_prepare_tokens
