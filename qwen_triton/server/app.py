@@ -114,25 +114,41 @@ class Job:
                      total_tokens=self.prompt_tokens + completion)
 
     async def updates(self):
+        """(choice, text, entries) as outputs arrive. The outputs already waiting when one arrives are taken with
+        it, each choice's merged into one update: an HTTP side that lags the engine sends fewer, longer chunks
+        (the same text and ids) instead of falling further behind (docs/decisions.md, D145)."""
         while self.unfinished:
-            item = await self.receiver.get()
-            if item is DISCONNECTED:
-                raise ClientDisconnected()
-            sequence, output = item
-            choice = self.choices[sequence.index]
-            if choice.finish_reason is not None:
-                continue  # ids the engine chose before it learnt of a stop string
-            if output.error is not None:
-                stopping = output.error == STOPPING
-                self.outcome = "rejected" if stopping else "failed"
-                raise EngineError(503 if stopping else 500, output.error,
-                                  code="shutting_down" if stopping else "engine_error")
-            piece, entries = choice.take(output)
-            if choice.finish_reason is not None:
-                self.unfinished -= 1
-                if output.finish_reason is None:  # a stop string: the engine does not know it ended
-                    self.service.scheduler.abort([sequence])
-            yield choice, piece, entries
+            items = [await self.receiver.get()]
+            while not self.receiver.empty():
+                items.append(self.receiver.get_nowait())
+            merged: dict[int, list] = {}  # a choice's index -> [choice, text, entries], in order of arrival
+            failure = None
+            for item in items:
+                if item is DISCONNECTED:
+                    failure = ClientDisconnected()
+                    break
+                sequence, output = item
+                choice = self.choices[sequence.index]
+                if choice.finish_reason is not None:
+                    continue  # ids the engine chose before it learnt of a stop string
+                if output.error is not None:
+                    stopping = output.error == STOPPING
+                    self.outcome = "rejected" if stopping else "failed"
+                    failure = EngineError(503 if stopping else 500, output.error,
+                                          code="shutting_down" if stopping else "engine_error")
+                    break
+                piece, entries = choice.take(output)
+                if choice.finish_reason is not None:
+                    self.unfinished -= 1
+                    if output.finish_reason is None:  # a stop string: the engine does not know it ended
+                        self.service.scheduler.abort([sequence])
+                update = merged.setdefault(sequence.index, [choice, "", []])
+                update[1] += piece
+                update[2] += entries
+            for choice, piece, entries in merged.values():
+                yield choice, piece, entries
+            if failure is not None:
+                raise failure
         self.outcome = "success"
 
     def close(self) -> None:

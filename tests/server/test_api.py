@@ -237,3 +237,35 @@ def test_continuous_usage_counts_the_ids_each_chunk_holds(server, oracle):
     with httpx.stream("POST", server.url + "/v1/completions", json=plain, timeout=60) as response:
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert all(event["usage"] is None for event in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_outputs_waiting_together_go_out_as_one_update_per_choice(checkpoint):
+    """An HTTP side behind the engine merges the outputs already queued (D145): each choice's text and ids once,
+    in order, the same text as one output at a time."""
+    from types import SimpleNamespace
+
+    from qwen_triton.engine.sampling import SamplingParams
+    from qwen_triton.server.app import Job
+    from qwen_triton.server.sequence import Sequence, SequenceOutput
+    from tests.server.conftest import checkpoint_tokenizer
+
+    tokenizer = checkpoint_tokenizer(checkpoint)
+    ids = tokenizer.encode(" the quick brown fox jumps")
+    aborted = []
+    service = SimpleNamespace(tokenizer=tokenizer, scheduler=SimpleNamespace(abort=aborted.extend))
+
+    async def run():
+        sequences = [Sequence([1], SamplingParams(), max_tokens=len(ids), index=i) for i in range(2)]
+        job = Job(service, sequences, stop=[], prompt_tokens=1)
+        for position, token in enumerate(ids):  # both choices' outputs queued before the job reads any
+            for sequence in sequences:
+                last = position == len(ids) - 1
+                job.receiver.put_nowait((sequence, SequenceOutput(token, logprob=-1.0,
+                                                                  finish_reason="length" if last else None)))
+        return [(choice.index, piece, len(entries), choice.finish_reason) async for choice, piece, entries
+                in job.updates()], job
+
+    updates, job = asyncio.run(run())
+    text = tokenizer.decode(ids)
+    assert updates == [(0, text, len(ids), "length"), (1, text, len(ids), "length")]
+    assert job.outcome == "success" and job.usage().completion_tokens == 2 * len(ids) and not aborted
