@@ -14,7 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from qwen_triton.tuning.picks import _settings, _tuners, write
+from qwen_triton.operators.common import autotuners
+from qwen_triton.tuning.picks import _settings, write
 
 BLOCK = re.compile(r"Triton autotuning for function (\w+),\nwith key as (\(.*?\)),\nfinished after [\d.]+s,\n"
                    r"best config selected: (.*?);\n", re.S)
@@ -36,7 +37,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     tuners: dict = {}  # the kernel's name (its function's) -> its autotuners (several tuners can share a function)
-    for name, tuner in _tuners().items():
+    for name, tuner in autotuners().items():
         tuners.setdefault(tuner.base_fn.__name__, []).append((name, tuner))
     picks, dropped = {}, 0
     for function, key, config in BLOCK.findall(args.log.read_text()):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..operators.common import interpreting
 from ..operators.attention import (attention_decode, attention_prefill, attention_prefill_packed, decode_splits,
                                    qk_norm_rotary, rotary_table)
 from ..operators.conv import causal_conv1d, causal_conv1d_packed, causal_conv1d_step
@@ -56,7 +57,6 @@ from ..operators.norm import row_squares
 from ..operators.sampling import apply_penalties, count_tokens, feed_back, sample
 from ..progress import progress_printer
 from ..state import ModelState
-from ..operators.common import interpreting
 from ..tuning import active
 from ..tuning.picks import install as install_picks
 from . import costs

@@ -251,10 +251,8 @@ def check_slots(slots, rows: int, fallback: torch.Tensor) -> tuple[torch.Tensor,
     return slots, True
 
 
-def autotune_choices() -> list[dict]:
-    """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
-    here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages, maxnreg}], so a
-    profile can say which tiles ran. Empty under the interpreter, which tunes nothing."""
+def autotuners() -> dict:
+    """{"module:name": Autotuner} of every autotuned kernel of the package (a tuner under its first name)."""
     import importlib
     import pkgutil
 
@@ -262,16 +260,20 @@ def autotune_choices() -> list[dict]:
 
     from .. import operators
 
-    choices, seen = [], set()
+    found, seen = {}, set()
     for info in pkgutil.walk_packages(operators.__path__, operators.__name__ + "."):
         module = importlib.import_module(info.name)
         for name, value in sorted(vars(module).items()):
-            if not isinstance(value, Autotuner) or id(value) in seen:
-                continue
-            seen.add(id(value))
-            kernel = f"{info.name.removeprefix(operators.__name__ + '.')}:{name}"
-            for key, config in value.cache.items():
-                choices.append(dict(kernel=kernel, key=[str(part) for part in key], config=dict(config.kwargs),
-                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                    maxnreg=config.maxnreg))
-    return choices
+            if isinstance(value, Autotuner) and id(value) not in seen:
+                seen.add(id(value))
+                found[f"{info.name.removeprefix(operators.__name__ + '.')}:{name}"] = value
+    return found
+
+
+def autotune_choices() -> list[dict]:
+    """The config each autotuned kernel of the package uses for each key it has met in this process (tuned
+    here, or read from the autotune cache on disk): [{kernel, key, config, num_warps, num_stages, maxnreg}], so a
+    profile can say which tiles ran. Empty under the interpreter, which tunes nothing."""
+    return [dict(kernel=kernel, key=[str(part) for part in key], config=dict(config.kwargs),
+                 num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg)
+            for kernel, tuner in autotuners().items() for key, config in tuner.cache.items()]

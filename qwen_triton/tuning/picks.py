@@ -20,6 +20,8 @@ import os
 import re
 from pathlib import Path
 
+from ..operators.common import autotuners
+
 PICKS_DIRECTORY = Path(__file__).parent / "picks"
 _INSTALLED: dict = {}  # "file": the file installed in this process (None: none found)
 
@@ -29,22 +31,7 @@ def device_file_name(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ".json"
 
 
-def _tuners() -> dict:
-    """{"module:name": Autotuner} of every autotuned kernel under qwen_triton.operators."""
-    import importlib
-    import pkgutil
-
-    from triton.runtime.autotuner import Autotuner
-
-    from .. import operators
-
-    found = {}
-    for info in pkgutil.walk_packages(operators.__path__, operators.__name__ + "."):
-        module = importlib.import_module(info.name)
-        for name, value in sorted(vars(module).items()):
-            if isinstance(value, Autotuner) and value not in found.values():
-                found[f"{info.name.removeprefix(operators.__name__ + '.')}:{name}"] = value
-    return found
+SETTINGS = ("config", "num_warps", "num_stages", "num_ctas", "maxnreg")  # a pick's fields beside kernel and key
 
 
 def _settings(config) -> dict:
@@ -65,7 +52,7 @@ def record(path: str | Path, device_name: str, note: str = "", tuners: dict | No
     """Write every key each autotuner has chosen a config for in this process to `path` (JSON); returns the count."""
     import triton
 
-    tuners = _tuners() if tuners is None else tuners
+    tuners = autotuners() if tuners is None else tuners
     picks = [dict(kernel=kernel, key=repr(key), **_settings(config))
              for kernel, tuner in sorted(tuners.items()) for key, config in tuner.cache.items()]
     write(path, dict(device=device_name, triton=triton.__version__, note=note, picks=picks))
@@ -85,13 +72,11 @@ def install_file(path: str | Path, tuners: dict | None = None) -> int:
     """Make each autotuner take the recorded pick of a key it meets (where the pick is among its candidates)
     without timing; returns the number of picks that name a kernel of this package."""
     document = json.loads(Path(path).read_text())
-    tuners = _tuners() if tuners is None else tuners
+    tuners = autotuners() if tuners is None else tuners
     by_kernel: dict = {}
     for pick in document["picks"]:
         if pick["kernel"] in tuners:
-            by_kernel.setdefault(pick["kernel"], {})[pick["key"]] = {k: pick[k] for k in
-                                                                     ("config", "num_warps", "num_stages",
-                                                                      "num_ctas", "maxnreg")}
+            by_kernel.setdefault(pick["kernel"], {})[pick["key"]] = {name: pick[name] for name in SETTINGS}
     for kernel, picks in by_kernel.items():
         _hook(tuners[kernel], picks)
     return sum(len(picks) for picks in by_kernel.values())

@@ -97,8 +97,9 @@ def test_file_names_and_the_environment_switch(tmp_path, monkeypatch):
 
 SHIPPED_CHECK = """
 import json, sys
-from qwen_triton.tuning.picks import PICKS_DIRECTORY, _settings, _tuners
-tuners = _tuners()
+from qwen_triton.operators.common import autotuners
+from qwen_triton.tuning.picks import PICKS_DIRECTORY, SETTINGS, _settings
+tuners = autotuners()
 files = sorted(PICKS_DIRECTORY.glob("*.json"))
 assert files, "no picks file shipped"
 for path in files:
@@ -106,7 +107,7 @@ for path in files:
     assert document["device"] and document["note"], path
     for pick in document["picks"]:
         tuner = tuners[pick["kernel"]]
-        wanted = {k: pick[k] for k in ("config", "num_warps", "num_stages", "num_ctas", "maxnreg")}
+        wanted = {name: pick[name] for name in SETTINGS}
         assert any(_settings(c) == wanted for c in tuner.configs), (path.name, pick)
         assert isinstance(eval(pick["key"]), tuple), pick["key"]
     print(path.name, len(document["picks"]))
