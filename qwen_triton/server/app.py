@@ -447,7 +447,8 @@ def create_app(
     metrics.add_gauge("running_sequences", "sequences holding a slot (prefilling or decoding)",
                       lambda: scheduler.running)
     metrics.add_gauge("waiting_sequences", "sequences waiting for a slot", lambda: scheduler.waiting_count)
-    metrics.add_gauge("free_slots", "slots free for the next sequence", lambda: len(scheduler.free_slots))
+    metrics.add_gauge("free_slots", "slots free for the next sequence",
+                      lambda: scheduler.max_num_seqs - scheduler.running)
     service = OpenAIService(llm, scheduler, model_name or llm.path.name, metrics)
 
     @contextlib.asynccontextmanager
@@ -504,6 +505,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_text():
+        await scheduler.refresh_metrics()
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -1,7 +1,8 @@
 """The server's metrics in Prometheus' text format (GET /metrics).
 
 Counters, gauges and histograms small enough to write here rather than depend on a client library: each is
-safe to update from the engine thread while the HTTP side renders it. Every name starts with `qwen_triton_`.
+safe to update from the engine thread while the HTTP side renders it, and copied across when the engine runs in a
+process of its own. Every name starts with `qwen_triton_`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ class Counter:
 
     def value(self, **labels: str) -> float:
         return self._values.get(tuple(str(labels[name]) for name in self.label_names), 0)
+
+    def state(self) -> dict:
+        with self._lock:
+            return dict(self._values)
+
+    def load(self, state: dict) -> None:
+        with self._lock:
+            self._values = dict(state)
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.description}", f"# TYPE {self.name} counter"]
@@ -94,6 +103,15 @@ class Histogram:
     def count(self) -> int:
         return sum(self._counts)
 
+    def state(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._counts), self._sum
+
+    def load(self, state: tuple[list[int], float]) -> None:
+        counts, total = state
+        with self._lock:
+            self._counts, self._sum = list(counts), total
+
     def render(self) -> list[str]:
         with self._lock:
             counts, total = list(self._counts), self._sum
@@ -129,6 +147,18 @@ class ServerMetrics:
         self.time_per_output_token = Histogram("time_per_output_token_seconds",
                                                "between consecutive generated tokens of a sequence")
         self.gauges: list[Gauge] = []
+
+    # what the scheduler observes: in an engine process of its own, copied to the HTTP side's metrics before they
+    # are rendered (`engine_state`, `load_engine_state`; engine_process.py)
+    ENGINE_METRICS = ("steps", "prefill_chunks", "step_seconds", "decode_batch", "time_to_first_token",
+                      "time_per_output_token")
+
+    def engine_state(self) -> dict:
+        return {name: getattr(self, name).state() for name in self.ENGINE_METRICS}
+
+    def load_engine_state(self, state: dict) -> None:
+        for name in self.ENGINE_METRICS:
+            getattr(self, name).load(state[name])
 
     def add_gauge(self, name: str, description: str, read: Callable[[], float]) -> None:
         self.gauges.append(Gauge(name, description, read))

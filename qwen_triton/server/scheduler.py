@@ -44,6 +44,21 @@ STOPPING = "the server is stopping: this request was cancelled before it finishe
 DEFAULT_PREFILL_CHUNKS = 4  # max_prefill_tokens by default: this many chunks of prefill_chunk tokens a step
 
 
+def check_sequence(sequence: Sequence, vocab_size: int, max_length: int) -> None:
+    """ValueError where the sequence cannot run: an empty prompt, an id outside the vocabulary, no room in the
+    context for one generated token, or a max_tokens below 1."""
+    if not sequence.prompt_ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = next((t for t in sequence.prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} in the prompt is outside the vocabulary [0, {vocab_size})")
+    if len(sequence.prompt_ids) >= max_length:
+        raise ValueError(f"the prompt has {len(sequence.prompt_ids)} tokens, which leaves no room to generate "
+                         f"within the context of {max_length} tokens")
+    if sequence.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {sequence.max_tokens}")
+
+
 class QueueFull(Exception):
     """No room for the request: every slot is taken and the waiting queue is full."""
 
@@ -152,18 +167,8 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def check(self, sequence: Sequence) -> None:
-        """ValueError where the sequence cannot run: an empty prompt, an id outside the vocabulary, no room in
-        the context for one generated token, or a max_tokens below 1."""
-        if not sequence.prompt_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        bad = next((t for t in sequence.prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} in the prompt is outside the vocabulary [0, {self.vocab_size})")
-        if len(sequence.prompt_ids) >= self.max_length:
-            raise ValueError(f"the prompt has {len(sequence.prompt_ids)} tokens, which leaves no room to generate "
-                             f"within the context of {self.max_length} tokens")
-        if sequence.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {sequence.max_tokens}")
+        """ValueError where the sequence cannot run (`check_sequence`)."""
+        check_sequence(sequence, self.vocab_size, self.max_length)
 
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue sequences to run (all or none): ShuttingDown once stopping, QueueFull when they do not fit
@@ -177,6 +182,13 @@ class Scheduler:
                 raise QueueFull(f"the server is full: {self._in_flight} sequences in flight, room for "
                                 f"{self.capacity} ({self.max_num_seqs} running, {self.max_queue} waiting); "
                                 "retry later")
+            self._in_flight += len(sequences)
+        self._inbox.put(("submit", sequences))
+
+    def enqueue(self, sequences: list[Sequence]) -> None:
+        """Queue sequences already checked and admitted elsewhere (the HTTP side of an engine process counts what
+        is in flight and refuses what does not fit, engine_process.py): no check, no limit."""
+        with self._lock:
             self._in_flight += len(sequences)
         self._inbox.put(("submit", sequences))
 
@@ -213,6 +225,10 @@ class Scheduler:
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
         self._inbox.put(("stop", None))
         self._thread.join(timeout=max(timeout, 10.0))
+
+    async def refresh_metrics(self) -> None:
+        """Bring `metrics` up to date before they are rendered: here they already are (this thread's scheduler
+        observes them itself; an engine process's are fetched, engine_process.py)."""
 
     def wait_until_idle(self, timeout: float) -> bool:
         """Block until nothing is in flight (True) or `timeout` seconds pass (False)."""

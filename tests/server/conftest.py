@@ -1,6 +1,7 @@
 """What the server tests share: the tiny preset's checkpoint (the real vocabulary, so text round-trips), an
 oracle LLM of its own (the server's backend belongs to the engine thread), and servers started on 127.0.0.1 on
-a free port, stopped when the module's tests end."""
+a free port, stopped when the module's tests end. The API's and the errors' tests run twice: against an engine on a
+thread of this process and against one in a process of its own."""
 
 import functools
 
@@ -9,8 +10,11 @@ import torch
 
 from qwen_triton import LLM
 from qwen_triton.checkpoint import make_preset_checkpoint
+from qwen_triton.config import load_config
+from qwen_triton.engine.llm import ModelText
 from qwen_triton.tokenizer import Tokenizer
 from qwen_triton.server.app import create_app
+from qwen_triton.server.engine_process import EngineProcess, load_llm_backend
 from qwen_triton.server.runner import BackgroundServer
 
 MAX_LENGTH = 256
@@ -38,15 +42,29 @@ def oracle(checkpoint):
     return load(checkpoint)
 
 
-def start_server(checkpoint, max_num_seqs: int = 4, **options) -> BackgroundServer:
-    llm = load(checkpoint, max_batch=max_num_seqs)
-    return BackgroundServer(create_app(llm, model_name="tiny", **options)).start()
+def start_server(checkpoint, max_num_seqs: int = 4, engine: str = "thread", drain_timeout: float = 30.0,
+                 **options) -> BackgroundServer:
+    """The tiny model served; engine "thread": on a thread of this process, "process": in an engine process of its
+    own (server/engine_process.py), loaded there as `qwen-triton serve` loads it."""
+    if engine == "thread":
+        app = create_app(load(checkpoint, max_batch=max_num_seqs), model_name="tiny", drain_timeout=drain_timeout,
+                         **options)
+    else:
+        engine_process = EngineProcess(
+            functools.partial(load_llm_backend, dict(path=checkpoint, backend="reference", device="cpu",
+                                                     dtype=torch.float32, max_length=MAX_LENGTH,
+                                                     max_batch=max_num_seqs)),
+            max_num_seqs=max_num_seqs, **options)
+        engine_process.start(timeout=120)
+        app = create_app(ModelText(checkpoint, load_config(checkpoint), checkpoint_tokenizer(checkpoint)),
+                         scheduler=engine_process, model_name="tiny", drain_timeout=drain_timeout)
+    return BackgroundServer(app).start()
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    """4 slots, 32 waiting, prompts prefilled 16 tokens a step."""
-    server = start_server(checkpoint, max_num_seqs=4, max_queue=32, prefill_chunk=16)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(checkpoint, request):
+    """4 slots, 32 waiting, prompts prefilled 16 tokens a step; the engine on a thread, then in a process."""
+    server = start_server(checkpoint, max_num_seqs=4, engine=request.param, max_queue=32, prefill_chunk=16)
     yield server
     server.stop()
 

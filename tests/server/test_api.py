@@ -203,9 +203,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_stream_decodes(serve
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     pieces = [next(iter(stream)).choices[0].text]
-    statistics = scheduler.statistics
+    statistics = scheduler.statistics  # (an engine process's: a copy, taken again after)
     mixed_before, chunks_before, steps_before = statistics.mixed_steps, statistics.prefill_chunks, statistics.steps
     response = client.completions.create(model="tiny", prompt=long_prompt, max_tokens=4, temperature=0)
+    statistics = scheduler.statistics
     mixed_after, chunks_after, steps_after = statistics.mixed_steps, statistics.prefill_chunks, statistics.steps
     during = list(statistics.recent)[-(steps_after - steps_before) - 1:]  # (one more: a step may end meanwhile)
     pieces += [chunk.choices[0].text for chunk in stream if chunk.choices]

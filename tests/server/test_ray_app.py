@@ -180,6 +180,7 @@ def test_health_fails_when_the_engine_is_stuck_in_a_step_with_sequences_in_fligh
     (["--replicas", "2", "--max-replicas", "1"], "1 <= --min-replicas <= --replicas <= --max-replicas"),
     (["--replicas", "2", "--min-replicas", "3", "--max-replicas", "4"], "got 3 <= 2 <= 4"),
     (["--replicas", "2", "--ray-address", " "], "--ray-address must not be empty"),
+    (["--replicas", "2", "--engine", "process"], "--engine is for the server without --replicas"),
 ])
 def test_bad_replica_flags_are_one_line_before_anything_starts(checkpoint, arguments, message, capsys, monkeypatch):
     def refuse(*args, **kwargs):

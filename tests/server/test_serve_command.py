@@ -1,6 +1,7 @@
 """`qwen-triton serve`: its flags checked before the weights load (one line, exit status 2), an address it cannot
 listen on reported before they load (exit status 1), and SIGTERM: the server stops admitting, lets what is in
-flight finish (or aborts it after --drain-timeout) and exits with status 0."""
+flight finish (or aborts it after --drain-timeout) and exits with status 0, its engine process with it (and also
+when the server is killed)."""
 
 import json
 import re
@@ -48,12 +49,12 @@ def test_an_address_in_use_is_one_line_before_loading(checkpoint, capsys, no_loa
     assert "cannot listen there" in err[-1] and f"--port {port}" in err[-1], err
 
 
-def start(checkpoint, log: Path, drain_timeout: float) -> tuple[subprocess.Popen, str]:
+def start(checkpoint, log: Path, drain_timeout: float, engine: str = "process") -> tuple[subprocess.Popen, str]:
     """`qwen-triton serve` in a process of its own on a free port; its URL once it serves."""
     process = subprocess.Popen(
         [sys.executable, "-m", "qwen_triton.cli", "serve", "--model", str(checkpoint), "--port", "0",
          "--max-length", "256", "--max-num-seqs", "2", "--drain-timeout", str(drain_timeout),
-         "--served-model-name", "tiny"],
+         "--served-model-name", "tiny", "--engine", engine],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"), stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (found := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
@@ -75,11 +76,44 @@ def stream_lines(url: str, max_tokens: int):
     return client, [next(lines)], lines
 
 
-def test_sigterm_stops_admitting_lets_short_requests_finish_cuts_long_ones_and_exits_0(checkpoint, tmp_path):
+def children(pid: int) -> list[int]:
+    """The processes `pid` started."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The engine process among them (multiprocessing's spawned child; not its resource tracker)."""
+    return [child for child in children(pid) if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("engine", ["process", "thread"])
+def test_sigterm_stops_admitting_lets_short_requests_finish_cuts_long_ones_and_exits_0(checkpoint, tmp_path, engine):
     """Two streams in flight at the SIGTERM, with --drain-timeout 1: the short one (20 tokens) finishes; the long
-    one (240) is ended at the deadline with an error event, the stream still closed properly."""
+    one (240) is ended at the deadline with an error event, the stream still closed properly; the engine process
+    exits with the server."""
     log = tmp_path / "serve.log"
-    process, url = start(checkpoint, log, drain_timeout=1.0)
+    process, url = start(checkpoint, log, drain_timeout=1.0, engine=engine)
+    engines = engine_processes(process.pid)
+    assert len(engines) == (1 if engine == "process" else 0)
+    started = children(process.pid)
     try:
         streams = {max_tokens: stream_lines(url, max_tokens) for max_tokens in (20, 240)}
         process.send_signal(signal.SIGTERM)
@@ -90,6 +124,7 @@ def test_sigterm_stops_admitting_lets_short_requests_finish_cuts_long_ones_and_e
         with pytest.raises(httpx.ConnectError):  # no longer accepting
             httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
         assert process.wait(timeout=60) == 0, log.read_text()
+        assert wait_until_gone(started, 10)  # the engine process, and any helper of multiprocessing's
     finally:
         if process.poll() is None:
             process.kill()
@@ -99,3 +134,18 @@ def test_sigterm_stops_admitting_lets_short_requests_finish_cuts_long_ones_and_e
     assert len(events[20]) == 20 and events[20][-1]["choices"][0]["finish_reason"] == "length"
     assert len(events[240]) < 240 and events[240][-1]["error"]["code"] == "shutting_down"
     assert "qwen-triton: stopped" in log.read_text()
+
+
+def test_an_engine_process_stops_when_its_server_is_killed(checkpoint, tmp_path):
+    """SIGKILL gives the server no chance to drain: its engine process sees the pipe close and exits by itself."""
+    process, url = start(checkpoint, tmp_path / "serve.log", drain_timeout=1.0)
+    try:
+        (engine,) = engine_processes(process.pid)
+        started = children(process.pid)
+        assert running(engine)
+        process.kill()
+        process.wait(timeout=30)
+        assert wait_until_gone(started, 30)
+    finally:
+        if process.poll() is None:
+            process.kill()
