@@ -288,8 +288,8 @@ def check_replica_arguments(args) -> None:
     ray_flags = {"--gpus-per-replica": args.gpus_per_replica, "--ray-address": args.ray_address,
                  "--min-replicas": args.min_replicas, "--max-replicas": args.max_replicas}
     if args.replicas is not None and args.engine is not None:
-        raise UsageError("--engine is for the server without --replicas: each replica runs its engine on a thread "
-                         "of its own process")
+        raise UsageError("--engine is for the server without --replicas: each replica runs its engine in a process "
+                         "of its own")
     if args.replicas is None:
         given = [flag for flag, value in ray_flags.items() if value is not None]
         if given:
@@ -713,7 +713,7 @@ def build_parser() -> ArgumentParser:
     serve.add_argument("--engine", choices=("process", "thread"),
                        help="where the engine loop runs: a process of its own (the default), so that the HTTP "
                             "side's work never waits on it, or a thread of the server's process (each replica of "
-                            "--replicas runs its engine on a thread)")
+                            "--replicas runs an engine process)")
     replica_options(serve)
     serve.set_defaults(run=command_serve)
 

@@ -1,6 +1,7 @@
 """Replicas of the server under Ray Serve: `qwen-triton serve --replicas N`, one endpoint for many GPUs and machines.
 
-A Ray Serve deployment whose every replica is one engine (an LLM and its scheduler's thread) serving app.py's
+A Ray Serve deployment whose every replica is one engine (an LLM and its scheduler, in an engine process of the
+replica's own) serving app.py's
 FastAPI app: Ray Serve's `@serve.ingress`, late-bound, asks each replica for its app once the replica has loaded
 its weights (`__serve_build_asgi_app__`), so the routes, the streaming, the errors and the metrics are app.py's
 and nothing here answers a request. Ray Serve's HTTP proxy (one per node) sends each request to the one of two
@@ -9,7 +10,7 @@ replicas drawn at random that has fewer requests in flight. `ray_actor_options` 
 
 What a replica adds to the app: its name, in the REPLICA_HEADER of every response and in the metric
 `qwen_triton_replica_info`; and `check_health`, which Ray Serve calls every HEALTH_CHECK_PERIOD_S seconds: a
-replica whose engine thread has died, or has not finished a step for ENGINE_STALL_S seconds with requests in
+replica whose engine (its process) has died, or has not finished a step for ENGINE_STALL_S seconds with requests in
 flight, reports unhealthy, and Ray Serve replaces it.
 
 A replica that dies in the middle of a request never answers it: the proxy does, with a bare 500 or a cut stream.
@@ -177,7 +178,7 @@ class ReplicaInfo:
 
 
 class EngineHealth:
-    """Whether a scheduler's engine works: its thread alive and, while sequences are in flight, finishing steps
+    """Whether a scheduler's engine works: its thread (or process) alive and, while sequences are in flight, finishing steps
     (one within `stall_s` seconds of the last). `check()` raises RuntimeError saying what is wrong."""
 
     def __init__(self, scheduler, stall_s: float = ENGINE_STALL_S, clock=time.monotonic):
@@ -187,7 +188,7 @@ class EngineHealth:
     def check(self) -> None:
         scheduler = self.scheduler
         if not scheduler.alive:
-            raise RuntimeError("the engine thread is not running")
+            raise RuntimeError("the engine is not running")
         now, steps = self.clock(), scheduler.statistics.steps
         in_flight = scheduler.running + scheduler.waiting_count
         if steps != self.steps or not in_flight:
@@ -213,7 +214,9 @@ class ReplicaOptions:
 
 @serve.ingress()
 class QwenTritonReplica:
-    """One engine: loads the model when Ray starts the replica, then builds app.py's app around it."""
+    """One engine: starts its engine process (which loads the model) when Ray starts the replica, then builds
+    app.py's app around it, as `qwen-triton serve` does (engine_process.py: the replica's HTTP work and its engine
+    loop do not share an interpreter)."""
 
     def __init__(self, options: ReplicaOptions):
         from ..cli import Loaded
@@ -221,15 +224,17 @@ class QwenTritonReplica:
         context = serve.get_replica_context()
         self.name, self.deployment, self.application = context.replica_id.unique_id, context.deployment, context.app_name
         self.options = options
-        self.llm = Loaded(options.engine).load(max_batch=options.max_num_seqs)
+        loaded = Loaded(options.engine)
+        self.text = loaded.text()
+        self.engine = loaded.start_engine(options.max_num_seqs, max_queue=options.max_queue,
+                                          prefill_chunk=options.prefill_chunk)
         self.health: EngineHealth | None = None
 
     def __serve_build_asgi_app__(self):
         from .app import create_app
 
         options = self.options
-        app = create_app(self.llm, model_name=options.model_name, max_num_seqs=options.max_num_seqs,
-                         max_queue=options.max_queue, prefill_chunk=options.prefill_chunk,
+        app = create_app(self.text, scheduler=self.engine, model_name=options.model_name,
                          drain_timeout=options.drain_timeout)
         app.add_middleware(ReplicaHeader, replica=self.name)
         app.state.metrics.gauges.append(ReplicaInfo(self.name, self.deployment, self.application))

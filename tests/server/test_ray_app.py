@@ -133,12 +133,12 @@ class Clock:
 def test_health_fails_when_the_engine_thread_is_not_running(checkpoint):
     scheduler = Scheduler(load(checkpoint, max_batch=1).model, max_num_seqs=1)
     health = EngineHealth(scheduler)
-    with pytest.raises(RuntimeError, match="engine thread is not running"):
+    with pytest.raises(RuntimeError, match="engine is not running"):
         health.check()  # never started
     scheduler.start()
     health.check()
     scheduler.stop()
-    with pytest.raises(RuntimeError, match="engine thread is not running"):
+    with pytest.raises(RuntimeError, match="engine is not running"):
         health.check()
 
 

@@ -3,7 +3,7 @@ once, by the command, for the module), behind Ray Serve's HTTP proxy. The offici
 answered by both replicas (their header and their metrics name them) with what LLM gives; streaming works through
 the proxy; the app's errors come through unchanged; a replica whose process is killed mid-stream ends that stream
 with an OpenAI-format error event (not a hang, not a broken connection), the other replica answers what follows,
-and Ray brings the killed one back; a replica whose engine thread stops reports unhealthy and Ray replaces it;
+and Ray brings the killed one back; a replica whose engine stops reports unhealthy and Ray replaces it;
 SIGTERM lets a stream in flight finish and exits 0.
 
 The test process joins the command's Ray instance (its address is in the command's log) only to look at the
@@ -201,7 +201,7 @@ def test_a_replica_whose_engine_stops_is_unhealthy_and_replaced(command, client)
         serve.get_replica_context().servable_object.health.scheduler.stop()
 
     in_replica(victim, stop_the_engine)
-    with pytest.raises(RuntimeError, match="engine thread is not running"):
+    with pytest.raises(RuntimeError, match="engine is not running"):
         in_replica(victim, lambda: serve.get_replica_context().servable_object.check_health())
     # Ray's next health check finds it unhealthy, stops it and starts another in its place (whose loading the
     # test above has already seen through to the end)
