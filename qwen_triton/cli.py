@@ -22,6 +22,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -53,9 +54,16 @@ def default_model(device: str, preset: str | None = None) -> Path:
     directory = DEFAULT_CACHE / "checkpoints" / f"{preset}-seed0"
     note(f"no --model given: using a random-weight {preset} model; its text is meaningless")
     if not (directory / "config.json").exists():
-        partial = directory.with_name(directory.name + ".partial")
+        # made under a name of this process's own, then renamed: two commands started at once on a fresh machine
+        # each make one, and the first rename wins (the other's copy is dropped)
+        partial = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
         make_preset_checkpoint(preset, partial, seed=0, progress=progress_printer(f"making the {preset} checkpoint"))
-        partial.rename(directory)
+        try:
+            partial.rename(directory)
+        except OSError:
+            if not (directory / "config.json").exists():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
     return directory
 
 

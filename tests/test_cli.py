@@ -197,3 +197,28 @@ def test_tune_refuses_without_a_gpu_and_checks_its_sizes(capsys):
     assert "--max-batch and --max-length must be >= 1" in capsys.readouterr().err
     assert main(["tune"]) == 1
     assert "tune needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_default_model_is_made_once_even_when_another_command_makes_it_meanwhile(tmp_path, monkeypatch):
+    """Two commands started at once on a fresh machine both make the random checkpoint, each under a name of its
+    own; the one that renames second keeps the first's and drops its copy."""
+    import qwen_triton.checkpoint as checkpoint
+    from qwen_triton import cli
+
+    monkeypatch.setattr(cli, "DEFAULT_CACHE", tmp_path)
+    made = []
+
+    def make_while_another_finishes(preset, directory, seed, progress=None):
+        made.append(directory)
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+        other = tmp_path / "checkpoints" / f"{preset}-seed0"  # the other command, done first
+        other.mkdir(parents=True)
+        (other / "config.json").write_text('{"other": true}')
+
+    monkeypatch.setattr(checkpoint, "make_preset_checkpoint", make_while_another_finishes)
+    directory = cli.default_model("cpu")
+    assert directory == tmp_path / "checkpoints" / "tiny-seed0"
+    assert (directory / "config.json").read_text() == '{"other": true}'
+    assert len(made) == 1 and not made[0].exists()  # this command's copy, dropped
+    assert cli.default_model("cpu") == directory and len(made) == 1  # made once: reused after
