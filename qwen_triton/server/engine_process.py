@@ -93,8 +93,7 @@ def engine_main(connection, build: Callable, scheduler_options: dict) -> None:
         statistics = scheduler.statistics
         counts = {name: getattr(statistics, name) for name in
                   ("steps", "prefill_chunks", "mixed_steps", "largest_decode_batch", "finished", "aborted", "failed")}
-        return dict(metrics=scheduler.metrics.engine_state(), running=scheduler.running,
-                    waiting=scheduler.waiting_count, alive=scheduler.alive, statistics=counts,
+        return dict(metrics=scheduler.metrics.engine_state(), running=scheduler.running, statistics=counts,
                     recent=[(r.decode_rows, r.prefill_tokens, r.seconds) for r in list(statistics.recent)])
 
     while True:
