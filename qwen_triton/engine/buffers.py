@@ -18,12 +18,13 @@ from ..config import ModelConfig
 from ..operators.linear.fusion import SQUARES_COLUMNS
 
 
-def bucket(batch: int) -> int:
-    """The CUDA-graph batch bucket of a batch: the next power of two."""
+def bucket(batch: int, limit: int | None = None) -> int:
+    """The CUDA-graph batch bucket of a batch: the next power of two, or `limit` (a model's max_batch, which
+    need not be a power of two) where that is smaller."""
     size = 1
     while size < batch:
         size *= 2
-    return size
+    return size if limit is None else min(size, limit)
 
 
 PADDING_SLOT = -1  # the slot of a bucket's padding rows: no state read or written

@@ -476,9 +476,9 @@ class TritonModel:
     # ---- decode: one token for each of B sequences, row r's in slot slots[r] --------------------
     def buffers_for(self, batch: int) -> DecodeBuffers:
         """The static buffers of batch's bucket."""
-        size = bucket(batch)
-        if size > self.max_batch:
+        if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds max_batch {self.max_batch}")
+        size = bucket(batch, self.max_batch)
         if size not in self._buffers:
             self._buffers[size] = DecodeBuffers(self.config, size, self.device, self.dtype)
         return self._buffers[size]
@@ -643,7 +643,7 @@ class TritonModel:
         return buffers.next_tokens[:batch]
 
     def chosen_on_host(self, batch: int) -> torch.Tensor:
-        """int64 [2, bucket(batch)]: where the steps with feedback of this batch leave their ids, row r's id of a
+        """int64 [2, bucket(batch, max_batch)]: where the steps with feedback of this batch leave their ids, row r's id of a
         step in row (its step counter before the step) % 2 (pinned host memory on a GPU); read it after the
         step is done (an event recorded after decode_tokens)."""
         return self.buffers_for(batch).host_ids

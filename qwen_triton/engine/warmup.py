@@ -26,8 +26,8 @@ case of each value they take up to the model's max_length and max_batch:
   The warm-up runs one pass per token bucket (one prompt of the bucket's length, or of max_length, in slot 0), the
   largest first, and the LM head at each sequence bucket; with CUDA graphs each is captured after its run
   (graphs.PackedPrefillGraphs), so that a prompt of any length replays a graph.
-- A decode step: its batch bucket (1, 2, 4, ... up to max_batch) and its sampling mode (device_sampling.py's,
-  with feedback as generation runs them; "logits" without, as `LLM.score` runs it). The context is device data
+- A decode step: its batch bucket (1, 2, 4, ... below max_batch, and max_batch) and its sampling mode
+  (device_sampling.py's, with feedback as generation runs them; "logits" without, as `LLM.score` runs it). The context is device data
   (positions, lengths): no kernel of the step specialises on it, and the decode attention makes its one pick over
   the whole cache first (`TritonModel.warm_up_step`). The steps are launched, not captured: a CUDA graph is
   captured on its first use in a request (graphs.py: one eager step and the capture, which compile and tune
@@ -127,11 +127,12 @@ def warm_up_packed(model, progress: bool = False) -> tuple[tuple[int, ...], tupl
 
 
 def decode_batches(max_batch: int) -> list[int]:
-    """The decode batch buckets a model of max_batch sequences runs (a bucket past max_batch is refused)."""
+    """The decode batch buckets a model of max_batch sequences runs: the powers of two below max_batch, then
+    max_batch itself (buffers.bucket)."""
     sizes = [1]
-    while sizes[-1] * 2 <= max_batch:
+    while sizes[-1] * 2 < max_batch:
         sizes.append(sizes[-1] * 2)
-    return sizes
+    return sizes + [max_batch] if max_batch > 1 else sizes
 
 
 def prefill_slots(state, slots: int) -> list[int]:
