@@ -102,3 +102,12 @@ def test_the_profile_reports_the_autotuned_configs_that_ran(monkeypatch):
             "GROUP_M 8, SPLIT_K 4, 4 warps, 3 stages |") in format_profile(report)
     assert ("| gated_delta_rule.chunk:_chunk_inverse_kernel | 64, 128, 64, tf32 | , 4 warps, 3 stages, at most 168 "
             "registers |") in format_profile(report)
+
+
+def test_profile_of_several_rows_runs_the_batched_kernels():
+    report = run_profile(preset="tiny", context=5, prefill_tokens=8, steps=1, device="cpu", rows=3)
+    kinds = {row["kind"] for row in report["decode"]["by_kind"]}
+    assert report["decode"]["rows"] == 3
+    # several rows: the projections run the GEMM, not the one-row fused in-projection + step
+    assert "deltanet in-projection + step (conv, gating, delta rule)" not in kinds
+    assert "decode step at context 5, 3 rows" in format_profile(report)

@@ -108,20 +108,21 @@ def _report(trace: KernelTrace, timeline, hbm: float, matmul: float) -> dict:
                 per_kernel=timeline is not None, by_kind=list(kinds.values()), operators=operators)
 
 
-def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, mode: str = "greedy") -> dict:
-    """Profile one decode step of `model` (a TritonModel) for slot 0 at `context` tokens of context, as
-    generation runs it (with the feedback kernel that makes its ids the next step's inputs)."""
+def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, mode: str = "greedy",
+                   rows: int = 1) -> dict:
+    """Profile one decode step of `model` (a TritonModel) for slots 0..rows-1, each at `context` tokens of
+    context, as generation runs it (with the feedback kernel that makes its ids the next step's inputs)."""
     from ..engine.sampling import SamplingParams
     from ..engine.device_sampling import DeviceSampling
     from ..engine.graphs import restore_states, save_states
 
     device = model.device
-    token = torch.ones(1, device=device, dtype=torch.int64)
-    position = torch.full((1,), context, device=device, dtype=torch.int64)
-    sampling = DeviceSampling.build([SamplingParams()], device)
-    counter = torch.zeros(1, device=device, dtype=torch.int64)
+    token = torch.ones(rows, device=device, dtype=torch.int64)
+    position = torch.full((rows,), context, device=device, dtype=torch.int64)
+    sampling = DeviceSampling.build([SamplingParams()] * rows, device)
+    counter = torch.zeros(rows, device=device, dtype=torch.int64)
     model.decode_tokens(token, position, sampling, counter, feedback=True)  # warm-up: compile, autotune, capture
-    buffers = model.buffers_for(1)
+    buffers = model.buffers_for(rows)
     saved = save_states(model.state, model.history, buffers.slots)
     model.trace_context = context
     on_gpu = device.type == "cuda"
@@ -134,7 +135,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
         model.trace = None
     if not on_gpu:
         restore_states(model.state, model.history, saved)
-        return dict(context=context, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
+        return dict(context=context, rows=rows, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     torch.cuda.synchronize()
     timeline = _timeline(lambda: model.run_step(buffers, mode, feedback=True), trace, steps)
     where = "cuda graph" if model.plan.cuda_graph else "eager"
@@ -145,8 +146,8 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
         raise RuntimeError("the CUDA profiler's kernels do not match the launches of the step")
     restore_states(model.state, model.history, saved)
     report = _report(trace, timeline, hbm, matmul)
-    report["bytes_counted_by_floor"] = decode_bytes(model.config, context).total
-    return dict(context=context, timeline=where, pdl=model.plan.pdl, **report)
+    report["bytes_counted_by_floor"] = decode_bytes(model.config, context, rows).total
+    return dict(context=context, rows=rows, timeline=where, pdl=model.plan.pdl, **report)
 
 
 def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -> dict:
@@ -189,7 +190,7 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
 
 
 def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 128, steps: int = 20,
-                device: str = "cuda", pdl: bool | None = None) -> dict:
+                device: str = "cuda", pdl: bool | None = None, rows: int = 1) -> dict:
     from .models import random_llm
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -198,10 +199,10 @@ def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, matmul {matmul:.0f} TFLOP/s")
     # no LLM warm-up: the profile warms its two shapes up itself, and its autotune choices list only theirs
     llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max(context, prefill_tokens) + 2,
-                     pdl=pdl, warm_up=False)
+                     pdl=pdl, warm_up=False, max_batch=rows)
     model = llm.model
     log("profiling a decode step")
-    decode = profile_decode(model, context, steps, hbm, matmul)
+    decode = profile_decode(model, context, steps, hbm, matmul, rows=rows)
     log("profiling a prefill")
     prefill = profile_prefill(model, prefill_tokens, max(2, steps // 4), hbm, matmul)
     from ..operators.common import autotune_choices
@@ -216,7 +217,7 @@ def format_profile(report: dict) -> str:
              f"matmul {report['matmul_TFLOPs']:.0f} TFLOP/s"]
     for phase, title in (("decode", "decode step at context {context}"), ("prefill", "prefill of {tokens} tokens")):
         part = report[phase]
-        heading = title.format(**part)
+        heading = title.format(**part) + (f", {part['rows']} rows" if part.get("rows", 1) > 1 else "")
         lines += ["", f"{heading} ({part['timeline']}{', PDL' if part.get('pdl') else ''}): "
                   f"{part['span_us']:.1f} us first kernel start to last kernel end; {part['kernel_count']} kernels "
                   f"{part['kernel_us']:.1f} us + gaps {part['gap_us']:.1f} us; floor {part['floor_us']:.1f} us "
