@@ -86,6 +86,7 @@ class ForwardPass:
     slots: torch.Tensor
     pdl: bool
     buffers: DecodeBuffers | None = None  # a decode step's
+    prefetch: bool = False  # the GEMMs ask the L2 for their weights before the PDL wait (plan.decode_prefetch)
     squares: torch.Tensor | None = None  # a prefill's rows' sums of squares (the folded norms)
     slot: int = 0
     start: int = 0
@@ -181,11 +182,11 @@ class TritonModel:
         moved, flops = cost(*cost_args, **cost_options) if cost is not None else (0, 0)
         return self.trace.operator(kind, layer, moved, flops)
 
-    def _linear(self, kind: str, layer: int | None, x, weight, out=None, pdl=False, **options):
-        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM), traced as one
-        operator."""
+    def _linear(self, kind: str, layer: int | None, x, weight, step: ForwardPass, out=None, **options):
+        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM; PDL and the
+        prefetch as the pass has them), traced as one operator."""
         with self._traced(kind, layer, costs.linear, x, weight, **options):
-            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=pdl,
+            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl, prefetch=step.prefetch,
                           gemv=x.shape[0] <= self.plan.gemv_rows, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
@@ -199,8 +200,8 @@ class TritonModel:
     def _attention_layer(self, i, w: AttentionWeights, mlp: MLPWeights, x, step: ForwardPass):
         c = self.config
         gate_width = c.num_attention_heads * c.head_dim if c.attn_output_gate else 0
-        qkv = self._linear("attention in-projection", i, x, w.qkv, **self._norm(w.input_norm, step.squares),
-                           out=step.out("attention_qkv"), pdl=step.pdl)
+        qkv = self._linear("attention in-projection", i, x, w.qkv, step, **self._norm(w.input_norm, step.squares),
+                           out=step.out("attention_qkv"))
         with self._traced("q/k norm + rotary + KV write", i, costs.qk_norm_rotary, c, step.rows, x.element_size()):
             q = qk_norm_rotary(
                 qkv[:, gate_width:], w.q_norm, w.k_norm, self.rotary, step.positions, step.slots,
@@ -248,8 +249,8 @@ class TritonModel:
 
     def _deltanet_layer_prefill(self, i, w: DeltaNetWeights, mlp: MLPWeights, x, step: ForwardPass):
         c, tokens, element = self.config, step.rows, self.embed.element_size()
-        projection = self._linear("deltanet in-projection", i, x, w.projection,
-                                  **self._norm(w.input_norm, step.squares), pdl=step.pdl)
+        projection = self._linear("deltanet in-projection", i, x, w.projection, step,
+                                  **self._norm(w.input_norm, step.squares))
         mixed, z, b, a = self._split_projection(projection)
         conv_state, state, norm = self.state.conv[i], self.state.recurrent[i], (z, w.norm, c.rms_norm_eps)
         if step.packed is not None:  # each sequence from and into its slot's states
@@ -282,9 +283,8 @@ class TritonModel:
             _, z, _, _ = self._split_projection(scratch["delta_projection"])
             return self._layer_tail(i, "deltanet gated norm + out-projection", out.view(1, -1), w.out, x, mlp, step,
                                     head_norm=(z, w.norm))
-        projection = self._linear("deltanet in-projection", i, x, w.projection,
-                                  **self._norm(w.input_norm, step.squares), out=scratch["delta_projection"],
-                                  pdl=step.pdl)
+        projection = self._linear("deltanet in-projection", i, x, w.projection, step,
+                                  **self._norm(w.input_norm, step.squares), out=scratch["delta_projection"])
         mixed, z, b, a = self._split_projection(projection)
         conv_state, state = self.state.conv[i], self.state.recurrent[i]  # row r's at slot step.slots[r]
         cost = (costs.delta_step, c, size, w.conv.numel(), projection.shape[1], element)
@@ -332,14 +332,14 @@ class TritonModel:
                                           head_norm=head_norm)
         if head_norm is not None:
             raise ValueError("head_norm needs out_projection_mlp (a decode step of up to 16 rows)")
-        x = self._linear(kind + (" + residual" if gate is None else ""), i, attended, out_weight, gate=gate,
-                         residual=x, out=x, pdl=step.pdl, squares_out=step.squares)
+        x = self._linear(kind + (" + residual" if gate is None else ""), i, attended, out_weight, step, gate=gate,
+                         residual=x, out=x, squares_out=step.squares)
         return self._mlp(i, mlp, x, step)
 
     def _mlp(self, i, w: MLPWeights, x, step: ForwardPass):
-        hidden = self._linear("mlp norm + gate/up + swiglu", i, x, w.gate_up, **self._norm(w.input_norm, step.squares),
-                              activation="swiglu", out=step.out("mlp_hidden"), pdl=step.pdl)
-        return self._linear("mlp down-projection + residual", i, hidden, w.down, residual=x, out=x, pdl=step.pdl,
+        hidden = self._linear("mlp norm + gate/up + swiglu", i, x, w.gate_up, step,
+                              **self._norm(w.input_norm, step.squares), activation="swiglu", out=step.out("mlp_hidden"))
+        return self._linear("mlp down-projection + residual", i, hidden, w.down, step, residual=x, out=x,
                             squares_out=step.squares)
 
     def _layers(self, x, step: ForwardPass):
@@ -491,7 +491,8 @@ class TritonModel:
         size = buffers.size
         with self._traced("embedding", None, costs.rows_read, size, c.hidden_size, self.embed.element_size()):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
-        step = ForwardPass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers)
+        step = ForwardPass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers,
+                           prefetch=plan.decode_prefetch)
         if plan.decode_folded_norm(size):  # the GEMM's folded norms, from the rows' sums of squares
             step.squares = buffers.squares
             with self._traced("embedding's sums of squares", None, costs.rows_read, size, c.hidden_size,

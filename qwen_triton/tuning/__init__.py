@@ -37,8 +37,8 @@ class Tuning:
     # TMA loads in the bucket gemm_medium_prompt_bucket
     gemm_by_k: tuple | None
     # linear.gemm for up to gemm_decode_rows rows (a decode step of several sequences, the shortest prompts):
-    # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K, one pick for every bucket, so that a row's result does not
-    # depend on how many rows share its step (None: autotune)
+    # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by K with BLOCK_M the bucket's rows (16 to 64), one pick
+    # for every bucket, so that a row's result does not depend on how many rows share its step (None: autotune)
     gemm_decode_rows: int
     gemm_decode_by_k: tuple | None
     gemm_long_by_n: tuple | None
@@ -68,6 +68,8 @@ class Tuning:
     lm_head_pdl: bool
     screened_lm_head_pdl: bool
     screened_rows: int
+    # a batched decode step's GEMMs load their first weight tiles before the PDL wait (gemm(prefetch=True))
+    decode_prefetch: bool = False
 
 
 def without_picks(table: Tuning, name: str = "default") -> Tuning:

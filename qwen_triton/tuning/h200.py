@@ -21,6 +21,10 @@ GEMV_BY_K = ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))  
 # to 1.6x slower (the out-projection: 12.9 us against 7.9), and not the same ones from run to run, so for
 # prompts of up to gemm.MAX_SPLIT_ROWS tokens the preferred config is the only candidate where it is allowed.
 GEMM_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K
+# A decode step of several sequences (tuning.gemm_decode_rows): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+# by K, BLOCK_M the bucket's rows (16 to 64). The in-projections and gate/up (K = 1024) 64 x 128 tiles, one a
+# program; the out-projections (2048) K split in two of 256-wide steps over 32 columns; down (3584) in four.
+GEMM_DECODE_BY_K = ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (None, (32, 128, 4, 4, 4)))
 # Prompts of gemm_long_prompt_rows tokens or more: the configs fastest in the same setting at M = 4096
 # (benchmarks/gemm_sweep.py, commit 23ea421; docs/decisions.md, D58): 128 x 256
 # tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
@@ -110,12 +114,13 @@ TABLE = Tuning(
     name="h200",
     gemv_by_k=GEMV_BY_K,
     gemm_by_k=GEMM_BY_K,
-    gemm_decode_rows=64,
-    # a decode step of 2-64 rows (and prompts of 2-16 tokens): the short prompts' pins, measured at up to 256
-    # tokens, until a sweep at the decode buckets chooses their own (benchmarks/gemm_sweep.py --tokens 2,16,64).
-    # Unpinned, each bucket autotuned ~15 configs per projection at load: a warm-up for 128 sequences ran past
-    # 350 s on an empty Triton cache (docs/decisions.md, D123). One SPLIT_K per K for every bucket: batch invariance
-    gemm_decode_by_k=GEMM_BY_K,
+    gemm_decode_rows=128,
+    # a decode step of 2-128 rows (and prompts of 2-128 tokens): the configs that took the least time over a step's
+    # projections of each K at 2, 16, 64 and 128 rows, launched with PDL back to back in a CUDA graph
+    # (benchmarks/decode_gemm_sweep.py, on the H100; docs/decisions.md, D149). BLOCK_M is the bucket's rows, 16 to
+    # 64; the rest is one pick per K for every bucket, so that a row's result does not depend on how many rows
+    # share its step (batch invariance)
+    gemm_decode_by_k=GEMM_DECODE_BY_K,
     gemm_long_by_n=GEMM_LONG_BY_N,
     gemm_medium_by_n=GEMM_MEDIUM_BY_N,
     gemm_long_prompt_rows=4096,

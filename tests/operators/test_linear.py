@@ -377,6 +377,25 @@ def test_gemm_tensor_descriptor_loads(device, monkeypatch, M, K, N, options, spl
     assert_close(result, ref, dtype)
 
 
+@pytest.mark.parametrize("M, K, N, options, split_k, dtype", TMA_CASES[:3])
+def test_gemm_with_its_first_weight_tile_loaded_early_gives_the_same_bits(device, M, K, N, options, split_k, dtype):
+    """gemm(prefetch=True): each program's first weight tile loaded before the (PDL) wait, then the same products in
+    the same order."""
+    from qwen_triton.operators.linear import gemm
+
+    x, weight, kwargs = inputs(M, K, N, dtype, device, options)
+    rows = weight.shape[0] // (2 if "activation" in kwargs else 1)
+
+    def run(prefetch):
+        out = torch.empty(M, rows, dtype=dtype, device=device)
+        return gemm.gemm(x, weight, out, residual=kwargs.get("residual"), gate=kwargs.get("gate"),
+                         norm_weight=kwargs.get("norm_weight"), activation=1 if "activation" in kwargs else 0,
+                         split_k=split_k, tma=False, prefetch=prefetch)
+
+    assert torch.equal(run(True), run(False))
+    assert_close(run(True), reference(x, weight, **kwargs), dtype)
+
+
 def test_gemm_loads_long_prompts_through_descriptors(device, monkeypatch):
     """gemm(tma=None), as linear calls it: descriptors for 16-bit x from TMA_ROWS rows on (the interpreter has
     them), pointer loads below and for float32."""
@@ -535,6 +554,30 @@ def test_gpu_prefill_projections_with_pdl(name, rows, K, options, M):
     with torch.cuda.graph(graph):
         x.copy_(source)
         out = linear(x, weight, pdl=True, **kwargs)
+    for _ in range(3):
+        x.zero_()
+        graph.replay()
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+@pytest.mark.parametrize("M", [2, 16, 64, 128])
+def test_gpu_decode_rows_with_the_weights_prefetched(name, rows, K, options, M):
+    """gemm(prefetch=True) (each program's first weight tile loaded before the PDL wait): the bits of the GEMM
+    without it, alone and in a CUDA graph behind a kernel that writes x."""
+    from qwen_triton.operators.common import pdl_available
+
+    if not pdl_available("cuda"):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
+    expected = linear(x, weight, gemv=False, **kwargs)
+    assert torch.equal(linear(x, weight, gemv=False, pdl=True, prefetch=True, **kwargs), expected)
+    source = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.copy_(source)
+        out = linear(x, weight, gemv=False, pdl=True, prefetch=True, **kwargs)
     for _ in range(3):
         x.zero_()
         graph.replay()
@@ -740,11 +783,34 @@ def test_prefill_gemm_keeps_the_in_graph_winner_for_short_prompts():
         pruned = gemm._prune(candidates, {"M_BUCKET": bucket, "K": K}, ACTIVATION=0, SPLIT_ALLOWED=allowed)
         return [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]) for c in pruned]
 
-    assert kept(128, 1024) == [(64, 64, 1)]
+    assert kept(256, 1024) == [(64, 64, 1)]  # (up to 128 rows: the decode table, below)
     assert kept(256, 3584) == [(64, 128, 4)]
-    assert kept(128, 2048, allowed=False) == [(128, 64, 1), (64, 64, 1)]  # the winner's split not allowed
+    assert kept(256, 2048, allowed=False) == [(128, 64, 1), (64, 64, 1)]  # the winner's split not allowed
     assert kept(4096, 1024) == [(128, 64, 1), (64, 64, 1)]  # long prompts: the autotuner chooses
-    assert kept(128, 1024, candidates=[configs[0], configs[3]]) == [(128, 64, 1), (128, 64, 2)]  # not among them
+    assert kept(256, 1024, candidates=[configs[0], configs[3]]) == [(128, 64, 1), (128, 64, 2)]  # not among them
+
+
+def test_decode_gemm_keeps_one_pick_per_K_with_the_buckets_rows():
+    """A decode step of 2-128 rows: the decode table's tiles, splits, warps and stages for its K at every bucket,
+    BLOCK_M the bucket's rows from 16 to 64 (the H200 table's GEMM_DECODE_BY_K)."""
+    import triton
+
+    from qwen_triton.operators.linear import gemm
+
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SPLIT_K": split},
+                             num_warps=4, num_stages=stages)
+               for m in (16, 32, 64) for n, k, split, stages in ((64, 128, 1, 4), (32, 256, 2, 3), (32, 128, 4, 4),
+                                                                 (64, 64, 1, 4))]
+
+    def kept(bucket, K):
+        pruned = gemm._prune(configs, {"M_BUCKET": bucket, "K": K}, ACTIVATION=0, SPLIT_ALLOWED=True)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["SPLIT_K"]) for c in pruned]
+
+    for bucket, block_m in ((2, 16), (16, 16), (32, 32), (64, 64), (128, 64)):
+        assert kept(bucket, 1024) == [(block_m, 64, 128, 1)], bucket
+        assert kept(bucket, 2048) == [(block_m, 32, 256, 2)], bucket
+        assert kept(bucket, 3584) == [(block_m, 32, 128, 4)], bucket
+    assert len(kept(256, 1024)) == 1 and kept(256, 1024)[0][0] == 64  # past 128 rows: the short prompts' table
 
 
 def test_prefill_gemm_keeps_the_in_graph_winner_for_long_prompts():

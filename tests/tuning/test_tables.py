@@ -20,7 +20,8 @@ def test_the_h200_table_holds_the_values_the_kernels_were_tuned_with():
     h200 = tuning.H200
     assert h200.gemv_by_k == ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))
     assert h200.gemm_by_k == ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))
-    assert h200.gemm_decode_rows == 64 and h200.gemm_decode_by_k == h200.gemm_by_k
+    assert h200.gemm_decode_rows == 128
+    assert h200.gemm_decode_by_k == ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (None, (32, 128, 4, 4, 4)))
     assert h200.gemm_long_by_n == ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
     assert h200.gemm_medium_by_n == ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
     assert (h200.gemm_long_prompt_rows, h200.gemm_medium_prompt_bucket, h200.gemm_tma_rows) == (4096, 1024, 257)

@@ -81,8 +81,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, wait_for_previous_kernel)
-from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, prologue, row_rstd,
-                     split_workspace, store_output, store_split_output)
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, load_first_weight_tiles,
+                     prologue, row_rstd, split_workspace, store_output, store_split_output)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -107,6 +107,9 @@ def _configs(split: bool) -> list[triton.Config]:
         # 130-520 programs (N = 1024 split 4-8 ways, the in-projections 64-128 rows a program)
         (16, 64, 128, 4, 4, 1), (16, 128, 64, 4, 4, 1), (16, 64, 128, 4, 4, 4), (16, 64, 256, 4, 3, 8),
         (32, 64, 128, 4, 4, 1), (32, 64, 128, 4, 4, 4), (32, 32, 256, 4, 3, 8), (64, 32, 128, 4, 4, 8),
+        # the decode pins' (tuning/h200.py, GEMM_DECODE_BY_K) at each BLOCK_M
+        (64, 64, 128, 4, 4, 1), (16, 32, 256, 4, 3, 2), (32, 32, 256, 4, 3, 2), (64, 32, 256, 4, 3, 2),
+        (16, 32, 128, 4, 4, 4), (32, 32, 128, 4, 4, 4), (64, 32, 128, 4, 4, 4),
     ]:
         if split or split_k == 1:
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
@@ -154,7 +157,7 @@ MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS
 # a table (None) the autotuner chooses among all.
 PREFERRED_BY_K = active().gemm_by_k  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by the largest K it serves
 DECODE_ROWS = active().gemm_decode_rows  # buckets of up to this many rows take PREFERRED_DECODE_BY_K instead
-PREFERRED_DECODE_BY_K = active().gemm_decode_by_k
+PREFERRED_DECODE_BY_K = active().gemm_decode_by_k  # DECODE_FIELDS by K; BLOCK_M the bucket's rows, 16 to 64
 LONG_PROMPT_ROWS = active().gemm_long_prompt_rows
 PREFERRED_LONG_BY_N = active().gemm_long_by_n  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N
 MEDIUM_PROMPT_BUCKET = active().gemm_medium_prompt_bucket
@@ -162,6 +165,7 @@ PREFERRED_MEDIUM_BY_N = active().gemm_medium_by_n
 
 
 TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # of the tables by N
+DECODE_FIELDS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")  # of the decode table, by K
 
 
 def _prune(configs, named_args, **kwargs):
@@ -181,10 +185,14 @@ def _prune(configs, named_args, **kwargs):
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
         and (c.kwargs["BLOCK_N"] >= SQUARES_COLUMNS or not kwargs.get("WRITE_SQUARES"))
     ]
-    if bucket <= MAX_SPLIT_ROWS and "K" in named_args:
-        fields = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
-        table = PREFERRED_DECODE_BY_K if bucket <= DECODE_ROWS else PREFERRED_BY_K
-        kept = keep_preferred(kept, preferred_entry(table, named_args["K"], fields))
+    if bucket <= DECODE_ROWS and "K" in named_args:
+        preferred = preferred_entry(PREFERRED_DECODE_BY_K, named_args["K"], DECODE_FIELDS)
+        if preferred is not None:
+            preferred["BLOCK_M"] = min(max(bucket, MIN_BLOCK), 64)
+        kept = keep_preferred(kept, preferred)
+    elif bucket <= MAX_SPLIT_ROWS and "K" in named_args:
+        kept = keep_preferred(kept, preferred_entry(PREFERRED_BY_K, named_args["K"],
+                                                    ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")))
     if bucket >= LONG_PROMPT_ROWS and "N" in named_args:
         kept = keep_preferred(kept, preferred_entry(PREFERRED_LONG_BY_N, named_args["N"], TILE_FIELDS))
     if bucket == MEDIUM_PROMPT_BUCKET and kwargs.get("TMA") and "N" in named_args:
@@ -257,14 +265,15 @@ def _gemm_kernel(
     FOLDED_NORM: tl.constexpr, WRITE_SQUARES: tl.constexpr, BLOCK_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
     # FOLDED_NORM: the rows' sums of squares in norm_squares [M, PARTS] scale the accumulators (fusion.py);
     # WRITE_SQUARES: the output rows' sums of squares to squares (fusion.store_output).
-    # USE_PDL: launched with PDL (everything after the wait)
+    # USE_PDL: launched with PDL (everything after the wait); PREFETCH (pointer loads): the program's first weight
+    # tile loaded before the wait (fusion.load_first_weight_tiles)
     allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -273,6 +282,11 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    first_w, first_w_up = None, None
+    if PREFETCH:
+        first_w, first_w_up = load_first_weight_tiles(w_ptr, stride_wn, N * stride_wn, offs_n, N, k_start, k_end,
+                                                      ACTIVATION == SWIGLU, BLOCK_K)
+    wait_for_previous_kernel(USE_PDL)
     # the folded norm's sums of squares of the rows (P floats a row from L2): loaded before the main loop and
     # reduced after it, so that the main loop waits for neither the load nor the reduction
     if FOLDED_NORM:
@@ -282,7 +296,7 @@ def _gemm_kernel(
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
-                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
+                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, first_w, first_w_up)
     if FOLDED_NORM:
         rstd = folded_rstd(row_squares, K, eps)
     else:
@@ -354,14 +368,16 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False, norm_squares=None, squares_out=None):
+         tma=None, pdl=False, norm_squares=None, squares_out=None, prefetch=False):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
     loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
     norm_squares [M, P] float32: x's rows' sums of squares, for the folded norm (no prologue pass);
-    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written."""
+    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written.
+    prefetch (the pointer loads): each program loads its first weight tile before waiting for the previous kernel
+    (with pdl: while that kernel drains)."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
@@ -395,6 +411,7 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
         FOLDED_NORM=norm_squares is not None, WRITE_SQUARES=squares_out is not None,
-        BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl, **launch_options(pdl),
+        BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl,
+        PREFETCH=bool(prefetch) and not tma, **launch_options(pdl),
     )
     return out

@@ -1,0 +1,159 @@
+"""The GEMM's configs for a batched decode step's projections, timed as the step launches them.
+
+For each projection of a Qwen3.5-0.8B layer at M rows (a decode step of M sequences): the GEMM launcher
+(`gemm.gemm`) with the step's fusions (the folded norm from the rows' sums of squares, SwiGLU, the residual add
+writing the next norm's sums of squares, the attention gate's prologue), with programmatic dependent launch, back
+to back in a CUDA graph on `copies` distinct weights (more bytes than twice the L2, so weights come from HBM as in
+the model): the time per launch of the engine's pick (`engine`) and of each config of DECODE_CANDIDATES with
+BLOCK_M the bucket of M (16 to 128 rows; 64 as well at 128). Floors: weight bytes over the copy bandwidth
+measured in the same run. A decode step runs each K's projections with one config for every bucket but BLOCK_M
+(batch invariance: tuning/h200.py, gemm_decode_by_k), so the summary adds up each (BLOCK_N, BLOCK_K, SPLIT_K,
+warps, stages) over the step's projections of each K.
+
+    python3 benchmarks/decode_gemm_sweep.py [--rows 2,16,64,128] [--out decode-gemm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+from qwen_triton.benchmark.harness import measure_hbm_bandwidth, time_graph
+from qwen_triton.operators.linear import gemm
+from qwen_triton.operators.linear.fusion import SQUARES_COLUMNS
+
+L2_BYTES = 60 * 2**20
+# name, weight rows, K, fusions, count in a step of the 0.8B (18 DeltaNet layers, 6 attention layers)
+PROJECTIONS = [
+    ("deltanet in-projection", 8224, 1024, ("norm",), 18),
+    ("attention in-projection", 5120, 1024, ("norm",), 6),
+    ("mlp gate/up + swiglu", 7168, 1024, ("norm", "swiglu"), 24),
+    ("mlp down + residual", 1024, 3584, ("residual",), 24),
+    ("deltanet out-projection + residual", 1024, 2048, ("residual",), 18),
+    ("attention gate + out-projection + residual", 1024, 2048, ("gate", "residual"), 6),
+]
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): few rows a program, many programs (132 SMs on an H100)
+DECODE_CANDIDATES = [
+    (64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (32, 128, 1, 4, 4), (32, 64, 1, 4, 4), (16, 128, 1, 4, 4),
+    (64, 128, 2, 4, 4), (32, 128, 2, 4, 4), (32, 256, 2, 4, 3), (16, 256, 2, 4, 3),
+    (64, 128, 4, 4, 3), (32, 128, 4, 4, 4), (16, 128, 4, 4, 4), (32, 256, 4, 4, 3),
+    (32, 128, 8, 4, 4), (16, 128, 8, 4, 4), (64, 64, 8, 4, 4), (32, 64, 8, 4, 4),
+]
+
+
+def graph_us(launch, count: int) -> float:
+    calls = iter(range(10**9))
+    return time_graph(lambda: launch(next(calls) % count), calls=count, replays=10) * 1e3
+
+
+def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1)):
+    """Time the engine's pick and each candidate (with part=(i, n), n > 1: only compile every n-th candidate from
+    the i-th, into Triton's cache, for a timing run after)."""
+    compile_only = part[1] > 1
+    torch.manual_seed(0)
+    N = weight_rows // (2 if "swiglu" in fusions else 1)
+    weight_bytes = weight_rows * K * 2
+    copies = max(2, min(24, -(-2 * L2_BYTES // weight_bytes)))
+    weights = [torch.randn(weight_rows, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    norm_squares = (x.float() ** 2).sum(1, keepdim=True) if "norm" in fusions else None
+    squares_out = torch.empty(M, -(-N // SQUARES_COLUMNS), device="cuda") if "residual" in fusions else None
+    gate = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) if "gate" in fusions else None
+    floor_us = weight_bytes / (hbm * 1e12) * 1e6
+
+    def launch(i):
+        gemm.gemm(x, weights[i], residual if "residual" in fusions else out, gate=gate, norm_squares=norm_squares,
+                  squares_out=squares_out, residual=residual if "residual" in fusions else None,
+                  activation=1 if "swiglu" in fusions else 0, pdl=True)
+
+    kernel = gemm._gemm_split
+    configs = list(kernel.configs)
+    launch(0)
+    if not compile_only:
+        record(dict(shape=name, M=M, variant="engine", config=str(kernel.best_config), us=graph_us(launch, copies),
+                    floor_us=floor_us))
+    bucket = triton.next_power_of_2(M)
+    candidates = [(block_m, *c) for block_m in sorted({max(16, bucket), min(max(16, bucket), 64)})
+                  for c in DECODE_CANDIDATES]
+    for index, (block_m, block_n, block_k, split_k, warps, stages) in enumerate(candidates):
+        if (split_k > 1 and K // split_k < block_k or index % part[1] != part[0]
+                or "residual" in fusions and block_n < SQUARES_COLUMNS):  # the sums of squares need whole groups
+            continue
+        config = triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, SPLIT_K=split_k),
+                               num_warps=warps, num_stages=stages)
+        kernel.configs, kernel.cache = [config], {}
+        try:
+            launch(0)
+            us = float("nan") if compile_only else graph_us(launch, copies)
+        except OutOfResources:
+            us = float("nan")
+        if compile_only:
+            continue
+        record(dict(shape=name, M=M, variant="config", block_m=block_m,
+                    config=[block_n, block_k, split_k, warps, stages], us=us, floor_us=floor_us))
+    kernel.configs, kernel.cache = configs, {}
+    weights.clear()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="2,16,64,128")
+    parser.add_argument("--out")
+    parser.add_argument("--compile-part", default="0/1", help="i/n: only compile every n-th config from the i-th")
+    args = parser.parse_args()
+    part = tuple(int(v) for v in args.compile_part.split("/"))
+    hbm = measure_hbm_bandwidth() if part[1] == 1 else 1.0
+    rows = []
+    started = time.perf_counter()
+
+    def record(row):
+        row["pct_of_floor"] = 100 * row["floor_us"] / row["us"] if row["us"] == row["us"] else 0.0
+        rows.append(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), hbm_copy_TBps=hbm, rows=rows), f, indent=1)
+
+    for M in (int(m) for m in args.rows.split(",")):
+        for name, weight_rows, K, fusions, _ in PROJECTIONS:
+            sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part)
+        print(f"M={M} swept at {time.perf_counter() - started:.0f} s", flush=True)
+    if part[1] > 1:
+        return
+    print(f"{torch.cuda.get_device_name()}: copy {hbm:.2f} TB/s; us per launch with PDL, back to back in a CUDA graph")
+    counts = {name: count for name, _, _, _, count in PROJECTIONS}
+    by_k = {name: K for name, _, K, _, _ in PROJECTIONS}
+    for M in dict.fromkeys(r["M"] for r in rows):
+        mine = [r for r in rows if r["M"] == M]
+        for name in counts:
+            engine = next(r for r in mine if r["shape"] == name and r["variant"] == "engine")
+            best = min((r for r in mine if r["shape"] == name and r["variant"] == "config" and r["us"] == r["us"]),
+                       key=lambda r: r["us"])
+            print(f"M={M} {name}: floor {engine['floor_us']:.1f}; engine {engine['us']:.1f} "
+                  f"({engine['pct_of_floor']:.0f}%); best {best['us']:.1f} ({best['pct_of_floor']:.0f}%) "
+                  f"BLOCK_M {best['block_m']} {best['config']}")
+        # one config per K for the step: the sum over that K's projections, weighted by their count in a step
+        for K in sorted(set(by_k.values())):
+            totals = {}
+            for r in mine:
+                if r["variant"] == "config" and by_k[r["shape"]] == K and r["us"] == r["us"]:
+                    key = (r["block_m"], tuple(r["config"]))
+                    totals.setdefault(key, {})[r["shape"]] = r["us"] * counts[r["shape"]]
+            shapes = [name for name in counts if by_k[name] == K]
+            complete = {key: sum(v.values()) for key, v in totals.items() if len(v) == len(shapes)}
+            engine = sum(next(r["us"] for r in mine if r["shape"] == name and r["variant"] == "engine") * counts[name]
+                         for name in shapes)
+            ranked = sorted(complete.items(), key=lambda item: item[1])[:3]
+            print(f"M={M} K={K}: engine {engine:.0f} us a step; best " +
+                  "; ".join(f"{us:.0f} (BLOCK_M {key[0]} {list(key[1])})" for key, us in ranked))
+
+
+if __name__ == "__main__":
+    main()
