@@ -1,12 +1,12 @@
 """The batched decode step with and without plan options, at several batch sizes, in one process.
 
-Builds the 0.8B model (random weights, bf16, no warm-up) once per option set, e.g. `decode_prefetch=True`, and
+Builds the 0.8B model (random weights, bf16, no warm-up) once per option set, e.g. `batch_invariant=True`, and
 times greedy decode steps of B rows as `LLM.generate` runs them (engine/decode_pipeline.py: the CUDA graph with
 feedback, one step ahead of the host; `time_calls(back_to_back=True)`), every row at context `--context`, for
 each B of `--batches`, alternating the option sets for `--rounds` rounds; prints each median with its floor
 (floor.decode_bytes of B rows over the copy bandwidth measured in the same run).
 
-    python3 benchmarks/batched_decode.py "" "decode_prefetch=True" [--batches 2,16,64,128] [--context 128] \
+    python3 benchmarks/batched_decode.py "" "batch_invariant=True" [--batches 2,16,64,128] [--context 128] \
         [--steps 100] [--rounds 2] [--out batched.json]
 """
 

@@ -158,7 +158,7 @@ def gemm_epilogues(variant: str | None, sequence: bool) -> None:
             types["w_ptr"] = mangle_type(TensorDescriptor(x, [4096, 1024], [1024, 1], [block_n, 64]))
         constants = dict(ACTIVATION=activation, HAS_RESIDUAL=residual, SPLIT_ALLOWED=split_k > 1, FOLDED_NORM=folded,
                          WRITE_SQUARES=squares, BLOCK_PARTS=32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-                         GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=False, PREFETCH=False)
+                         GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=False)
         counts = compile_counts(gemm._gemm_kernel, constants, warps, 3, sequence=sequence, types=types)
         if sequence:
             print(counts["sequence"])

@@ -98,7 +98,6 @@ class Options:
     prefill_pdl_tokens: int | None = None  # prefills of up to this many tokens launch with PDL
     lm_head_pdl: bool | None = None  # the decode LM head (not screened) with PDL
     screened_lm_head_pdl: bool | None = None
-    decode_prefetch: bool | None = None  # a batched decode step's GEMMs load a first weight tile before the PDL wait
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -133,7 +132,6 @@ class Plan:
     screened_rows: int  # greedy and top-k decode buckets of up to this many rows use the screened heads (0: none)
     lm_head_pdl: bool
     screened_lm_head_pdl: bool
-    decode_prefetch: bool  # a batched decode step's GEMMs (with PDL) load their first weight tiles before the wait
     prefill_pdl_tokens: int  # prefills of up to this many tokens launch with PDL (0: none)
     folded_norm_from: int  # prefills of this many tokens or more apply the folded norms in the GEMM's epilogue
     tune_decode_attention_at_full_length: bool
@@ -256,7 +254,6 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         screened_rows=tuning.screened_rows if options.screened_lm_head and screened_head_fits(config) else 0,
         lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
         screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
-        decode_prefetch=pdl and _given(options.decode_prefetch, tuning.decode_prefetch),
         prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
         folded_norm_from=gemv_rows + 1 if fold_norms else 2**62,
         tune_decode_attention_at_full_length=options.tune_decode_attention_at_full_length,

@@ -86,7 +86,6 @@ class ForwardPass:
     slots: torch.Tensor
     pdl: bool
     buffers: DecodeBuffers | None = None  # a decode step's
-    prefetch: bool = False  # the GEMMs ask the L2 for their weights before the PDL wait (plan.decode_prefetch)
     squares: torch.Tensor | None = None  # a prefill's rows' sums of squares (the folded norms)
     slot: int = 0
     start: int = 0
@@ -184,9 +183,9 @@ class TritonModel:
 
     def _linear(self, kind: str, layer: int | None, x, weight, step: ForwardPass, out=None, **options):
         """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM; PDL and the
-        prefetch as the pass has them), traced as one operator."""
+        pass's PDL), traced as one operator."""
         with self._traced(kind, layer, costs.linear, x, weight, **options):
-            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl, prefetch=step.prefetch,
+            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl,
                           gemv=x.shape[0] <= self.plan.gemv_rows, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
@@ -491,8 +490,7 @@ class TritonModel:
         size = buffers.size
         with self._traced("embedding", None, costs.rows_read, size, c.hidden_size, self.embed.element_size()):
             x = embedding(buffers.token_ids, self.embed, out=buffers.hidden)
-        step = ForwardPass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers,
-                           prefetch=plan.decode_prefetch)
+        step = ForwardPass(rows=size, positions=buffers.positions, slots=buffers.slots, pdl=plan.pdl, buffers=buffers)
         if plan.decode_folded_norm(size):  # the GEMM's folded norms, from the rows' sums of squares
             step.squares = buffers.squares
             with self._traced("embedding's sums of squares", None, costs.rows_read, size, c.hidden_size,

@@ -68,8 +68,6 @@ class Tuning:
     lm_head_pdl: bool
     screened_lm_head_pdl: bool
     screened_rows: int
-    # a batched decode step's GEMMs load their first weight tiles before the PDL wait (gemm(prefetch=True))
-    decode_prefetch: bool = False
 
 
 def without_picks(table: Tuning, name: str = "default") -> Tuning:

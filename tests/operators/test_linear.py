@@ -377,25 +377,6 @@ def test_gemm_tensor_descriptor_loads(device, monkeypatch, M, K, N, options, spl
     assert_close(result, ref, dtype)
 
 
-@pytest.mark.parametrize("M, K, N, options, split_k, dtype", TMA_CASES[:3])
-def test_gemm_with_its_first_weight_tile_loaded_early_gives_the_same_bits(device, M, K, N, options, split_k, dtype):
-    """gemm(prefetch=True): each program's first weight tile loaded before the (PDL) wait, then the same products in
-    the same order."""
-    from qwen_triton.operators.linear import gemm
-
-    x, weight, kwargs = inputs(M, K, N, dtype, device, options)
-    rows = weight.shape[0] // (2 if "activation" in kwargs else 1)
-
-    def run(prefetch):
-        out = torch.empty(M, rows, dtype=dtype, device=device)
-        return gemm.gemm(x, weight, out, residual=kwargs.get("residual"), gate=kwargs.get("gate"),
-                         norm_weight=kwargs.get("norm_weight"), activation=1 if "activation" in kwargs else 0,
-                         split_k=split_k, tma=False, prefetch=prefetch)
-
-    assert torch.equal(run(True), run(False))
-    assert_close(run(True), reference(x, weight, **kwargs), dtype)
-
-
 def test_gemm_loads_long_prompts_through_descriptors(device, monkeypatch):
     """gemm(tma=None), as linear calls it: descriptors for 16-bit x from TMA_ROWS rows on (the interpreter has
     them), pointer loads below and for float32."""
@@ -554,30 +535,6 @@ def test_gpu_prefill_projections_with_pdl(name, rows, K, options, M):
     with torch.cuda.graph(graph):
         x.copy_(source)
         out = linear(x, weight, pdl=True, **kwargs)
-    for _ in range(3):
-        x.zero_()
-        graph.replay()
-        assert torch.equal(out, expected)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
-@pytest.mark.parametrize("M", [2, 16, 64, 128])
-def test_gpu_decode_rows_with_the_weights_prefetched(name, rows, K, options, M):
-    """gemm(prefetch=True) (each program's first weight tile loaded before the PDL wait): the bits of the GEMM
-    without it, alone and in a CUDA graph behind a kernel that writes x."""
-    from qwen_triton.operators.common import pdl_available
-
-    if not pdl_available("cuda"):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    x, weight, kwargs = gpu_inputs(M, rows, K, options, seed=M)
-    expected = linear(x, weight, gemv=False, **kwargs)
-    assert torch.equal(linear(x, weight, gemv=False, pdl=True, prefetch=True, **kwargs), expected)
-    source = x.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x.copy_(source)
-        out = linear(x, weight, gemv=False, pdl=True, prefetch=True, **kwargs)
     for _ in range(3):
         x.zero_()
         graph.replay()

@@ -95,7 +95,6 @@ def prologue(x, offs_m, offs_k, mask, K, gate_ptr, stride_gm, norm_ptr, rstd,
 def accumulate(
     x_ptr, stride_xm, w_ptr, stride_wn, up_offset, offs_m, offs_n, M, N, k_start, k_end,
     PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    first_w=None, first_w_up=None,
 ):
     """x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T in float32 on the tensor cores (BLOCK_M >= 16):
     [BLOCK_M, BLOCK_N]. One token uses `accumulate_row` instead.
@@ -109,7 +108,6 @@ def accumulate(
     program's rows first).
     PAIR: also accumulate the rows offs_n + up_offset / stride_wn (the up half of a gate_up weight)
     from the same x tiles; returns (acc, acc_up), acc_up = acc when not PAIR.
-    first_w (first_w_up): the first weight tile(s), already loaded (`load_first_weight_tiles`).
     """
     x_rows = offs_m.to(tl.int64) * stride_xm
     w_rows = offs_n.to(tl.int64) * stride_wn
@@ -117,16 +115,7 @@ def accumulate(
     n_mask = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    loop_start = k_start
-    if first_w is not None:
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & (offs_k < k_end)[None, :],
-                    other=0.0)
-        acc = dot(x, first_w, acc)
-        if PAIR:
-            acc_up = dot(x, first_w_up, acc_up)
-        loop_start = k_start + BLOCK_K
-    for k0 in range(loop_start, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
         x = tl.load(x_ptr + x_rows[:, None] + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -140,22 +129,6 @@ def accumulate(
     if not PAIR:
         acc_up = acc
     return acc, acc_up
-
-
-@triton.jit
-def load_first_weight_tiles(w_ptr, stride_wn, up_offset, offs_n, N, k_start, k_end, PAIR: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-    """`accumulate`'s first weight tile (and with PAIR its up tile), K-major [BLOCK_K, BLOCK_N]: loaded before the
-    PDL wait (no kernel writes the weights), so that its latency overlaps the previous kernel's tail."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    w_rows = offs_n.to(tl.int64) * stride_wn
-    mask = (offs_k < k_end)[:, None] & (offs_n < N)[None, :]
-    w = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=mask, other=0.0)
-    if PAIR:
-        w_up = tl.load(w_ptr + up_offset + w_rows[None, :] + offs_k[:, None], mask=mask, other=0.0)
-    else:
-        w_up = w
-    return w, w_up
 
 
 @triton.jit

@@ -67,7 +67,10 @@ Autotuning: BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages per (bucket of 
 K, epilogues, dtypes), so a prefill of a new length reuses its bucket's choice; `cache_results=True` keeps
 the choice in Triton's cache directory across processes (see linear.py). For prompts of up to
 MAX_SPLIT_ROWS tokens, and of LONG_PROMPT_ROWS or more, the config measured fastest in a CUDA graph is the only
-candidate (PREFERRED_BY_K, PREFERRED_LONG_BY_N; at 4096 tokens the same tiles won with the TMA loads).
+candidate (PREFERRED_BY_K, PREFERRED_LONG_BY_N; at 4096 tokens the same tiles won with the TMA loads). A decode
+step of 2-128 rows (DECODE_ROWS) takes PREFERRED_DECODE_BY_K, one pick per K for every bucket but BLOCK_M (the
+bucket's rows): a row's result then does not depend on how many rows share the step (measured with PDL as the step
+launches them: benchmarks/decode_gemm_sweep.py; docs/decisions.md, D149).
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, wait_for_previous_kernel)
-from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, load_first_weight_tiles,
-                     prologue, row_rstd, split_workspace, store_output, store_split_output)
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, prologue, row_rstd,
+                     split_workspace, store_output, store_split_output)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -265,15 +268,14 @@ def _gemm_kernel(
     FOLDED_NORM: tl.constexpr, WRITE_SQUARES: tl.constexpr, BLOCK_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
     # FOLDED_NORM: the rows' sums of squares in norm_squares [M, PARTS] scale the accumulators (fusion.py);
     # WRITE_SQUARES: the output rows' sums of squares to squares (fusion.store_output).
-    # USE_PDL: launched with PDL (everything after the wait); PREFETCH (pointer loads): the program's first weight
-    # tile loaded before the wait (fusion.load_first_weight_tiles)
+    # USE_PDL: launched with PDL (everything after the wait)
     allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -282,11 +284,6 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    first_w, first_w_up = None, None
-    if PREFETCH:
-        first_w, first_w_up = load_first_weight_tiles(w_ptr, stride_wn, N * stride_wn, offs_n, N, k_start, k_end,
-                                                      ACTIVATION == SWIGLU, BLOCK_K)
-    wait_for_previous_kernel(USE_PDL)
     # the folded norm's sums of squares of the rows (P floats a row from L2): loaded before the main loop and
     # reduced after it, so that the main loop waits for neither the load nor the reduction
     if FOLDED_NORM:
@@ -296,7 +293,7 @@ def _gemm_kernel(
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
-                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, first_w, first_w_up)
+                                 k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     if FOLDED_NORM:
         rstd = folded_rstd(row_squares, K, eps)
     else:
@@ -368,16 +365,14 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False, norm_squares=None, squares_out=None, prefetch=False):
+         tma=None, pdl=False, norm_squares=None, squares_out=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
     loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
     norm_squares [M, P] float32: x's rows' sums of squares, for the folded norm (no prologue pass);
-    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written.
-    prefetch (the pointer loads): each program loads its first weight tile before waiting for the previous kernel
-    (with pdl: while that kernel drains)."""
+    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written."""
     if gate is not None or norm_weight is not None:
         x = _apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
@@ -412,6 +407,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
         FOLDED_NORM=norm_squares is not None, WRITE_SQUARES=squares_out is not None,
         BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl,
-        PREFETCH=bool(prefetch) and not tma, **launch_options(pdl),
+        **launch_options(pdl),
     )
     return out

@@ -91,7 +91,6 @@ def linear(
     norm_squares: torch.Tensor | None = None,
     squares_out: torch.Tensor | None = None,
     gemv: bool | None = None,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -105,8 +104,6 @@ def linear(
     the output rows' sums of squares (each row's over its columns: what the next folded norm reads).
     gemv: run the GEMV (True; M <= 16) or the GEMM (False); None: the GEMV for M <= 16. The engine's plan says
     which (`Plan.gemv_rows`): the GEMV reads each weight once a row, the GEMM once for all rows.
-    prefetch: the GEMM's programs load their first weight tile before waiting for the previous kernel (gemm.py; with
-    pdl it streams while that kernel drains; the GEMV always does).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -173,4 +170,4 @@ def linear(
             row_squares(out, out=squares_out)
         return out
     return gemm(x, weight, out, split_k=split_k, pdl=pdl, norm_squares=norm_squares, squares_out=squares_out,
-                prefetch=prefetch, **options)
+                **options)
