@@ -195,6 +195,7 @@ def whole_server(text_ids, tokenizer, concurrencies, requests_per_client: int, o
                     output_tokens_per_s=level["output_tokens_per_s"], emulated_tokens_per_s=concurrency / emulated,
                     per_token_ms_p50=level["per_token_ms_p50"],
                     request_per_token_ms_p50=level["request_per_token_ms_p50"], emulated_step_ms=emulated * 1e3,
+                    ttft_ms_p50=level["ttft_ms_p50"], ttft_ms_p99=level["ttft_ms_p99"],
                     engine=engine, engine_cpu_us_per_step=engine_seconds / steps * 1e6,
                     http_cpu_us_per_token=other_cpu / level["output_tokens"] * 1e6,
                     full_step_beyond_sleep_us_p50=(statistics.median(full) - emulated) * 1e6 if full else None))

@@ -144,6 +144,10 @@ class ServerMetrics:
         self.decode_batch = Histogram("decode_batch_size", "sequences decoded together in a step", BATCH_BUCKETS)
         self.time_to_first_token = Histogram("time_to_first_token_seconds",
                                              "from a sequence's arrival to its first generated token")
+        # the first token's time in two parts: waiting (the HTTP side, the hop to the engine, a full engine) and the
+        # engine's work from the slot to the first id (the host's preparation, the prefill, the first choice)
+        self.queue_time = Histogram("queue_time_seconds", "from a sequence's arrival to its slot")
+        self.prefill_time = Histogram("prefill_time_seconds", "from a sequence's slot to its first generated token")
         self.time_per_output_token = Histogram("time_per_output_token_seconds",
                                                "between consecutive generated tokens of a sequence")
         self.gauges: list[Gauge] = []
@@ -151,7 +155,7 @@ class ServerMetrics:
     # what the scheduler observes: in an engine process of its own, copied to the HTTP side's metrics before they
     # are rendered (`engine_state`, `load_engine_state`; engine_process.py)
     ENGINE_METRICS = ("steps", "prefill_chunks", "step_seconds", "decode_batch", "time_to_first_token",
-                      "time_per_output_token")
+                      "queue_time", "prefill_time", "time_per_output_token")
 
     def engine_state(self) -> dict:
         return {name: getattr(self, name).state() for name in self.ENGINE_METRICS}
@@ -166,5 +170,5 @@ class ServerMetrics:
     def render(self) -> str:
         metrics = [self.requests, self.prompt_tokens, self.generation_tokens, *self.gauges, self.steps,
                    self.prefill_chunks, self.step_seconds, self.decode_batch, self.time_to_first_token,
-                   self.time_per_output_token]
+                   self.queue_time, self.prefill_time, self.time_per_output_token]
         return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

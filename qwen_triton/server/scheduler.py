@@ -294,6 +294,7 @@ class Scheduler:
         self._send(outputs)
 
     def _admit(self) -> None:
+        admitted = []
         while self.waiting and self.free_slots:
             sequence = self.waiting.popleft()
             sequence.budget = min(sequence.max_tokens, self.max_length - len(sequence.prompt_ids))
@@ -302,6 +303,12 @@ class Scheduler:
             self.sampler.start(sequence)
             sequence.state = PREFILLING
             self.prefilling.append(sequence)
+            admitted.append(sequence)
+        if admitted:
+            now = time.perf_counter()
+            for sequence in admitted:
+                sequence.admitted_time = now
+            self.metrics.queue_time.observe_many([now - s.arrival_time for s in admitted])
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -360,7 +367,7 @@ class Scheduler:
         """Record the id a step chose for each sequence; end it at a stop id or at its token budget. (Once a step
         for every running sequence: kept to a plain loop.)"""
         now = time.perf_counter()
-        first_waits, gaps, ended = [], [], []
+        first_waits, prefill_times, gaps, ended = [], [], [], []
         for sequence, output in zip(sequences, chosen):
             if output.error is not None:
                 self.statistics.failed += 1
@@ -370,6 +377,7 @@ class Scheduler:
             last = sequence.last_token_time
             if last is None:
                 first_waits.append(now - sequence.arrival_time)
+                prefill_times.append(now - sequence.admitted_time)
             else:
                 gaps.append(now - last)
             sequence.last_token_time = now
@@ -385,6 +393,7 @@ class Scheduler:
                 ended.append(sequence)
         if first_waits:
             self.metrics.time_to_first_token.observe_many(first_waits)
+            self.metrics.prefill_time.observe_many(prefill_times)
         if gaps:
             self.metrics.time_per_output_token.observe_many(gaps)
         for sequence in ended:

@@ -54,6 +54,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     sampling_state: object = None  # the sampler's (a generator, penalty counts)
     arrival_time: float = field(default_factory=time.perf_counter)
+    admitted_time: float | None = None  # when it was given a slot
     last_token_time: float | None = None
     # ---- set by the HTTP side ---------------------------------------------------------------------
     aborted: bool = False

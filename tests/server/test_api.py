@@ -35,6 +35,7 @@ def test_models_health_and_metrics(server, client):
     text = httpx.get(server.url + "/metrics").text
     for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total", "running_sequences",
                  "waiting_sequences", "step_seconds_bucket", "time_to_first_token_seconds_bucket",
+                 "queue_time_seconds_bucket", "prefill_time_seconds_bucket",
                  "time_per_output_token_seconds_bucket", "decode_batch_size_bucket"):
         assert f"qwen_triton_{name}" in text, name
 

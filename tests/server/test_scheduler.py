@@ -107,6 +107,13 @@ def test_slots_are_given_reset_and_freed_and_each_sequence_equals_generate(engin
     assert max(len(slots) for slots in backend.decodes) == 2
     assert sorted(scheduler.free_slots) == [0, 1] and scheduler.running == 0
     assert scheduler.statistics.finished == 6
+    # each first token's time in two parts: waiting for a slot (four of them wait for the first two to end), then
+    # the slot to the first id
+    metrics = scheduler.metrics
+    (queue_counts, queue_sum), (prefill_counts, prefill_sum) = metrics.queue_time.state(), metrics.prefill_time.state()
+    first_counts, first_sum = metrics.time_to_first_token.state()
+    assert sum(queue_counts) == sum(prefill_counts) == sum(first_counts) == 6
+    assert queue_sum + prefill_sum == pytest.approx(first_sum, rel=1e-9) and queue_sum > 0 and prefill_sum > 0
 
 
 def test_prompts_are_prefilled_in_chunks_at_fixed_boundaries(engine, oracle):
