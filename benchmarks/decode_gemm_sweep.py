@@ -23,11 +23,12 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from qwen_triton.benchmark.harness import measure_hbm_bandwidth, time_graph
+from qwen_triton.benchmark.harness import measure_hbm_bandwidth
 from qwen_triton.operators.linear import gemm
 from qwen_triton.operators.linear.fusion import SQUARES_COLUMNS
 
-L2_BYTES = 60 * 2**20
+from gemm_sweep import L2_BYTES, graph_us  # (this script's folder is on sys.path)
+
 # name, weight rows, K, fusions, count in a step of the 0.8B (18 DeltaNet layers, 6 attention layers)
 PROJECTIONS = [
     ("deltanet in-projection", 8224, 1024, ("norm",), 18),
@@ -44,11 +45,6 @@ DECODE_CANDIDATES = [
     (64, 128, 4, 4, 3), (32, 128, 4, 4, 4), (16, 128, 4, 4, 4), (32, 256, 4, 4, 3),
     (32, 128, 8, 4, 4), (16, 128, 8, 4, 4), (64, 64, 8, 4, 4), (32, 64, 8, 4, 4),
 ]
-
-
-def graph_us(launch, count: int) -> float:
-    calls = iter(range(10**9))
-    return time_graph(lambda: launch(next(calls) % count), calls=count, replays=10) * 1e3
 
 
 def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1)):
