@@ -1,0 +1,95 @@
+"""Where a lone request's time to first token goes, on a GPU: `LLM.generate` against the server.
+
+Builds the 0.8B model (random weights, bf16, no warm-up), times `LLM.generate`'s first token for a prompt of each
+length, then serves the same model (`create_app` with the engine on a thread of this process, so that the
+scheduler's and the backend's calls can be marked) and sends streamed completions one at a time from this
+process: for each, the times from sending to the scheduler's `submit`, to the backend's `prefill_batch` call and
+its return (the launch), to the first decode step's launch (after the first id is chosen, which waits for the
+prefill), and to the first text chunk at the client. Medians after 3 requests of warm-up. (The client shares this
+process's interpreter lock with the server; `qwen-triton bench --serve` runs its clients in processes of their
+own, and /metrics splits the engine's side as `queue_time_seconds` and `prefill_time_seconds`.)
+
+    python3 benchmarks/first_token_probe.py [--lengths 300,500] [--requests 12] [--max-length 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import httpx
+import torch
+
+from qwen_triton.benchmark.models import random_llm
+from qwen_triton.server.app import create_app
+from qwen_triton.server.runner import BackgroundServer
+from qwen_triton.server.scheduler import Scheduler
+from qwen_triton.tokenizer import Tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="300,500")
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--max-length", type=int, default=1024)
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    llm = random_llm("0.8b", max_length=args.max_length, max_batch=2, warm_up=False, tokenizer=Tokenizer.default())
+    for length in lengths:
+        prompt = list(range(1000, 1000 + length))
+        times = []
+        for _ in range(8):
+            result = llm.generate([prompt], max_new_tokens=2)
+            torch.cuda.synchronize()
+            times.append(result[0].timings["time_to_first_token_s"] * 1e3)
+        print(f"LLM.generate {length} tokens: time to first token {statistics.median(times[3:]):.3f} ms", flush=True)
+
+    marks: dict[str, list[float]] = {}
+    model = llm.model
+    for name in ("prefill_batch", "decode_tokens"):
+        original = getattr(model, name)
+
+        def marked(*call_args, _original=original, _name=name, **kwargs):
+            marks.setdefault(_name, []).append(time.perf_counter())
+            result = _original(*call_args, **kwargs)
+            marks.setdefault(_name + " returned", []).append(time.perf_counter())
+            return result
+        setattr(model, name, marked)
+    scheduler = Scheduler(model, max_num_seqs=2, max_queue=4)
+    submit = scheduler.submit
+
+    def marked_submit(*call_args, **kwargs):
+        marks.setdefault("submit", []).append(time.perf_counter())
+        return submit(*call_args, **kwargs)
+    scheduler.submit = marked_submit
+    with BackgroundServer(create_app(llm, scheduler=scheduler, model_name="m")) as server:
+        client = httpx.Client(base_url=server.url, timeout=60)
+        for length in lengths:
+            rows = []
+            for index in range(args.requests):
+                prompt = list(range(1000 + index, 1000 + index + length))
+                for values in marks.values():
+                    values.clear()
+                sent, first = time.perf_counter(), None
+                body = dict(model="m", prompt=prompt, max_tokens=3, stream=True)
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        if first is None and line.startswith("data: ") and '"text"' in line:
+                            first = time.perf_counter()
+                rows.append(dict(sent=sent, first=first, submit=marks["submit"][0], prefill=marks["prefill_batch"][0],
+                                 launched=marks["prefill_batch returned"][0], decode=marks["decode_tokens"][0]))
+            rows = rows[3:]
+
+            def median_ms(start: str, end: str) -> float:
+                return statistics.median(row[end] - row[start] for row in rows) * 1e3
+
+            print(f"serve {length} tokens: sent->submit {median_ms('sent', 'submit'):.3f}, submit->prefill "
+                  f"{median_ms('submit', 'prefill'):.3f}, prefill launch {median_ms('prefill', 'launched'):.3f}, "
+                  f"launched->first decode {median_ms('launched', 'decode'):.3f}, launched->first chunk "
+                  f"{median_ms('launched', 'first'):.3f}, time to first token {median_ms('sent', 'first'):.3f} (max "
+                  f"{max(row['first'] - row['sent'] for row in rows) * 1e3:.3f}) ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
