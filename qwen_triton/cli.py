@@ -8,7 +8,7 @@
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops | --workloads | --serve [--concurrency 1,8,64,128]]
-    qwen-triton profile [--context N] [--prefill N] [--rows B] [--out FILE.json]
+    qwen-triton profile [--context N] [--prefill N] [--rows B] [--prompts P] [--out FILE.json]
 
 --model takes a checkpoint directory or a Hugging Face repo id (the local Hugging Face cache; HF_HUB_OFFLINE=1
 honoured). Without --model, generate, chat and serve run a random-weight model (the 0.8b shape on a GPU, the tiny
@@ -543,7 +543,7 @@ def _serve_sizes(args, device: str):
 def command_profile(args) -> None:
     import json
 
-    for name in ("context", "prefill", "steps", "rows"):
+    for name in ("context", "prefill", "steps", "rows", "prompts"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name} must be positive, got {getattr(args, name)}")
     device = _measuring_device(args, "profiling on the CPU (Triton interpreted, operators timed on the host): "
@@ -551,7 +551,8 @@ def command_profile(args) -> None:
     from .benchmark.profile import format_profile, run_profile
 
     report = run_profile(preset=args.preset, context=args.context, prefill_tokens=args.prefill, steps=args.steps,
-                         device=device, pdl=False if args.no_pdl else None, rows=args.rows)
+                         device=device, pdl=False if args.no_pdl else None, rows=args.rows,
+                         prompts=args.prompts)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
@@ -763,6 +764,7 @@ def build_parser() -> ArgumentParser:
     profile.add_argument("--prefill", type=int, default=128, help="prefill length in tokens")
     profile.add_argument("--steps", type=int, default=20, help="decode steps profiled; medians are reported")
     profile.add_argument("--rows", type=int, default=1, help="sequences in the decode step (each at --context)")
+    profile.add_argument("--prompts", type=int, default=1, help="prompts of --prefill tokens prefilled together")
     profile.add_argument("--preset", choices=preset_names(), default="0.8b", help="the model shape")
     profile.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
     profile.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")

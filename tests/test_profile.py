@@ -104,10 +104,17 @@ def test_the_profile_reports_the_autotuned_configs_that_ran(monkeypatch):
             "registers |") in format_profile(report)
 
 
-def test_profile_of_several_rows_runs_the_batched_kernels():
-    report = run_profile(preset="tiny", context=5, prefill_tokens=8, steps=1, device="cpu", rows=3)
+def test_profile_of_several_rows_and_prompts_runs_the_batched_kernels():
+    report = run_profile(preset="tiny", context=5, prefill_tokens=8, steps=1, device="cpu", rows=3, prompts=2)
     kinds = {row["kind"] for row in report["decode"]["by_kind"]}
-    assert report["decode"]["rows"] == 3
+    assert report["decode"]["rows"] == 3 and report["prefill"]["prompts"] == 2
     # several rows: the projections run the GEMM, not the one-row fused in-projection + step
     assert "deltanet in-projection + step (conv, gating, delta rule)" not in kinds
-    assert "decode step at context 5, 3 rows" in format_profile(report)
+    text = format_profile(report)
+    assert "decode step at context 5, 3 rows" in text and "prefill of 8 tokens, 2 prompts" in text
+    # two prompts: one packed pass over both, each layer's operators once
+    config = parse_config(official_config(PRESETS["tiny"]))
+    attention = sum(t == FULL_ATTENTION for t in config.layer_types)
+    counts = {row["kind"]: row["count"] for row in report["prefill"]["by_kind"]}
+    assert counts["gated delta rule (chunked, packed) + gated norm"] == len(config.layer_types) - attention
+    assert counts["attention (flash prefill, packed)"] == attention and counts["each sequence's last row"] == 1

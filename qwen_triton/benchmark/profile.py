@@ -150,23 +150,31 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     return dict(context=context, rows=rows, timeline=where, pdl=model.plan.pdl, **report)
 
 
-def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -> dict:
-    """Profile a prefill of `tokens` random tokens into slot 0, as the engine runs it (with cuda_graph its packed
-    bucket's graphs, or where packed_prefill is off a CUDA graph once the length repeats; eager otherwise)."""
+def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float, prompts: int = 1) -> dict:
+    """Profile a prefill of `prompts` prompts of `tokens` random tokens each, into slots 0..prompts-1, as the engine
+    runs it (`prefill_batch`: with cuda_graph its packed bucket's graphs, or where packed_prefill is off a CUDA graph
+    once the length repeats; eager otherwise)."""
     device = model.device
-    token_ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
-    token_ids = token_ids.to(device)
+    generator = torch.Generator().manual_seed(0)
+    token_ids = [torch.randint(0, model.config.vocab_size, (tokens,), generator=generator).to(device)
+                 for _ in range(prompts)]
+    slots = list(range(prompts))
+
+    def reset():
+        for slot in slots:
+            model.reset(slot)
 
     def run():
-        model.reset(0)
-        model.prefill(token_ids, slot=0, all_logits=False)
+        reset()
+        model.prefill_batch(token_ids, slots)
 
-    def run_eager():  # the same kernels launched now, for the trace
-        model.reset(0)
-        if model.packed_graphs is not None:
-            model.prefill_packed([token_ids], [0], [0], graphs=False)
+    def run_eager():  # the same kernels launched now, for the trace (prefill_batch's choice of path)
+        reset()
+        if model.plan.packed_prefill and (prompts > 1 or model.packed_graphs is not None):
+            model.prefill_packed(token_ids, slots, [0] * prompts, graphs=False)
         else:
-            model.prefill_eager(token_ids, 0, 0, False)
+            for ids, slot in zip(token_ids, slots):
+                model.prefill_eager(ids, slot, 0, False)
 
     run()  # warm-up: compile, autotune
     run()  # with cuda_graph: capture
@@ -179,18 +187,18 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float) -
     finally:
         model.trace = None
     if not on_gpu:
-        return dict(tokens=tokens, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
+        return dict(tokens=tokens, prompts=prompts, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
     timeline, where = _timeline(run, trace, steps), "cuda graph" if model.plan.cuda_graph else "eager"
     if timeline is None and model.plan.cuda_graph:
         timeline = _timeline(run_eager, trace, steps)
         where = "eager: the profiler recorded no kernels inside the CUDA graph, so gaps include host time"
     if timeline is None:
         raise RuntimeError("the CUDA profiler's kernels do not match the launches of the prefill")
-    return dict(tokens=tokens, timeline=where, **_report(trace, timeline, hbm, matmul))
+    return dict(tokens=tokens, prompts=prompts, timeline=where, **_report(trace, timeline, hbm, matmul))
 
 
 def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 128, steps: int = 20,
-                device: str = "cuda", pdl: bool | None = None, rows: int = 1) -> dict:
+                device: str = "cuda", pdl: bool | None = None, rows: int = 1, prompts: int = 1) -> dict:
     from .models import random_llm
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -198,13 +206,17 @@ def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 
     matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, matmul {matmul:.0f} TFLOP/s")
     # no LLM warm-up: the profile warms its two shapes up itself, and its autotune choices list only theirs
-    llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max(context, prefill_tokens) + 2,
-                     pdl=pdl, warm_up=False, max_batch=rows)
+    from ..engine.packed import aligned
+
+    # room for the decode's context, and for the prompts in one packed pass (a pass holds max_length's rows)
+    max_length = max(context + 2, prefill_tokens + 2, prompts * aligned(prefill_tokens))
+    llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max_length,
+                     pdl=pdl, warm_up=False, max_batch=max(rows, prompts))
     model = llm.model
     log("profiling a decode step")
     decode = profile_decode(model, context, steps, hbm, matmul, rows=rows)
     log("profiling a prefill")
-    prefill = profile_prefill(model, prefill_tokens, max(2, steps // 4), hbm, matmul)
+    prefill = profile_prefill(model, prefill_tokens, max(2, steps // 4), hbm, matmul, prompts=prompts)
     from ..operators.common import autotune_choices
 
     return dict(preset=preset, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -218,6 +230,7 @@ def format_profile(report: dict) -> str:
     for phase, title in (("decode", "decode step at context {context}"), ("prefill", "prefill of {tokens} tokens")):
         part = report[phase]
         heading = title.format(**part) + (f", {part['rows']} rows" if part.get("rows", 1) > 1 else "")
+        heading += f", {part['prompts']} prompts" if part.get("prompts", 1) > 1 else ""
         lines += ["", f"{heading} ({part['timeline']}{', PDL' if part.get('pdl') else ''}): "
                   f"{part['span_us']:.1f} us first kernel start to last kernel end; {part['kernel_count']} kernels "
                   f"{part['kernel_us']:.1f} us + gaps {part['gap_us']:.1f} us; floor {part['floor_us']:.1f} us "
