@@ -2,7 +2,7 @@
 # One call on the GPU machine: the engine's and the changed operators' GPU tests (untuned kernels: correctness
 # needs no tuning), the profile, fully tuned tests (TUNING_CACHE=$PWD/.tc shares the profile's tunings), then
 # `qwen-triton bench` over $BENCH_VARIANTS (BENCH_ARGS: e.g. --workloads decode,sampling); GEMM_SWEEP: the GEMM's
-# configs at those row counts. Few files under $OUT (the device returns 8).
+# configs at those row counts; DECODE_GEMM_SWEEP: the decode GEMM's (decode_gemm_sweep.py). Few files under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/out}
@@ -19,11 +19,17 @@ if [ -n "${OPS_TESTS:-}" ]; then
         $OPS_TESTS -q --tb=short -p no:cacheprovider > "$OUT/ops.log" 2>&1
     grep -E "passed|failed|Error" "$OUT/ops.log" | tail -5
 fi
-# PROFILE: "1" profiles a decode step at context 128 and a 128-token prefill (profile.json, .md); a list
-# of lengths ("128 4096") profiles each at that context and prefill length (profile-<n>.json, .md)
+# PROFILE: "1" profiles a decode step at context 128 and a 128-token prefill (profile.json, .md); a length N
+# profiles each at that context and prefill length (profile-N.json, .md); rN a decode step of N rows (profile-rN);
+# pN the packed prefill of N prompts of 128 tokens (profile-pN)
 if [ -n "${PROFILE:-}" ]; then  # tuned kernels (their picks at the report's end; tuning times in err.log)
     for n in $PROFILE; do
-        if [ "$n" = 1 ]; then args=""; name=profile; else args="--prefill $n --context $n"; name=profile-$n; fi
+        case $n in
+            1) args=""; name=profile ;;
+            r*) args="--rows ${n#r}"; name=profile-$n ;;
+            p*) args="--prompts ${n#p}"; name=profile-$n ;;
+            *) args="--prefill $n --context $n"; name=profile-$n ;;
+        esac
         TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=$CACHE timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli \
             profile $args --out "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/err.log"; echo "$name rc $?"
         grep -E "^(decode step|prefill of)" "$OUT/$name.md"
@@ -38,6 +44,16 @@ if [ -n "${GEMM_SWEEP:-}" ]; then  # every GEMM config at these row counts (e.g.
     TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/gemm_sweep.py --tokens "$GEMM_SWEEP" \
         --loads pointer --out "$OUT/gemm-sweep.json" > "$OUT/gemm-sweep.md" 2>> "$OUT/err.log"; echo "sweep rc $?"
     cat "$OUT/gemm-sweep.md"
+fi
+if [ -n "${DECODE_GEMM_SWEEP:-}" ]; then  # the decode GEMM's configs at these row counts (tuning/h200.py's decode picks)
+    for i in 0 1 2 3 4 5 6 7; do  # compile a share each, in parallel, into the cache the timing run reads
+        TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py \
+            --rows "$DECODE_GEMM_SWEEP" --compile-part $i/8 > /dev/null 2>> "$OUT/err.log" &
+    done
+    wait
+    TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py --rows "$DECODE_GEMM_SWEEP" \
+        --out "$OUT/decode-gemm.json" > "$OUT/decode-gemm.md" 2>> "$OUT/err.log"; echo "decode sweep rc $?"
+    grep -E "K=" "$OUT/decode-gemm.md"
 fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then
     TRITON_CACHE_DIR=$CACHE timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
