@@ -45,14 +45,14 @@ if [ -n "${GEMM_SWEEP:-}" ]; then  # every GEMM config at these row counts (e.g.
         --loads pointer --out "$OUT/gemm-sweep.json" > "$OUT/gemm-sweep.md" 2>> "$OUT/err.log"; echo "sweep rc $?"
     cat "$OUT/gemm-sweep.md"
 fi
-if [ -n "${DECODE_GEMM_SWEEP:-}" ]; then  # the decode GEMM's configs at these row counts (tuning/h200.py's decode picks)
+if [ -n "${DECODE_GEMM_SWEEP:-}" ]; then  # the decode GEMM's configs at these row counts (h200.py's decode picks)
     for i in 0 1 2 3 4 5 6 7; do  # compile a share each, in parallel, into the cache the timing run reads
         TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py \
             --rows "$DECODE_GEMM_SWEEP" --compile-part $i/8 > /dev/null 2>> "$OUT/err.log" &
     done
     wait
-    TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py --rows "$DECODE_GEMM_SWEEP" \
-        --out "$OUT/decode-gemm.json" > "$OUT/decode-gemm.md" 2>> "$OUT/err.log"; echo "decode sweep rc $?"
+    TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py \
+        --rows "$DECODE_GEMM_SWEEP" --out "$OUT/decode-gemm.json" > "$OUT/decode-gemm.md" 2>> "$OUT/err.log"; echo "decode sweep rc $?"
     grep -E "K=" "$OUT/decode-gemm.md"
 fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then

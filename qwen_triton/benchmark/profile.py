@@ -24,6 +24,7 @@ import statistics
 
 import torch
 
+from ..engine.packed import aligned
 from ..engine.trace import KernelTrace
 from .floor import decode_bytes
 from .harness import log, measure_hbm_bandwidth, measure_matmul_rate
@@ -205,10 +206,8 @@ def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 
     hbm = measure_hbm_bandwidth(device)
     matmul = measure_matmul_rate(device)
     log(f"ceilings: HBM copy {hbm:.2f} TB/s, matmul {matmul:.0f} TFLOP/s")
-    # no LLM warm-up: the profile warms its two shapes up itself, and its autotune choices list only theirs
-    from ..engine.packed import aligned
-
-    # room for the decode's context, and for the prompts in one packed pass (a pass holds max_length's rows)
+    # room for the decode's context, and for the prompts in one packed pass (a pass holds max_length's rows); no
+    # LLM warm-up: the profile warms its two shapes up itself, and its autotune choices list only theirs
     max_length = max(context + 2, prefill_tokens + 2, prompts * aligned(prefill_tokens))
     llm = random_llm(preset, "triton", device=device, dtype=dtype, max_length=max_length,
                      pdl=pdl, warm_up=False, max_batch=max(rows, prompts))

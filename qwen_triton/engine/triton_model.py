@@ -182,8 +182,8 @@ class TritonModel:
         return self.trace.operator(kind, layer, moved, flops)
 
     def _linear(self, kind: str, layer: int | None, x, weight, step: ForwardPass, out=None, **options):
-        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM; PDL and the
-        pass's PDL), traced as one operator."""
+        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM) and the pass's
+        PDL, traced as one operator."""
         with self._traced(kind, layer, costs.linear, x, weight, **options):
             return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl,
                           gemv=x.shape[0] <= self.plan.gemv_rows, **options)
@@ -642,8 +642,8 @@ class TritonModel:
         return buffers.next_tokens[:batch]
 
     def chosen_on_host(self, batch: int) -> torch.Tensor:
-        """int64 [2, bucket(batch, max_batch)]: where the steps with feedback of this batch leave their ids, row r's id of a
-        step in row (its step counter before the step) % 2 (pinned host memory on a GPU); read it after the
+        """int64 [2, bucket(batch, max_batch)]: where the steps with feedback of this batch leave their ids, row r's
+        id of a step in row (its step counter before the step) % 2 (pinned host memory on a GPU); read it after the
         step is done (an event recorded after decode_tokens)."""
         return self.buffers_for(batch).host_ids
 

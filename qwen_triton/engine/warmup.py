@@ -27,11 +27,11 @@ case of each value they take up to the model's max_length and max_batch:
   largest first, and the LM head at each sequence bucket; with CUDA graphs each is captured after its run
   (graphs.PackedPrefillGraphs), so that a prompt of any length replays a graph.
 - A decode step: its batch bucket (1, 2, 4, ... below max_batch, and max_batch) and its sampling mode
-  (device_sampling.py's, with feedback as generation runs them; "logits" without, as `LLM.score` runs it). The context is device data
-  (positions, lengths): no kernel of the step specialises on it, and the decode attention makes its one pick over
-  the whole cache first (`TritonModel.warm_up_step`). The steps are launched, not captured: a CUDA graph is
-  captured on its first use in a request (graphs.py: one eager step and the capture, which compile and tune
-  nothing once the step has run here).
+  (device_sampling.py's, with feedback as generation runs them; "logits" without, as `LLM.score` runs it). The
+  context is device data (positions, lengths): no kernel of the step specialises on it, and the decode attention
+  makes its one pick over the whole cache first (`TritonModel.warm_up_step`). The steps are launched, not
+  captured: a CUDA graph is captured on its first use in a request (graphs.py: one eager step and the capture,
+  which compile and tune nothing once the step has run here).
 - The first token's choice from the prefill's logits in each mode, at each row whose parameter views differ in
   alignment (a row's views start at row x 4 or 8 bytes, its penalty rows at row x vocabulary).
 - Each slot's reset (its zeroing launch).
@@ -59,7 +59,7 @@ import triton
 from ..operators.gated_delta_rule.chunk import SPLIT_PREPARE_TOKENS, chunk_size_for
 from ..operators.linear.gemm import MAX_SPLIT_ROWS, TMA_ROWS
 from ..progress import progress_printer
-from .buffers import DecodeBuffers, PenaltyHistory
+from .buffers import DecodeBuffers, PenaltyHistory, bucket
 from .device_sampling import PENALIZED_MODES, DeviceSampling, choose_first
 from .plan import Plan
 from .sampling import SamplingParams
@@ -127,12 +127,9 @@ def warm_up_packed(model, progress: bool = False) -> tuple[tuple[int, ...], tupl
 
 
 def decode_batches(max_batch: int) -> list[int]:
-    """The decode batch buckets a model of max_batch sequences runs: the powers of two below max_batch, then
-    max_batch itself (buffers.bucket)."""
-    sizes = [1]
-    while sizes[-1] * 2 < max_batch:
-        sizes.append(sizes[-1] * 2)
-    return sizes + [max_batch] if max_batch > 1 else sizes
+    """The decode batch buckets a model of max_batch sequences runs (buffers.bucket: the powers of two below
+    max_batch, then max_batch itself)."""
+    return sorted({bucket(batch, max_batch) for batch in range(1, max_batch + 1)})
 
 
 def prefill_slots(state, slots: int) -> list[int]:
