@@ -99,22 +99,26 @@ def lm_argmax_rows(logits: torch.Tensor) -> torch.Tensor:
                   torch.zeros(rows, device=logits.device, dtype=torch.int64), filtering=False)
 
 
-def choose_first(logits: torch.Tensor, sampling: DeviceSampling, row: int, counts: torch.Tensor | None = None,
-                 prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The first generated id of row `row` from its prefill logits [1, V], drawn as decode draws (same noise
-    stream at step 0). In a penalized mode, counts and prompt_mask [1, V] are the row's (zero counts, the
-    prompt's tokens marked): the penalties apply to a copy of the logits, and the chosen id is counted."""
+def choose_first(logits: torch.Tensor, sampling: DeviceSampling, row: int | None = None,
+                 counts: torch.Tensor | None = None, prompt_mask: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The first generated ids from prefill logits, drawn as decode draws (same noise stream at step 0): of row
+    `row` (logits [1, V]), or with row None of every row of the batch at once (logits [B, V], row r the batch's
+    row r: one launch list for all of them, the same ids as one row at a time). In a penalized mode, counts and
+    prompt_mask are the histories (zero counts, the prompts' tokens marked): the row's [1, V] views, or [S, V]
+    with slots int32 [B] naming each row's; the penalties apply to a copy of the logits, and the chosen ids are
+    counted."""
     if sampling.mode == "greedy":
         return lm_argmax_rows(logits)
-    pick = slice(row, row + 1)
+    pick = slice(None) if row is None else slice(row, row + 1)
     if sampling.mode in PENALIZED_MODES:
         if counts is None or prompt_mask is None:
-            raise ValueError(f"mode {sampling.mode!r} needs the row's counts and prompt_mask")
-        logits = apply_penalties(logits.float().clone(), counts, prompt_mask, *sampling.penalties(pick))
-    step = torch.zeros(1, device=logits.device, dtype=torch.int64)
+            raise ValueError(f"mode {sampling.mode!r} needs the rows' counts and prompt_mask")
+        logits = apply_penalties(logits.float().clone(), counts, prompt_mask, *sampling.penalties(pick), slots=slots)
+    step = torch.zeros(logits.shape[0], device=logits.device, dtype=torch.int64)
     chosen = sample(logits, sampling.temperature[pick], sampling.top_k[pick], sampling.top_p[pick],
                     sampling.seed[pick], step, min_p=sampling.min_p[pick] if sampling.mode != "temperature" else None,
                     **sample_options(sampling.mode))
     if sampling.mode in PENALIZED_MODES:
-        count_tokens(chosen, counts)
+        count_tokens(chosen, counts, slots=slots)
     return chosen

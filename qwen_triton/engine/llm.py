@@ -387,8 +387,7 @@ class LLM(ModelText):
         # lays them out)
         logits = self.model.prefill_batch([torch.tensor(ids, dtype=torch.int64) for ids in prompts], list(range(rows)))
         self._check_finite(logits)
-        # each row its own [1, vocab] tensor: the first token's kernels see an aligned row, as the warm-up's
-        tokens = [chooser.first(logits[slot:slot + 1].clone(), slot, ids) for slot, ids in enumerate(prompts)]
+        tokens = chooser.first_rows(logits, prompts)
         first_token_time = time.perf_counter() - start
         generated: list[list[int]] = [[] for _ in range(rows)]
         texts = [""] * rows
@@ -496,6 +495,10 @@ class HostChooser:
         self.prompt_masks: list[torch.Tensor | None] = [None] * len(params)
         self.counts: list[torch.Tensor | None] = [None] * len(params)
 
+    def first_rows(self, logits: torch.Tensor, prompts: list[list[int]]) -> list[int]:
+        """The first id of each row r (slot r) from the prefill's logits [rows, vocab]."""
+        return [self.first(logits[row:row + 1], row, ids) for row, ids in enumerate(prompts)]
+
     def first(self, logits: torch.Tensor, row: int, prompt_ids: list[int]) -> int:
         if self.params[row].penalized:
             vocab = logits.shape[-1]
@@ -533,9 +536,12 @@ class DeviceChooser:
         self.penalized = self.sampling.mode in PENALIZED_MODES
         self.pipeline = DecodePipeline(llm.model, self.sampling, ahead=llm.run_ahead)
 
-    def first(self, logits: torch.Tensor, row: int, prompt_ids: list[int]) -> int:
-        prompt = torch.tensor(prompt_ids, device=self.llm.device) if self.penalized else None
-        return int(self.llm.model.choose_first(logits[-1:], self.sampling, row, prompt)[0])
+    def first_rows(self, logits: torch.Tensor, prompts: list[list[int]]) -> list[int]:
+        """The first id of each row r (slot r) from the prefill's logits [rows, vocab]: one launch list for every
+        row, one read."""
+        device = self.llm.device
+        ids = [torch.tensor(p, device=device) for p in prompts] if self.penalized else None
+        return self.llm.model.choose_first_rows(logits, self.sampling, ids).tolist()
 
     def step(self, inputs: list[int], positions: list[int], steps: list[int], running: list[bool]) -> list[int]:
         ids = self.pipeline.step(inputs, positions, steps, running)

@@ -127,6 +127,20 @@ def test_choose_first_by_candidates_is_the_search(params):
         assert torch.equal(choose_first(logits, sampling, 0), choose_first(logits, searched, 0))
 
 
+def test_choose_first_of_every_row_at_once_equals_one_row_at_a_time():
+    """choose_first over a batch's rows at once (row None: what LLM.generate runs on a packed prefill's logits)
+    draws each row's id as that row alone does: per-row seeds, mixed greedy and sampled rows."""
+    rows = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3), SamplingParams(),
+            SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=9), SamplingParams(temperature=0.7, seed=1)]
+    logits = torch.randn(len(rows), 301, generator=torch.Generator().manual_seed(5)) * 3
+    for mode_rows in (rows[:3], rows):  # the top-k mode, then the search mode (a row without top_k)
+        sampling = DeviceSampling.build(mode_rows, torch.device("cpu"))
+        together = choose_first(logits[:len(mode_rows)], sampling).tolist()
+        alone = [int(choose_first(logits[r:r + 1], sampling, r)[0]) for r in range(len(mode_rows))]
+        assert together == alone
+        assert together[1] == int(logits[1].argmax())
+
+
 PENALTIES = [dict(repetition_penalty=2.0), dict(presence_penalty=-2.0, frequency_penalty=-1.5),
              dict(repetition_penalty=0.5, presence_penalty=1.0)]
 

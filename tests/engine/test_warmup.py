@@ -83,9 +83,9 @@ class LaunchRecorder:
         monkeypatch.setattr(InterpretedFunction, "run", launch)
         monkeypatch.setattr(Autotuner, "run", tune)
         if self.dry:  # what the host reads of the kernels' results: the prefill's logits and the first id
-            choose = TritonModel.choose_first
+            choose = TritonModel.choose_first_rows
             monkeypatch.setattr(LLM, "_check_finite", lambda llm, logits: None)
-            monkeypatch.setattr(TritonModel, "choose_first", lambda model, *args, **kwargs:
+            monkeypatch.setattr(TritonModel, "choose_first_rows", lambda model, *args, **kwargs:
                                 choose(model, *args, **kwargs).zero_())
 
     @staticmethod

@@ -34,6 +34,13 @@ before the wait for the tiles, so that the loads overlap it); a sequence's first
 slot (a pointer store). A chunk of padding rows holds zero W, U and K~ rows (kernel 1 writes every row of the
 layout, from inputs loaded as zeros): it leaves the state as it is. The one-sequence form (PACKED False) is the
 kernel as it was: its final state through TMA, no per-step load.
+The sequences of a packed layout are independent, so a packed launch splits the chain: grid (Hv, Dv / 64, PARTS),
+part p carrying the whole sequences that begin in the p-th of PARTS equal ranges of the layout's blocks (its chunks
+from the first sequence start at or after its range's first block to the first at or after the next range's; the
+bucket's tail, inert, to the last sequence's part). 16 prompts of 128 tokens: chains of 2 chunks in 16 parts, not
+one chain of 32.
+Measured on the H100 (docs/decisions.md, D153; benchmarks/packed_prefill.py --parts 16 against --parts 1): the
+state pass of 16 x 128 tokens 1,318.4 -> 669.0 us over the 18 layers, `prefill_batch` 8.686 -> 7.796 ms.
 
 Rounding as the Triton kernel's: S and V' rounded to the operand dtype for the products and the stores, float32
 accumulation; U - W S accumulates W S onto U in the tensor core's order instead of subtracting the finished
@@ -69,6 +76,7 @@ BLOCK_V = 64  # state columns a program carries: the rows of both products (wgmm
 WARPS = 4  # one warpgroup computes
 STAGES = 4  # chunks of tiles in flight: (2 x C x Dk + C x 64) x 2 bytes each, 40 KiB at C = 64
 LOADER_REGISTERS = gl.constexpr(40)  # the loading warp issues TMA copies and waits: few registers
+PACKED_PARTS = 16  # a packed launch's parts (module docstring): at most this many chains run side by side
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)  # the operands a wgmma takes from registers at k_width 2
 GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -89,13 +97,18 @@ def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_d
                        state_descriptor, decay_ptr, state_ptr, blocks_ptr, length, chunks,
                        V_HEADS: gl.constexpr, K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr,
                        STAGES: gl.constexpr, PACKED: gl.constexpr = False):
-    """Grid (Hv, Dv / BLOCK_V): program (h, j) carries columns j of head h's state through the chunks. PACKED: the
-    chunks of a packed layout's sequences (blocks_ptr), state_ptr every slot's states (module docstring)."""
+    """Grid (Hv, Dv / BLOCK_V, parts): program (h, j, p) carries columns j of head h's state through the chunks of
+    part p (one part: all of them). PACKED: the chunks of a packed layout's sequences (blocks_ptr), state_ptr every
+    slot's states (module docstring)."""
     dtype: gl.constexpr = w_descriptor.dtype
     BLOCK: gl.constexpr = u_descriptor.block_type.shape[1]
     head = gl.program_id(0)
     first_value = gl.program_id(1) * BLOCK
     first_row = head * length
+    if PACKED:
+        first_chunk, end_chunk = _part_chunks(blocks_ptr, gl.program_id(2), gl.num_programs(2), length, CHUNK_ROWS)
+    else:
+        first_chunk, end_chunk = 0, chunks
 
     w_tiles = gl.allocate_shared_memory(dtype, [STAGES, CHUNK_ROWS, K_DIM], w_descriptor.layout)
     key_tiles = gl.allocate_shared_memory(dtype, [STAGES, CHUNK_ROWS, K_DIM], keys_descriptor.layout)
@@ -116,10 +129,10 @@ def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_d
     gl.warp_specialize([
         (_carry_state, (w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
                         new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr,
-                        blocks_ptr, head, first_value, first_row, length, chunks, V_HEADS, K_DIM, V_DIM, CHUNK_ROWS,
-                        BLOCK, STAGES, PACKED)),
+                        blocks_ptr, head, first_value, first_row, length, first_chunk, end_chunk, V_HEADS, K_DIM,
+                        V_DIM, CHUNK_ROWS, BLOCK, STAGES, PACKED)),
         (_load_tiles, (w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
-                       first_value, first_row, chunks, CHUNK_ROWS, STAGES)),
+                       first_value, first_row, first_chunk, end_chunk, CHUNK_ROWS, STAGES)),
     ], [1], [LOADER_REGISTERS])
     for stage in gl.static_range(STAGES):
         mbarrier.invalidate(loaded.index(stage))
@@ -127,16 +140,39 @@ def _state_pass_kernel(w_descriptor, u_descriptor, keys_descriptor, new_values_d
 
 
 @gluon.jit
+def _part_start(blocks_ptr, block, blocks, ALIGN: gl.constexpr):
+    """The first block at or after `block` where a sequence of the packed layout begins; `blocks` (the layout's
+    count) where none does (the bucket's tail, or past the end)."""
+    entry = blocks_ptr + gl.minimum(block, blocks - 1) * 4
+    first = gl.load(entry)
+    sequence_end = (first + (gl.load(entry + 1) + ALIGN - 1) // ALIGN * ALIGN) // ALIGN
+    start = gl.where(first == block * ALIGN, block, sequence_end)
+    return gl.where((block >= blocks) | (gl.load(entry + 3) < 0), blocks, start)
+
+
+@gluon.jit
+def _part_chunks(blocks_ptr, part, parts, length, CHUNK_ROWS: gl.constexpr):
+    """Part `part` of `parts` of a packed layout of `length` rows: its chunks [first, end), the whole sequences
+    that begin in its share of the blocks (module docstring)."""
+    blocks = length // ALIGN_ROWS
+    first = _part_start(blocks_ptr, part * blocks // parts, blocks, ALIGN_ROWS)
+    end = _part_start(blocks_ptr, (part + 1) * blocks // parts, blocks, ALIGN_ROWS)
+    per_block: gl.constexpr = ALIGN_ROWS // CHUNK_ROWS
+    return first * per_block, end * per_block
+
+
+@gluon.jit
 def _load_tiles(w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, key_tiles, loaded, consumed,
-                first_value, first_row, chunks, CHUNK_ROWS: gl.constexpr, STAGES: gl.constexpr):
-    """The loading warp: chunk c's W, K~ and U tiles into stage c % STAGES once the computing warps have handed
-    it back (its previous chunk's second product done)."""
+                first_value, first_row, first_chunk, end_chunk, CHUNK_ROWS: gl.constexpr, STAGES: gl.constexpr):
+    """The loading warp: the i-th chunk's W, K~ and U tiles into stage i % STAGES once the computing warps have
+    handed it back (its previous chunk's second product done)."""
     tile_bytes: gl.constexpr = (w_descriptor.block_type.nbytes + keys_descriptor.block_type.nbytes
                                 + u_descriptor.block_type.nbytes)
-    for chunk in range(chunks):
-        stage = chunk % STAGES
-        if chunk >= STAGES:
-            mbarrier.wait(consumed.index(stage), (chunk // STAGES - 1) & 1)
+    for chunk in range(first_chunk, end_chunk):
+        step = chunk - first_chunk
+        stage = step % STAGES
+        if step >= STAGES:
+            mbarrier.wait(consumed.index(stage), (step // STAGES - 1) & 1)
         arrival = loaded.index(stage)
         mbarrier.expect(arrival, tile_bytes)
         row = first_row + chunk * CHUNK_ROWS
@@ -148,9 +184,9 @@ def _load_tiles(w_descriptor, u_descriptor, keys_descriptor, w_tiles, u_tiles, k
 @gluon.jit
 def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile, loaded, consumed,
                  new_values_descriptor, chunk_states_descriptor, state_descriptor, decay_ptr, state_ptr, blocks_ptr,
-                 head, first_value, first_row, length, chunks, V_HEADS: gl.constexpr, K_DIM: gl.constexpr,
-                 V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                 PACKED: gl.constexpr):
+                 head, first_value, first_row, length, first_chunk, end_chunk, V_HEADS: gl.constexpr,
+                 K_DIM: gl.constexpr, V_DIM: gl.constexpr, CHUNK_ROWS: gl.constexpr, BLOCK: gl.constexpr,
+                 STAGES: gl.constexpr, PACKED: gl.constexpr):
     """The computing warpgroup: S^T in registers through the chunks (module docstring)."""
     dtype: gl.constexpr = w_tiles.dtype
     # accumulators: S^T [BLOCK, Dk] of the second product, V'^T [BLOCK, C] of the first; each product's left
@@ -171,16 +207,17 @@ def _carry_state(w_tiles, u_tiles, key_tiles, new_values_tile, chunk_state_tile,
     chunk_state_view = chunk_state_tile.permute((1, 0))  # S^T
 
     decay_base = decay_ptr + first_row
-    decay_last = gl.load(decay_base + gl.minimum(CHUNK_ROWS, length) - 1)
-    for chunk in range(chunks):
-        stage = chunk % STAGES
+    decay_last = gl.load(decay_base + gl.minimum(first_chunk * CHUNK_ROWS + CHUNK_ROWS, length) - 1)
+    for chunk in range(first_chunk, end_chunk):
+        step = chunk - first_chunk
+        stage = step % STAGES
         start = chunk * CHUNK_ROWS
         if PACKED:  # the chunk's sequence: its aligned block's entry (operators/packed.py), read before the wait
             entry = blocks_ptr + (start // ALIGN_ROWS) * 4
             sequence_first = gl.load(entry)
             sequence_end = sequence_first + (gl.load(entry + 1) + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
             slot = gl.load(entry + 3)
-        mbarrier.wait(loaded.index(stage), (chunk // STAGES) & 1)
+        mbarrier.wait(loaded.index(stage), (step // STAGES) & 1)
         if PACKED:
             if (slot >= 0) & (start == sequence_first):  # a sequence's first chunk starts from its slot's state
                 state = gl.load(state_ptr + _state_offsets(slot * V_HEADS + head, first_value, K_DIM, V_DIM, BLOCK,
@@ -263,7 +300,8 @@ def launch(state, w, u, decayed_keys, decay, new_values, chunk_states, chunk: in
     `applies`."""
     value_heads, key_dim, value_dim = state.shape[-3:]
     length = decay.shape[1]
-    _state_pass_kernel[(value_heads, value_dim // BLOCK_V)](
+    parts = 1 if blocks is None else min(PACKED_PARTS, blocks.shape[0])
+    _state_pass_kernel[(value_heads, value_dim // BLOCK_V, parts)](
         **descriptors(state, w, u, decayed_keys, new_values, chunk_states, chunk), decay_ptr=decay, state_ptr=state,
         blocks_ptr=decay if blocks is None else blocks, length=length, chunks=triton.cdiv(length, chunk),
         V_HEADS=value_heads, K_DIM=key_dim, V_DIM=value_dim, CHUNK_ROWS=chunk, STAGES=STAGES, PACKED=blocks is not None,

@@ -551,8 +551,9 @@ def _workspace(device: torch.device, M: int, V: int) -> dict:
     key = (device, M, V)
     if key not in _workspaces:
         chunks = TARGET_CHUNKS
-        if device.type == "cuda":
-            chunks = max(1, min(TARGET_CHUNKS, triton.cdiv(4 * sm_count(device), M)))
+        if device.type == "cuda":  # by the power of two at or above M: the few geometries (constexprs) that
+            # the decode buckets compile serve every row count up to them, a first token's for any number of prompts
+            chunks = max(1, min(TARGET_CHUNKS, triton.cdiv(4 * sm_count(device), triton.next_power_of_2(M))))
         block_v = _tiles(V)[0]
         chunk = triton.cdiv(triton.cdiv(V, chunks), block_v) * block_v
         num_chunks = triton.cdiv(V, chunk)
