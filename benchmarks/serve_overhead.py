@@ -4,7 +4,7 @@ of its own (docs/decisions.md, D137).
 
     python3 benchmarks/serve_overhead.py [--batches 1,8,64,128] [--steps 300] [--concurrency 8,64,128]
                                          [--requests-per-client 2] [--output-tokens 256] [--engine thread,process]
-                                         [--out overhead.json]
+                                         [--loop auto|asyncio|uvloop] [--out overhead.json]
 
 NullBackend answers the scheduler's calls at once: decode_tokens "chooses" ids (words of a sentence, so that every
 id has text to detokenize and stream) and leaves them where the triton backend's feedback kernel does (host rows by
@@ -150,7 +150,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def whole_server(text_ids, tokenizer, concurrencies, requests_per_client: int, output_tokens: int,
-                 engine: str) -> list:
+                 engine: str, loop: str = "auto") -> list:
     """engine "thread": the scheduler on a thread of this process; "process": in an engine process (D146)."""
     from qwen_triton.server.app import create_app
     from qwen_triton.server.engine_process import EngineProcess
@@ -174,7 +174,7 @@ def whole_server(text_ids, tokenizer, concurrencies, requests_per_client: int, o
     processes = ClientProcesses(max(2, math.ceil(top / 16)))
     results = []
     try:
-        with BackgroundServer(create_app(llm, scheduler=scheduler, model_name="null")) as server:
+        with BackgroundServer(create_app(llm, scheduler=scheduler, model_name="null"), loop=loop) as server:
             processes.run(server.url, "null", level_prompts(sizes, top, 1000, 1, 99), 4)  # warm-up
             for index, concurrency in enumerate(concurrencies):
                 prompts = level_prompts(sizes, concurrency, 1000, requests_per_client, index)
@@ -196,7 +196,7 @@ def whole_server(text_ids, tokenizer, concurrencies, requests_per_client: int, o
                     per_token_ms_p50=level["per_token_ms_p50"],
                     request_per_token_ms_p50=level["request_per_token_ms_p50"], emulated_step_ms=emulated * 1e3,
                     ttft_ms_p50=level["ttft_ms_p50"], ttft_ms_p99=level["ttft_ms_p99"],
-                    engine=engine, engine_cpu_us_per_step=engine_seconds / steps * 1e6,
+                    engine=engine, loop=loop, engine_cpu_us_per_step=engine_seconds / steps * 1e6,
                     http_cpu_us_per_token=other_cpu / level["output_tokens"] * 1e6,
                     full_step_beyond_sleep_us_p50=(statistics.median(full) - emulated) * 1e6 if full else None))
                 print(json.dumps(results[-1]), flush=True)
@@ -214,6 +214,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--engine", default="thread,process",
                         help="where the whole server's engine runs: thread, process or both (D137, D146)")
+    parser.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                        help="the server's event loop (uvicorn's; auto: uvloop where installed)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not set(args.engine.split(",")) <= {"thread", "process"}:
@@ -230,7 +232,7 @@ def main() -> None:
     if args.concurrency:
         for engine in args.engine.split(","):
             report["server"] += whole_server(text_ids, tokenizer, [int(c) for c in args.concurrency.split(",")],
-                                             args.requests_per_client, args.output_tokens, engine)
+                                             args.requests_per_client, args.output_tokens, engine, args.loop)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
 

@@ -20,11 +20,17 @@ import uvicorn
 def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: a free one) and listening, made before the weights load so that an
     address in use is reported at once (connections made before the server starts wait in its backlog). OSError
-    where it cannot be bound."""
+    where it cannot be bound.
+
+    Nagle's algorithm is off (TCP_NODELAY, which the accepted connections inherit): a streamed response is many
+    small writes, and with it on each one after the first waited for the client's delayed ACK. asyncio's loop
+    turns it off only on sockets made with proto IPPROTO_TCP (uvloop on every TCP socket), so under plain asyncio a
+    socket made without it gave each stream's first id ~40 ms late (docs/decisions.md, D156)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:
@@ -44,9 +50,9 @@ class DrainingServer(uvicorn.Server):
     error saying the server is stopping (an error event, then [DONE], for a stream) rather than a cut connection.
     uvicorn itself waits CLOSING_GRACE_S seconds longer for the connections to close."""
 
-    def __init__(self, app, drain_timeout: float, log_level: str = "info", on_started=None):
+    def __init__(self, app, drain_timeout: float, log_level: str = "info", on_started=None, loop: str = "auto"):
         super().__init__(uvicorn.Config(app, lifespan="on", timeout_graceful_shutdown=drain_timeout + CLOSING_GRACE_S,
-                                        log_level=log_level, access_log=False))
+                                        log_level=log_level, access_log=False, loop=loop))
         self.app, self.drain_timeout, self.on_started = app, drain_timeout, on_started
         self._deadline: threading.Timer | None = None
 
@@ -79,14 +85,15 @@ def serve(app, sock: socket.socket, drain_timeout: float, log_level: str = "info
 
 class BackgroundServer:
     """`app` served on a thread at 127.0.0.1 on a free port: `with BackgroundServer(app) as server:` and
-    `server.url` ("http://127.0.0.1:PORT"); leaving the block shuts it down as a SIGTERM would."""
+    `server.url` ("http://127.0.0.1:PORT"); leaving the block shuts it down as a SIGTERM would. loop: uvicorn's
+    event loop ("auto": uvloop where installed, else asyncio)."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_timeout: float = 5.0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", loop: str = "auto"):
         self.app = app
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = DrainingServer(app, drain_timeout, log_level)
+        self.server = DrainingServer(app, drain_timeout, log_level, loop=loop)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="qwen-triton-http", daemon=True)
 
