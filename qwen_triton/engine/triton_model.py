@@ -608,7 +608,7 @@ class TritonModel:
         """One step of B sequences, row r's in slot slots[r] (as `decode`; None: slot r), choosing the next ids
         on the device: int64 [B], a view of a static buffer. sampling holds the rows' parameters (device
         tensors) and the mode the host chose from them; step [B] is each row's draw counter (its number of
-        generated tokens). A penalized row reads and advances its slot's history (`choose_first` starts it).
+        generated tokens). A penalized row reads and advances its slot's history (`choose_first_rows` starts it).
 
         feedback=True ends the step with the feedback kernel: the chosen ids, positions + 1 and step + 1
         become the next step's inputs on the device, and the next call may pass token_ids, positions and
@@ -637,7 +637,7 @@ class TritonModel:
         if sampling.mode in LOGITS_MODES:
             buffers.min_p[:batch].copy_(sampling.min_p)
         if sampling.mode in PENALIZED_MODES:
-            self.history.tensors()  # (made on a prompt by choose_first; here only if none was)
+            self.history.tensors()  # (made on a prompt by choose_first_rows; here only if none was)
             buffers.repetition_penalty[:batch].copy_(sampling.repetition_penalty)
             buffers.frequency_penalty[:batch].copy_(sampling.frequency_penalty)
             buffers.presence_penalty[:batch].copy_(sampling.presence_penalty)
@@ -652,33 +652,26 @@ class TritonModel:
         return self.buffers_for(batch).host_ids
 
     @torch.no_grad()
-    def choose_first(self, logits: torch.Tensor, sampling: DeviceSampling, row: int,
-                     prompt_ids: torch.Tensor | None = None, slot: int | None = None) -> torch.Tensor:
-        """The first generated id of row `row` (its sampling parameters) from its prefill logits [1, V], drawn as
-        decode draws (same noise stream at step 0). A penalized mode needs the row's prompt_ids [T]: they start
-        the history of its sequence's slot (`slot`, default `row`; its prompt's tokens marked, nothing counted),
-        which the decode steps then advance in whatever row the slot decodes."""
-        if sampling.mode not in PENALIZED_MODES:
-            return choose_first(logits, sampling, row)
-        if prompt_ids is None:
-            raise ValueError(f"prompt_ids: mode {sampling.mode!r} (penalties) needs the row's prompt")
-        counts, prompt_mask = self.history.start(row if slot is None else slot, prompt_ids)
-        return choose_first(logits, sampling, row, counts, prompt_mask)
-
     def choose_first_rows(self, logits: torch.Tensor, sampling: DeviceSampling,
-                          prompt_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The first generated ids of every row of the batch at once from a packed prefill's logits [B, V] (row r
-        in slot r, with the batch's row r's sampling parameters): the ids `choose_first` gives one row at a time.
-        A penalized mode needs each row's prompt_ids, which start its slot's history."""
+                          prompt_ids: list[torch.Tensor] | None = None,
+                          slots: list[int] | None = None) -> torch.Tensor:
+        """The first generated ids of every row of the batch at once from its prompts' last logits [B, V] (row r
+        with the batch's row r's sampling parameters), each drawn as decode draws it (the same noise stream, at
+        step 0). A penalized mode needs each row's prompt_ids [T]: they start the history of the row's slot
+        (slots[r], default r; its prompt's tokens marked, nothing counted), which the decode steps then advance in
+        whatever row the slot decodes."""
         if sampling.mode not in PENALIZED_MODES:
             return choose_first(logits, sampling)
         if prompt_ids is None or len(prompt_ids) != logits.shape[0]:
             raise ValueError(f"prompt_ids: mode {sampling.mode!r} (penalties) needs each row's prompt")
-        for slot, ids in enumerate(prompt_ids):
+        slots = list(range(logits.shape[0])) if slots is None else list(slots)
+        if len(slots) != logits.shape[0]:
+            raise ValueError(f"slots: {len(slots)} for {logits.shape[0]} rows")
+        for slot, ids in zip(slots, prompt_ids):
             self.history.start(slot, ids)
         counts, prompt_mask = self.history.tensors()
-        slots = torch.arange(logits.shape[0], device=logits.device, dtype=torch.int32)  # (the decode's kernels)
-        return choose_first(logits, sampling, None, counts, prompt_mask, slots)
+        rows_slots = torch.tensor(slots, device=logits.device, dtype=torch.int32)  # (the decode's kernels)
+        return choose_first(logits, sampling, None, counts, prompt_mask, rows_slots)
 
     # ---- the warm-up (engine/warmup.py) ------------------------------------------------------------
     @torch.no_grad()

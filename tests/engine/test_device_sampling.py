@@ -180,7 +180,10 @@ def test_sampled_rows_with_penalties_and_min_p_draw_as_one_at_a_time(triton):
 def test_choose_first_needs_the_prompt_when_penalized(triton):
     sampling = DeviceSampling.build([SamplingParams(repetition_penalty=1.5)], triton.device)
     with pytest.raises(ValueError, match="prompt_ids"):
-        triton.model.choose_first(torch.zeros(1, triton.config.vocab_size), sampling, 0)
+        triton.model.choose_first_rows(torch.zeros(1, triton.config.vocab_size), sampling)
+    with pytest.raises(ValueError, match="slots: 2 for 1 rows"):
+        triton.model.choose_first_rows(torch.zeros(1, triton.config.vocab_size), sampling, [torch.tensor([1, 2])],
+                                       slots=[0, 1])
 
 
 # ---- GPU: the real shape, the penalized modes inside CUDA graphs ----------------------------------------------

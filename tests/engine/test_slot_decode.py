@@ -117,16 +117,16 @@ def test_bad_slots_are_refused_before_any_work(prefilled, backend):
 
 
 def test_penalties_history_follows_the_slot(prefilled):
-    """The penalties' history is each slot's (engine/buffers.py, PenaltyHistory): choose_first starts slot s's,
+    """The penalties' history is each slot's (engine/buffers.py, PenaltyHistory): choose_first_rows starts slot s's,
     and a penalized step over rows [3, 2] (a bucket of two) reads and advances the history of each row's slot as
     a one-row step of that slot alone does (a bucket of one, other buffers)."""
     model, prefill_logits = prefilled("triton")
     params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3)
     order = [3, 2]
     sampling = DeviceSampling.build([params] * len(order), torch.device("cpu"))
-    first = {slot: int(model.choose_first(prefill_logits[slot], sampling, row, torch.tensor(PROMPTS[slot]),
-                                          slot=slot)[0])
-             for row, slot in enumerate(order)}
+    chosen = model.choose_first_rows(torch.cat([prefill_logits[slot] for slot in order]), sampling,
+                                     [torch.tensor(PROMPTS[slot]) for slot in order], slots=order)
+    first = {slot: int(chosen[row]) for row, slot in enumerate(order)}
     assert [int(model.history.counts[slot].sum()) for slot in range(4)] == [0, 0, 1, 1]  # the first ids
     before = snapshot(model)
     steps = torch.ones(len(order), dtype=torch.int64)
