@@ -6,7 +6,8 @@ warm-up reaches (every length bucket up to max_length, every batch bucket, every
 H100 with an empty Triton cache, 173 keys took 168 s of a 199 s warm-up for 128 sequences of up to 2,304 tokens
 (docs/decisions.md, D143). `qwen-triton tune` runs that warm-up once with full autotuning and writes what the
 autotuner chose (`record`); a file of picks for this GPU (picks/<gpu>.json, the GPU's name in lower case with
-dashes, or QWEN_TRITON_PICKS=FILE) makes each recorded key take its pick without timing (`install`).
+dashes; for a Hopper GPU without its own, another Hopper GPU's; or QWEN_TRITON_PICKS=FILE) makes each recorded key
+take its pick without timing (`install`).
 
 A pick applies only where it is still a candidate: among the kernel's configs after its own pruning (the tables'
 pins, the shape's limits). A key not in the file, or whose pick is no longer a candidate, autotunes as before.
@@ -112,16 +113,30 @@ def _hook(tuner, picks: dict) -> None:
     tuner._bench = bench_unless_pick
 
 
+def shipped_file(device_name: str) -> Path | None:
+    """The shipped picks of this GPU: picks/<gpu>.json, else, for a Hopper GPU, those of another Hopper GPU (the
+    same SMs and shared memory; they share the tuning table too, D144): the H200 takes the H100's (D157)."""
+    from . import HOPPER_NAMES
+
+    own = PICKS_DIRECTORY / device_file_name(device_name)
+    if own.is_file():
+        return own
+    if any(part in device_name.upper() for part in HOPPER_NAMES):
+        for other in HOPPER_NAMES:
+            found = sorted(PICKS_DIRECTORY.glob(f"*{other.lower()}*.json"))
+            if found:
+                return found[0]
+    return None
+
+
 def install(device_name: str) -> Path | None:
-    """Once per process: the picks of this GPU (QWEN_TRITON_PICKS=FILE, or picks/<gpu>.json; off: none)."""
+    """Once per process: the picks of this GPU (QWEN_TRITON_PICKS=FILE, or `shipped_file`; off: none)."""
     if "file" in _INSTALLED:
         return _INSTALLED["file"]
     setting = os.environ.get("QWEN_TRITON_PICKS", "")
-    path = None if setting == "off" else Path(setting) if setting else PICKS_DIRECTORY / device_file_name(device_name)
+    path = None if setting == "off" else Path(setting) if setting else shipped_file(device_name)
     if path is not None and setting and not path.is_file():
         raise FileNotFoundError(f"QWEN_TRITON_PICKS={setting}: no such file")
-    if path is not None and not path.is_file():
-        path = None
     if path is not None:
         install_file(path)
     _INSTALLED["file"] = path

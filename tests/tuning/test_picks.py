@@ -95,6 +95,17 @@ def test_file_names_and_the_environment_switch(tmp_path, monkeypatch):
     assert picks.install("A GPU without picks") is None
 
 
+def test_a_hopper_gpu_without_its_own_picks_takes_another_hoppers(tmp_path, monkeypatch):
+    monkeypatch.setattr(picks, "PICKS_DIRECTORY", tmp_path)
+    assert picks.shipped_file("NVIDIA H200") is None
+    (tmp_path / "nvidia-h100-80gb-hbm3.json").write_text("{}")
+    assert picks.shipped_file("NVIDIA H200").name == "nvidia-h100-80gb-hbm3.json"
+    assert picks.shipped_file("NVIDIA H100 PCIe").name == "nvidia-h100-80gb-hbm3.json"
+    assert picks.shipped_file("NVIDIA A100-SXM4-80GB") is None
+    (tmp_path / "nvidia-h200.json").write_text("{}")
+    assert picks.shipped_file("NVIDIA H200").name == "nvidia-h200.json"
+
+
 SHIPPED_CHECK = """
 import json, sys
 from qwen_triton.operators.common import autotuners
