@@ -21,13 +21,16 @@ if [ -n "${OPS_TESTS:-}" ]; then
 fi
 # PROFILE: "1" profiles a decode step at context 128 and a 128-token prefill (profile.json, .md); a length N
 # profiles each at that context and prefill length (profile-N.json, .md); rN a decode step of N rows (profile-rN);
-# pN the packed prefill of N prompts of 128 tokens (profile-pN)
+# pN the packed prefill of N prompts of 128 tokens (profile-pN); sN a decode step of N rows sampling with Qwen's
+# settings (temperature 0.7, top-p 0.8, top-k 20), qN the same with presence penalty 1.5
 if [ -n "${PROFILE:-}" ]; then  # tuned kernels (their picks at the report's end; tuning times in err.log)
     for n in $PROFILE; do
         case $n in
             1) args=""; name=profile ;;
             r*) args="--rows ${n#r}"; name=profile-$n ;;
             p*) args="--prompts ${n#p}"; name=profile-$n ;;
+            s*) args="--rows ${n#s} --temperature 0.7 --top-p 0.8 --top-k 20"; name=profile-$n ;;
+            q*) args="--rows ${n#q} --temperature 0.7 --top-p 0.8 --top-k 20 --presence-penalty 1.5"; name=profile-$n ;;
             *) args="--prefill $n --context $n"; name=profile-$n ;;
         esac
         TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=$CACHE timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli \
@@ -69,4 +72,9 @@ fi
 if [ -n "${OPS_BENCH:-}" ]; then
     TRITON_CACHE_DIR=$CACHE timeout ${OPS_BENCH_TIMEOUT:-120} python3 -m qwen_triton.cli bench --ops --out "$OUT" \
         > "$OUT/ops-bench.md" 2>> "$OUT/err.log"; echo "ops bench rc $?"
+fi
+if [ -n "${PROBE:-}" ]; then  # a lone request's first token through the server, stage by stage (PROBE: lengths)
+    TRITON_CACHE_DIR=$CACHE timeout ${PROBE_TIMEOUT:-200} python3 benchmarks/first_token_probe.py --engine process \
+        --lengths "$PROBE" --requests 12 > "$OUT/probe.md" 2>> "$OUT/err.log"; echo "probe rc $?"
+    cat "$OUT/probe.md"
 fi

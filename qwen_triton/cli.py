@@ -8,7 +8,7 @@
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops | --workloads | --serve [--concurrency 1,8,64,128]]
-    qwen-triton profile [--context N] [--prefill N] [--rows B] [--prompts P] [--out FILE.json]
+    qwen-triton profile [--context N] [--prefill N] [--rows B] [--prompts P] [--temperature T ...] [--out FILE.json]
 
 --model takes a checkpoint directory or a Hugging Face repo id (the local Hugging Face cache; HF_HUB_OFFLINE=1
 honoured). Without --model, generate, chat and serve run a random-weight model (the 0.8b shape on a GPU, the tiny
@@ -549,10 +549,16 @@ def command_profile(args) -> None:
     device = _measuring_device(args, "profiling on the CPU (Triton interpreted, operators timed on the host): "
                                      "its numbers mean nothing")
     from .benchmark.profile import format_profile, run_profile
+    from .engine.sampling import SamplingParams
 
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  presence_penalty=args.presence_penalty)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     report = run_profile(preset=args.preset, context=args.context, prefill_tokens=args.prefill, steps=args.steps,
                          device=device, pdl=False if args.no_pdl else None, rows=args.rows,
-                         prompts=args.prompts)
+                         prompts=args.prompts, sampling=sampling)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
@@ -768,6 +774,12 @@ def build_parser() -> ArgumentParser:
     profile.add_argument("--preset", choices=preset_names(), default="0.8b", help="the model shape")
     profile.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present")
     profile.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    profile.add_argument("--temperature", type=float, metavar="T", default=0.0,
+                         help="the decode step's rows sample at this temperature (0 = greedy)")
+    profile.add_argument("--top-k", type=int, metavar="K", default=0, help="the rows' top-k (0 = off)")
+    profile.add_argument("--top-p", type=float, metavar="P", default=1.0, help="the rows' top-p (1 = off)")
+    profile.add_argument("--presence-penalty", type=float, metavar="X", default=0.0,
+                         help="the rows' presence penalty (0 = off)")
     profile.add_argument("--out", help="write the full report (every kernel) as JSON here")
     profile.set_defaults(run=command_profile)
 

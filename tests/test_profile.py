@@ -1,6 +1,7 @@
 """`qwen-triton profile` end to end on the CPU (tiny preset, interpreter, operators timed on the host)."""
 
 import pytest
+import torch
 
 from qwen_triton.benchmark.floor import decode_bytes
 from qwen_triton.benchmark.profile import format_profile, run_profile
@@ -118,3 +119,22 @@ def test_profile_of_several_rows_and_prompts_runs_the_batched_kernels():
     counts = {row["kind"]: row["count"] for row in report["prefill"]["by_kind"]}
     assert counts["gated delta rule (chunked, packed) + gated norm"] == len(config.layer_types) - attention
     assert counts["attention (flash prefill, packed)"] == attention and counts["each sequence's last row"] == 1
+
+
+def test_profile_of_a_sampled_step_runs_the_sampling_kernels():
+    """--temperature/--top-k/--top-p/--presence-penalty: the step's rows sample, its kernels those of that mode."""
+    from qwen_triton.benchmark.models import random_llm
+    from qwen_triton.benchmark.profile import profile_decode
+    from qwen_triton.engine.sampling import SamplingParams
+
+    model = random_llm("tiny", "triton", device="cpu", dtype=torch.float32, max_length=8, warm_up=False).model
+    sampling = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+    decode = profile_decode(model, 5, 1, 1.0, 1.0, params=sampling)
+    assert decode["mode"] == "penalized-top-k"
+    assert "penalties: count the chosen ids" in {row["kind"] for row in decode["by_kind"]}
+    greedy = profile_decode(model, 5, 1, 1.0, 1.0)
+    assert greedy["mode"] == "greedy" and "penalties: count the chosen ids" not in {
+        row["kind"] for row in greedy["by_kind"]}
+    text = format_profile(dict(device="cpu", hbm_copy_TBps=1.0, matmul_TFLOPs=1.0, decode=decode,
+                               prefill=dict(greedy, tokens=8)))
+    assert "decode step at context 5, penalized-top-k mode" in text

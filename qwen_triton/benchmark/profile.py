@@ -109,10 +109,11 @@ def _report(trace: KernelTrace, timeline, hbm: float, matmul: float) -> dict:
                 per_kernel=timeline is not None, by_kind=list(kinds.values()), operators=operators)
 
 
-def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, mode: str = "greedy",
-                   rows: int = 1) -> dict:
+def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, rows: int = 1,
+                   params=None) -> dict:
     """Profile one decode step of `model` (a TritonModel) for slots 0..rows-1, each at `context` tokens of
-    context, as generation runs it (with the feedback kernel that makes its ids the next step's inputs)."""
+    context, as generation runs it (with the feedback kernel that makes its ids the next step's inputs); every row
+    with the SamplingParams `params` (default greedy)."""
     from ..engine.sampling import SamplingParams
     from ..engine.device_sampling import DeviceSampling
     from ..engine.graphs import restore_states, save_states
@@ -120,7 +121,11 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     device = model.device
     token = torch.ones(rows, device=device, dtype=torch.int64)
     position = torch.full((rows,), context, device=device, dtype=torch.int64)
-    sampling = DeviceSampling.build([SamplingParams()] * rows, device)
+    sampling = DeviceSampling.build([params or SamplingParams()] * rows, device)
+    mode = sampling.mode
+    for slot in range(rows):  # a penalized mode's history: the slot's prompt, here one token
+        if params is not None and params.penalized:
+            model.history.start(slot, token[:1])
     counter = torch.zeros(rows, device=device, dtype=torch.int64)
     model.decode_tokens(token, position, sampling, counter, feedback=True)  # warm-up: compile, autotune, capture
     buffers = model.buffers_for(rows)
@@ -136,7 +141,8 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
         model.trace = None
     if not on_gpu:
         restore_states(model.state, model.history, saved)
-        return dict(context=context, rows=rows, timeline="host (interpreter)", **_report(trace, None, hbm, matmul))
+        return dict(context=context, rows=rows, mode=mode, timeline="host (interpreter)",
+                    **_report(trace, None, hbm, matmul))
     torch.cuda.synchronize()
     timeline = _timeline(lambda: model.run_step(buffers, mode, feedback=True), trace, steps)
     where = "cuda graph" if model.plan.cuda_graph else "eager"
@@ -148,7 +154,7 @@ def profile_decode(model, context: int, steps: int, hbm: float, matmul: float, m
     restore_states(model.state, model.history, saved)
     report = _report(trace, timeline, hbm, matmul)
     report["bytes_counted_by_floor"] = decode_bytes(model.config, context, rows).total
-    return dict(context=context, rows=rows, timeline=where, pdl=model.plan.pdl, **report)
+    return dict(context=context, rows=rows, mode=mode, timeline=where, pdl=model.plan.pdl, **report)
 
 
 def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float, prompts: int = 1) -> dict:
@@ -199,7 +205,7 @@ def profile_prefill(model, tokens: int, steps: int, hbm: float, matmul: float, p
 
 
 def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 128, steps: int = 20,
-                device: str = "cuda", pdl: bool | None = None, rows: int = 1, prompts: int = 1) -> dict:
+                device: str = "cuda", pdl: bool | None = None, rows: int = 1, prompts: int = 1, sampling=None) -> dict:
     from .models import random_llm
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -213,7 +219,7 @@ def run_profile(preset: str = "0.8b", context: int = 128, prefill_tokens: int = 
                      pdl=pdl, warm_up=False, max_batch=max(rows, prompts))
     model = llm.model
     log("profiling a decode step")
-    decode = profile_decode(model, context, steps, hbm, matmul, rows=rows)
+    decode = profile_decode(model, context, steps, hbm, matmul, rows=rows, params=sampling)
     log("profiling a prefill")
     prefill = profile_prefill(model, prefill_tokens, max(2, steps // 4), hbm, matmul, prompts=prompts)
     from ..operators.common import autotune_choices
@@ -230,6 +236,7 @@ def format_profile(report: dict) -> str:
         part = report[phase]
         heading = title.format(**part) + (f", {part['rows']} rows" if part.get("rows", 1) > 1 else "")
         heading += f", {part['prompts']} prompts" if part.get("prompts", 1) > 1 else ""
+        heading += f", {part['mode']} mode" if part.get("mode", "greedy") != "greedy" else ""
         lines += ["", f"{heading} ({part['timeline']}{', PDL' if part.get('pdl') else ''}): "
                   f"{part['span_us']:.1f} us first kernel start to last kernel end; {part['kernel_count']} kernels "
                   f"{part['kernel_us']:.1f} us + gaps {part['gap_us']:.1f} us; floor {part['floor_us']:.1f} us "
