@@ -30,6 +30,16 @@ def bucket(batch: int, limit: int | None = None) -> int:
 PADDING_SLOT = -1  # the slot of a bucket's padding rows: no state read or written
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` by a copy that does not wait for the GPU: through pinned memory and a copy
+    queued on the stream (a pageable one waits for everything queued before it), so a host that builds a step's
+    inputs while the step before runs keeps running. (PyTorch's pinned allocator keeps the pinned block until the
+    copy is done.)"""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class PenaltyHistory:
     """The penalties' history of each slot's sequence: int32 counts of its generated tokens and a bool mask of its
     prompt's tokens [max_batch, vocab], allocated on the first penalized generation (`tensors`). Per slot, so a
@@ -53,7 +63,8 @@ class PenaltyHistory:
         counts, prompt_mask = self.tensors()
         counts[slot].zero_()
         prompt_mask[slot].zero_()
-        prompt_mask[slot].index_fill_(0, prompt_ids.to(self.device, torch.int64), True)
+        ids = prompt_ids.to(torch.int64)
+        prompt_mask[slot].index_fill_(0, ids if ids.device == self.device else host_to_device(ids, self.device), True)
         return counts[slot:slot + 1], prompt_mask[slot:slot + 1]
 
 

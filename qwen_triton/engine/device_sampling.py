@@ -40,6 +40,17 @@ def sample_options(mode: str) -> dict:
     return dict(filtering=mode in SEARCH_MODES or top_k, top_k_bound=K_MAX if top_k else None)
 
 
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+INT_COLUMNS = ("top_k", "seed")
+
+
+def _columns(buffer: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 [6, count] and int64 [2, count] views of a byte buffer of DeviceSampling's columns."""
+    split = 4 * len(FLOAT_COLUMNS) * count  # a multiple of 8: the int64 view is aligned
+    return (buffer[:split].view(torch.float32).view(len(FLOAT_COLUMNS), count),
+            buffer[split:].view(torch.int64).view(len(INT_COLUMNS), count))
+
+
 @dataclass
 class DeviceSampling:
     """The sampling parameters of a batch's rows as device tensors, and the decode mode they need."""
@@ -71,20 +82,17 @@ class DeviceSampling:
         else:
             mode = "top-k" if candidates else "sample"
 
-        def column(name, dtype):
-            return torch.tensor([getattr(p, name) for p in rows], device=device, dtype=dtype)
-
-        return cls(
-            mode=mode,
-            temperature=column("temperature", torch.float32),
-            top_k=column("top_k", torch.int32),
-            top_p=column("top_p", torch.float32),
-            seed=column("seed", torch.int64),
-            min_p=column("min_p", torch.float32),
-            repetition_penalty=column("repetition_penalty", torch.float32),
-            frequency_penalty=column("frequency_penalty", torch.float32),
-            presence_penalty=column("presence_penalty", torch.float32),
-        )
+        # every column in one host buffer and one copy (pinned, not waiting for the GPU: a server builds this
+        # while a step runs), then views of the device's copy
+        count = len(rows)
+        host = torch.empty(count * (4 * len(FLOAT_COLUMNS) + 8 * len(INT_COLUMNS)), dtype=torch.uint8,
+                           pin_memory=device.type == "cuda")
+        floats, ints = _columns(host, count)
+        floats.copy_(torch.tensor([[getattr(p, name) for p in rows] for name in FLOAT_COLUMNS], dtype=torch.float32))
+        ints.copy_(torch.tensor([[getattr(p, name) for p in rows] for name in INT_COLUMNS], dtype=torch.int64))
+        floats, ints = _columns(host.to(device, non_blocking=True), count)
+        named = dict(zip(FLOAT_COLUMNS, floats))
+        return cls(mode=mode, top_k=ints[0].to(torch.int32), seed=ints[1], **named)
 
     def penalties(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.repetition_penalty[rows], self.frequency_penalty[rows], self.presence_penalty[rows]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.buffers import host_to_device
 from ..engine.sampling import SamplingParams, penalize, sample, token_counts
 from .sequence import Sequence, SequenceOutput
 
@@ -199,7 +200,7 @@ class DeviceSampler:
         params = device_params(sequence.params)
         sequence.sampling_state = params
         if params.penalized:  # the slot's history: the prompt's ids marked, nothing counted
-            self.backend.history.start(sequence.slot, torch.tensor(sequence.prompt_ids, device=self.device))
+            self.backend.history.start(sequence.slot, torch.tensor(sequence.prompt_ids))
 
     def first(self, sequences: list[Sequence], logits: torch.Tensor) -> list[SequenceOutput]:
         """The first generated id of each sequence (its step 0) from its prompt's last logits (row r of [S, vocab]),
@@ -208,7 +209,7 @@ class DeviceSampler:
 
         sampling = DeviceSampling.build([s.sampling_state for s in sequences], self.device)
         steps = torch.zeros(len(sequences), dtype=torch.int64, device=self.device)
-        slots = torch.tensor([s.slot for s in sequences], dtype=torch.int32, device=self.device)
+        slots = host_to_device(torch.tensor([s.slot for s in sequences], dtype=torch.int32), self.device)
         return self._choose(logits, sequences, sampling, steps, slots)
 
     def decode(self, sequences: list[Sequence], ahead: bool = False) -> list[SequenceOutput]:
@@ -287,8 +288,8 @@ class DeviceSampler:
 
     def _inputs(self, sequences: list[Sequence], steps: list[int]) -> tuple[torch.Tensor, ...]:
         """(token ids, positions, step counters, slots) [B] each, on the device in one copy."""
-        packed = torch.tensor([[s.generated[-1] for s in sequences], [s.position for s in sequences], steps,
-                               [s.slot for s in sequences]], dtype=torch.int64).to(self.device)
+        packed = host_to_device(torch.tensor([[s.generated[-1] for s in sequences], [s.position for s in sequences],
+                                              steps, [s.slot for s in sequences]], dtype=torch.int64), self.device)
         return packed[0], packed[1], packed[2], packed[3]
 
 

@@ -344,9 +344,10 @@ class Scheduler:
             total += end - sequence.prefilled
         if not chunks:
             return 0
-        # every chunk's ids in one copy to the device, split into views
+        # every chunk's ids in one host tensor, split into views: the backend lays them out in its inputs (one
+        # copy to the device, which does not wait for a step in flight)
         ids = torch.tensor([t for s, end in chunks for t in s.prompt_ids[s.prefilled:end]], dtype=torch.int64)
-        pieces = ids.to(self.backend.device).split([end - s.prefilled for s, end in chunks])
+        pieces = ids.split([end - s.prefilled for s, end in chunks])
         logits = self.backend.prefill_batch(list(pieces), [s.slot for s, _ in chunks], [s.prefilled for s, _ in chunks])
         done = [r for r, (sequence, end) in enumerate(chunks) if end == len(sequence.prompt_ids)]
         for sequence, end in chunks:
