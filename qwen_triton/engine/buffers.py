@@ -35,6 +35,7 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     queued on the stream (a pageable one waits for everything queued before it), so a host that builds a step's
     inputs while the step before runs keeps running. (PyTorch's pinned allocator keeps the pinned block until the
     copy is done.)"""
+    device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

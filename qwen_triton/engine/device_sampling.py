@@ -84,7 +84,7 @@ class DeviceSampling:
 
         # every column in one host buffer and one copy (pinned, not waiting for the GPU: a server builds this
         # while a step runs), then views of the device's copy
-        count = len(rows)
+        count, device = len(rows), torch.device(device)
         host = torch.empty(count * (4 * len(FLOAT_COLUMNS) + 8 * len(INT_COLUMNS)), dtype=torch.uint8,
                            pin_memory=device.type == "cuda")
         floats, ints = _columns(host, count)
