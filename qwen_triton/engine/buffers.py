@@ -31,12 +31,12 @@ PADDING_SLOT = -1  # the slot of a bucket's padding rows: no state read or writt
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` by a copy that does not wait for the GPU: through pinned memory and a copy
+    """A host tensor on `device` (one already on a GPU: moved as .to does) by a copy that does not wait for the GPU: through pinned memory and a copy
     queued on the stream (a pageable one waits for everything queued before it), so a host that builds a step's
     inputs while the step before runs keeps running. (PyTorch's pinned allocator keeps the pinned block until the
     copy is done.)"""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
@@ -64,8 +64,7 @@ class PenaltyHistory:
         counts, prompt_mask = self.tensors()
         counts[slot].zero_()
         prompt_mask[slot].zero_()
-        ids = prompt_ids.to(torch.int64)
-        prompt_mask[slot].index_fill_(0, ids if ids.device == self.device else host_to_device(ids, self.device), True)
+        prompt_mask[slot].index_fill_(0, host_to_device(prompt_ids.to(torch.int64), self.device), True)
         return counts[slot:slot + 1], prompt_mask[slot:slot + 1]
 
 
