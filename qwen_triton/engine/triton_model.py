@@ -537,16 +537,15 @@ class TritonModel:
                        "top-k candidates" if mode in TOP_K_MODES else "min-p / temperature")
             with self._traced(f"sampling ({filters})", None, costs.sampling, c, size):
                 sample(buffers.logits, buffers.temperature, buffers.top_k, buffers.top_p, buffers.seed,
-                       buffers.step, out=buffers.next_tokens, min_p=buffers.min_p, pdl=plan.pdl,
-                       **sample_options(mode))
+                       buffers.step, out=buffers.next_tokens, min_p=buffers.min_p, **sample_options(mode))
         elif head == HEAD_LOGITS and mode != "logits":  # greedy or temperature rows past the argmax heads' buckets
             temperature = buffers.temperature if mode == "temperature" else buffers.greedy_temperature
             with self._traced("sampling (argmax / temperature)", None, costs.sampling, c, size):
                 sample(buffers.logits, temperature, buffers.top_k, buffers.top_p, buffers.seed, buffers.step,
-                       out=buffers.next_tokens, filtering=False, pdl=plan.pdl)
+                       out=buffers.next_tokens, filtering=False)
         if penalized:
             with self._traced("penalties: count the chosen ids", None, costs.token_count, size):
-                count_tokens(buffers.next_tokens, self.history.counts, slots=buffers.slots, pdl=plan.pdl)
+                count_tokens(buffers.next_tokens, self.history.counts, slots=buffers.slots)
         if feedback:
             with self._traced("feedback: chosen ids -> next inputs", None, costs.feedback, size):
                 feed_back(buffers.next_tokens, buffers.token_ids, buffers.positions, buffers.lengths, buffers.step,

@@ -692,13 +692,11 @@ def test_top_k_bound_rejects_bad_values(change, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_top_k_candidates_choose_what_the_search_chooses(rows, pdl):
+def test_gpu_top_k_candidates_choose_what_the_search_chooses(rows):
     """The real vocabulary, the engine's width (K_MAX): Qwen's settings (0.7 / 0.8 / 20, 1.0 / 0.95 / 20), min-p,
     top_k 64, greedy; normal rows, rows of integers (a few ties), rows of 5 values (tens of thousands tied at the
-    largest: every chunk takes the rounds, and the draw kernel draws); at several steps, replayed from a CUDA graph
-    (with pdl, each kernel launched early, waiting for the one before)."""
+    largest: every chunk takes the rounds, and the draw kernel draws); at several steps, replayed from a CUDA graph."""
     from qwen_triton.operators.sampling.sample import DONE, K_MAX
 
     torch.manual_seed(rows)
@@ -721,10 +719,10 @@ def test_gpu_top_k_candidates_choose_what_the_search_chooses(rows, pdl):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        sample(logits, *args[:4], step, out, min_p=min_p, top_k_bound=K_MAX, pdl=pdl)
+        sample(logits, *args[:4], step, out, min_p=min_p, top_k_bound=K_MAX)
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        sample(logits, *args[:4], step, out, min_p=min_p, top_k_bound=K_MAX, pdl=pdl)
+        sample(logits, *args[:4], step, out, min_p=min_p, top_k_bound=K_MAX)
         step.add_(1)
     step.copy_(args[4])
     for i in range(3):

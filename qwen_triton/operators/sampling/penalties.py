@@ -25,16 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (
-    allow_next_kernel,
-    check_same_device,
-    check_slots,
-    check_tensor,
-    interpreting,
-    launch_options,
-    sequence_slot,
-    wait_for_previous_kernel,
-)
+from ..common import check_same_device, check_slots, check_tensor, interpreting, sequence_slot
 
 
 @triton.jit
@@ -80,9 +71,7 @@ def _penalties_kernel(
 
 @triton.jit
 def _count_kernel(chosen_ptr, counts_ptr, stride_cm, slots_ptr, rows, V, BLOCK: tl.constexpr,
-                  HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
+                  HAS_SLOTS: tl.constexpr):
     row = tl.arange(0, BLOCK)
     mask = row < rows
     if HAS_SLOTS:
@@ -136,11 +125,10 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     return logits
 
 
-def count_tokens(chosen: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor | None = None,
-                 pdl: bool = False) -> torch.Tensor:
+def count_tokens(chosen: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
     """In place: counts[slots[r], chosen[r]] += 1 for each row r of chosen int64 [M] (slots int32 [M], distinct,
     negative: a padding row, not counted; None: row r's count at r); counts int32 [S, V], S >= M. Returns
-    counts. pdl: programmatic dependent launch (Hopper)."""
+    counts."""
     check_tensor("chosen", chosen, shape=(None,), dtype=torch.int64, contiguous=True)
     M = chosen.shape[0]
     check_tensor("counts", counts, shape=(None, None), dtype=torch.int32)
@@ -151,6 +139,6 @@ def count_tokens(chosen: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor
     if M == 0:
         return counts
     _count_kernel[(1,)](chosen, counts, counts.stride(0), slots, M, counts.shape[1], BLOCK=triton.next_power_of_2(M),
-                        HAS_SLOTS=has_slots, USE_PDL=pdl, **launch_options(pdl))
+                        HAS_SLOTS=has_slots)
     return counts
 

@@ -87,15 +87,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import (
-    allow_next_kernel,
-    check_same_device,
-    check_tensor,
-    interpreting,
-    launch_options,
-    sm_count,
-    wait_for_previous_kernel,
-)
+from ..common import check_same_device, check_tensor, interpreting, sm_count
 from .noise import check_noise_keys, gumbel_noise
 
 TOP_K = tl.constexpr(0)
@@ -168,10 +160,8 @@ def _stats_kernel(
     logits_ptr, stride_lm, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     chunk_ptr, state_int_ptr, state_float_ptr, counter_ptr,
     V, CHUNK, NUM_CHUNKS,
-    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, HAS_MIN_P: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -237,10 +227,8 @@ def _search_kernel(
     logits_ptr, stride_lm, temperature_ptr, top_k_ptr, top_p_ptr,
     count_ptr, mass_ptr, state_int_ptr, state_float_ptr, counter_ptr,
     V, CHUNK, NUM_CHUNKS,
-    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     state_int = state_int_ptr + row * 4
@@ -364,10 +352,8 @@ def _top_k_kernel(
     candidate_ptr, tie_ptr, merge_ptr, state_int_ptr, counter_ptr, out_ptr,
     V, NUM_CHUNKS,
     K: tl.constexpr, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr, BLOCK_P: tl.constexpr, MERGE: tl.constexpr,
-    RANK_BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, SEED_PER_ROW: tl.constexpr, USE_PDL: tl.constexpr,
+    RANK_BLOCK: tl.constexpr, HAS_MIN_P: tl.constexpr, SEED_PER_ROW: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -475,10 +461,8 @@ def _draw_kernel(
     logits_ptr, stride_lm, temperature_ptr, seed_ptr, step_ptr,
     best_value_ptr, best_index_ptr, state_int_ptr, counter_ptr, out_ptr,
     V, CHUNK, NUM_CHUNKS,
-    SEED_PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+    SEED_PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    allow_next_kernel(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     # a row the top-k kernel drew is done (the stats kernel never leaves a row DRAWN)
@@ -614,7 +598,6 @@ def sample(
     filtering: bool = True,
     min_p: torch.Tensor | None = None,
     top_k_bound: int | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """One token id per row of logits [M, V] (float32, rows may be strided): int64 [M].
 
@@ -627,8 +610,6 @@ def sample(
     top_k_bound (1 to K_MAX): the top-k candidate path, two launches instead of 14, the same ids; only when
     every sampled row (temperature > 0) has 1 <= top_k <= top_k_bound (greedy rows may have any top_k; a
     larger one acts as the candidate width, K = next_power_of_2(top_k_bound)). A compiled variant per width.
-    pdl: programmatic dependent launch of every kernel (Hopper): each launches while the kernel before it drains
-    and waits for it before reading anything.
     """
     check_tensor("logits", logits, shape=(None, None), dtype=torch.float32)
     M, V = logits.shape
@@ -666,34 +647,31 @@ def sample(
             V, work["top_k_chunks"], K=width, BLOCK_V=work["top_k_block"], GROUPS=min(GROUPS, work["top_k_block"]),
             BLOCK_P=work["top_k_block_p"], MERGE=MERGE_PER_WIDTH * width,
             RANK_BLOCK=min(RANK_BLOCK, MERGE_PER_WIDTH * width), HAS_MIN_P=min_p is not None,
-            SEED_PER_ROW=seed_per_row, USE_PDL=pdl, num_warps=TOP_K_WARPS, **launch_options(pdl),
+            SEED_PER_ROW=seed_per_row, num_warps=TOP_K_WARPS,
         )
-        _draw(logits, temperature, seed, step, out, work, grid, geometry, block_v, seed_per_row, pdl)
+        _draw(logits, temperature, seed, step, out, work, grid, geometry, block_v, seed_per_row)
         return out
     _stats_kernel[grid](
         logits, logits.stride(0), temperature, top_k, top_p, top_p if min_p is None else min_p,
         work["chunk_stats"], work["state_int"], work["state_float"], work["counters"],
-        **geometry, BLOCK_V=block_v, BLOCK_P=work["block_p"], HAS_MIN_P=min_p is not None, USE_PDL=pdl,
-        num_warps=NUM_WARPS, **launch_options(pdl),
+        **geometry, BLOCK_V=block_v, BLOCK_P=work["block_p"], HAS_MIN_P=min_p is not None, num_warps=NUM_WARPS,
     )
     if filtering:
         for _ in range(2 * PASSES_PER_FILTER):
             _search_kernel[grid](
                 logits, logits.stride(0), temperature, top_k, top_p,
                 work["count"], work["mass"], work["state_int"], work["state_float"], work["counters"],
-                **geometry, BLOCK_V=search_block_v, BLOCK_P=work["block_p"], USE_PDL=pdl, num_warps=NUM_WARPS,
-                **launch_options(pdl),
+                **geometry, BLOCK_V=search_block_v, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
             )
-    _draw(logits, temperature, seed, step, out, work, grid, geometry, block_v, seed_per_row, pdl)
+    _draw(logits, temperature, seed, step, out, work, grid, geometry, block_v, seed_per_row)
     return out
 
 
-def _draw(logits, temperature, seed, step, out, work, grid, geometry, block_v, seed_per_row, pdl) -> None:
+def _draw(logits, temperature, seed, step, out, work, grid, geometry, block_v, seed_per_row) -> None:
     _draw_kernel[grid](
         logits, logits.stride(0), temperature, seed, step,
         work["best_value"], work["best_index"], work["state_int"], work["counters"], out,
-        **geometry, SEED_PER_ROW=seed_per_row, BLOCK_V=block_v, BLOCK_P=work["block_p"], USE_PDL=pdl,
-        num_warps=NUM_WARPS, **launch_options(pdl),
+        **geometry, SEED_PER_ROW=seed_per_row, BLOCK_V=block_v, BLOCK_P=work["block_p"], num_warps=NUM_WARPS,
     )
 
 
