@@ -94,6 +94,20 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNTS[device]
 
 
+_SHARED_MEMORY: dict = {}
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The shared memory one program may use on this GPU (bytes; 232,448 on an H100 or H200); None off a GPU and
+    under the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return None
+    if device not in _SHARED_MEMORY:
+        _SHARED_MEMORY[device] = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return _SHARED_MEMORY[device]
+
+
 def autotune_configs(configs: list) -> list:
     """The autotune search space: all configs on a GPU, the first alone under the interpreter or when
     QWEN_TRITON_AUTOTUNE=first (correctness runs on a GPU, which need no tuning); QWEN_TRITON_AUTOTUNE=N

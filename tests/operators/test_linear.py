@@ -747,6 +747,31 @@ def test_prefill_gemm_keeps_the_in_graph_winner_for_short_prompts():
     assert kept(256, 1024, candidates=[configs[0], configs[3]]) == [(128, 64, 1), (128, 64, 2)]  # not among them
 
 
+def test_gemm_drops_configs_whose_pipeline_overflows_shared_memory(monkeypatch):
+    """The tables' pins were chosen in bf16; in float32 a gate/up config of 3 stages of a 64 x 128 x tile and two
+    64 x 128 weight tiles takes 294,912 bytes, over an H100's 232,448: dropped before the pins are applied, so a
+    float32 model on a GPU (which failed its first prefill with OutOfResources) autotunes among the rest."""
+    import triton
+
+    from qwen_triton.operators.linear import gemm
+
+    monkeypatch.setattr(gemm, "shared_memory_limit", lambda device: 232448)
+    configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 1}, num_warps=4,
+                             num_stages=3),
+               triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT_K": 1}, num_warps=4,
+                             num_stages=3)]
+    assert gemm.pipeline_bytes(configs[0], 4, 2) == 294912
+
+    def kept(dtype, activation):
+        x = torch.empty(2, 1024, dtype=dtype)
+        pruned = gemm._prune(configs, {"M_BUCKET": 4096, "x_ptr": x}, ACTIVATION=activation, SPLIT_ALLOWED=False)
+        return [c.kwargs["BLOCK_K"] for c in pruned]
+
+    assert kept(torch.bfloat16, 1) == [128, 64]  # 147,456 bytes: both fit
+    assert kept(torch.float32, 1) == [64]  # over the limit: the other config alone
+    assert kept(torch.float32, 0) == [128, 64]  # without SwiGLU's second weight tile: 196,608 bytes
+
+
 def test_decode_gemm_keeps_one_pick_per_K_with_the_buckets_rows():
     """A decode step of 2-128 rows: the decode table's tiles, splits, warps and stages for its K at every bucket,
     BLOCK_M the bucket's rows from 16 to 64 (the H200 table's GEMM_DECODE_BY_K)."""

@@ -83,7 +83,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
-                      launch_options, preferred_entry, wait_for_previous_kernel)
+                      launch_options, preferred_entry, shared_memory_limit, wait_for_previous_kernel)
 from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, prologue, row_rstd,
                      split_workspace, store_output, store_split_output)
 
@@ -171,6 +171,23 @@ TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # of
 DECODE_FIELDS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")  # of the decode table, by K
 
 
+def pipeline_bytes(config, element_size: int, weight_tiles: int) -> int:
+    """The shared memory of a config's pipeline: num_stages copies of its x tile [BLOCK_M, BLOCK_K] and its
+    weight tiles [BLOCK_N, BLOCK_K] (two with SwiGLU's gate and up)."""
+    k = config.kwargs
+    return config.num_stages * (k["BLOCK_M"] + weight_tiles * k["BLOCK_N"]) * k["BLOCK_K"] * element_size
+
+
+def fits_shared_memory(config, x, weight_tiles: int) -> bool:
+    """Whether the config's pipeline fits the GPU's shared memory for x's dtype (the tables' pins were chosen in
+    bf16: in float32 the same tiles take twice the bytes, and the gate/up pin then needs 294,912 of an H100's
+    232,448). True where the limit is unknown (the interpreter; a tensor descriptor, always 16-bit)."""
+    if not isinstance(x, torch.Tensor):
+        return True
+    limit = shared_memory_limit(x.device)
+    return limit is None or pipeline_bytes(config, x.element_size(), weight_tiles) <= limit
+
+
 def _prune(configs, named_args, **kwargs):
     """Drop tiles taller than the bucket of M (or shorter than 64 rows past 64 rows), accumulators over 128 float32
     registers per thread, and splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
@@ -187,6 +204,7 @@ def _prune(configs, named_args, **kwargs):
         and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
         and (c.kwargs["BLOCK_N"] >= SQUARES_COLUMNS or not kwargs.get("WRITE_SQUARES"))
+        and fits_shared_memory(c, named_args.get("x_ptr"), accumulators)
     ]
     if bucket <= DECODE_ROWS and "K" in named_args:
         preferred = preferred_entry(PREFERRED_DECODE_BY_K, named_args["K"], DECODE_FIELDS)
