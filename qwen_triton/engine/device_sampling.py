@@ -44,11 +44,24 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
 INT_COLUMNS = ("top_k", "seed")
 
 
+def _column_widths(count: int) -> tuple[int, int]:
+    """Elements a float32 and an int64 column take in the buffer: each column starts 16 bytes aligned, as a tensor of
+    its own does, so a kernel reading it compiles the specialisation the warm-up compiled."""
+    return -(-count // 4) * 4, -(-count // 2) * 2
+
+
+def _buffer_bytes(count: int) -> int:
+    floats, ints = _column_widths(count)
+    return 4 * floats * len(FLOAT_COLUMNS) + 8 * ints * len(INT_COLUMNS)
+
+
 def _columns(buffer: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 [6, count] and int64 [2, count] views of a byte buffer of DeviceSampling's columns."""
-    split = 4 * len(FLOAT_COLUMNS) * count  # a multiple of 8: the int64 view is aligned
-    return (buffer[:split].view(torch.float32).view(len(FLOAT_COLUMNS), count),
-            buffer[split:].view(torch.int64).view(len(INT_COLUMNS), count))
+    """The float32 [6, count] and int64 [2, count] views of a byte buffer of DeviceSampling's columns (each row
+    contiguous and 16 bytes aligned)."""
+    floats, ints = _column_widths(count)
+    split = 4 * floats * len(FLOAT_COLUMNS)
+    return (buffer[:split].view(torch.float32).view(len(FLOAT_COLUMNS), floats)[:, :count],
+            buffer[split:].view(torch.int64).view(len(INT_COLUMNS), ints)[:, :count])
 
 
 @dataclass
@@ -85,8 +98,7 @@ class DeviceSampling:
         # every column in one host buffer and one copy (pinned, not waiting for the GPU: a server builds this
         # while a step runs), then views of the device's copy
         count, device = len(rows), torch.device(device)
-        host = torch.empty(count * (4 * len(FLOAT_COLUMNS) + 8 * len(INT_COLUMNS)), dtype=torch.uint8,
-                           pin_memory=device.type == "cuda")
+        host = torch.zeros(_buffer_bytes(count), dtype=torch.uint8, pin_memory=device.type == "cuda")
         floats, ints = _columns(host, count)
         floats.copy_(torch.tensor([[getattr(p, name) for p in rows] for name in FLOAT_COLUMNS], dtype=torch.float32))
         ints.copy_(torch.tensor([[getattr(p, name) for p in rows] for name in INT_COLUMNS], dtype=torch.int64))

@@ -60,6 +60,21 @@ def test_build_picks_the_mode(rows, mode):
     assert sampling.min_p.dtype == torch.float32 and sampling.min_p.shape == (len(rows),)
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 16])
+def test_build_gives_each_column_as_its_own_tensor_would_be(count):
+    """The columns travel in one buffer, each a contiguous row starting 16 bytes aligned, as a tensor of its own: a
+    kernel reading one compiles the specialisation the warm-up compiled (test_warmup.py)."""
+    rows = [SamplingParams(temperature=0.5 + i, top_p=0.9, top_k=i + 1, seed=2**63 - 1 - i, min_p=0.01 * i,
+                           presence_penalty=-i / count) for i in range(count)]
+    sampling = DeviceSampling.build(rows, torch.device("cpu"))
+    for name, dtype in (("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
+                        ("seed", torch.int64), ("min_p", torch.float32), ("presence_penalty", torch.float32)):
+        column = getattr(sampling, name)
+        assert column.dtype == dtype and column.shape == (count,) and column.is_contiguous(), name
+        assert column.data_ptr() % 16 == 0, name
+        assert torch.equal(column, torch.tensor([getattr(p, name) for p in rows], dtype=dtype)), name
+
+
 def launches(monkeypatch):
     """The decode step's calls of the sampling kernels' launchers, by name."""
     calls = []
