@@ -39,6 +39,17 @@ from qwen_triton.server.scheduler import Scheduler
 from qwen_triton.tokenizer import Tokenizer
 
 
+def streamed_first_chunk(client, prompt: list[int]) -> tuple[float, float | None]:
+    """A streamed completion of 3 ids for `prompt`: the time it was sent and that of its first text chunk."""
+    sent, first = time.perf_counter(), None
+    body = dict(model="m", prompt=prompt, max_tokens=3, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: ") and '"text"' in line:
+                first = time.perf_counter()
+    return sent, first
+
+
 ENGINE_STAGES = ("received", "reset", "prefill", "prefilled", "chosen", "emitted")
 
 
@@ -113,12 +124,7 @@ def probe_engine_process(args, lengths) -> None:
             for index in range(args.requests):
                 prompt = list(range(1000 + index, 1000 + index + length))
                 http.clear()
-                sent, first = time.perf_counter(), None
-                body = dict(model="m", prompt=prompt, max_tokens=3, stream=True)
-                with client.stream("POST", "/v1/completions", json=body) as response:
-                    for line in response.iter_lines():
-                        if first is None and line.startswith("data: ") and '"text"' in line:
-                            first = time.perf_counter()
+                sent, first = streamed_first_chunk(client, prompt)
                 with open(marks_path) as file:
                     engine_marks = json.loads(file.read().splitlines()[-1])
                 rows.append(dict(sent=sent, **http, **{k: engine_marks[k] for k in ENGINE_STAGES}, first=first))
@@ -177,12 +183,7 @@ def main() -> None:
                 prompt = list(range(1000 + index, 1000 + index + length))
                 for values in marks.values():
                     values.clear()
-                sent, first = time.perf_counter(), None
-                body = dict(model="m", prompt=prompt, max_tokens=3, stream=True)
-                with client.stream("POST", "/v1/completions", json=body) as response:
-                    for line in response.iter_lines():
-                        if first is None and line.startswith("data: ") and '"text"' in line:
-                            first = time.perf_counter()
+                sent, first = streamed_first_chunk(client, prompt)
                 rows.append(dict(sent=sent, first=first, submit=marks["submit"][0], prefill=marks["prefill_batch"][0],
                                  launched=marks["prefill_batch returned"][0], decode=marks["decode_tokens"][0]))
             rows = rows[3:]
