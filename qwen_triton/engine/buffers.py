@@ -31,10 +31,10 @@ PADDING_SLOT = -1  # the slot of a bucket's padding rows: no state read or writt
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` (one already on a GPU: moved as .to does) by a copy that does not wait for the GPU: through pinned memory and a copy
-    queued on the stream (a pageable one waits for everything queued before it), so a host that builds a step's
-    inputs while the step before runs keeps running. (PyTorch's pinned allocator keeps the pinned block until the
-    copy is done.)"""
+    """A host tensor on `device` by a copy that does not wait for the GPU: through pinned memory (a tensor already
+    pinned as it is) and a copy queued on the stream (a pageable one waits for everything queued before it), so a
+    host that builds a step's inputs while the step before runs keeps running. (PyTorch's pinned allocator keeps
+    the pinned block until the copy is done.) A tensor already on a GPU moves as .to moves it."""
     device = torch.device(device)
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..operators.sampling import K_MAX, apply_penalties, count_tokens, sample
+from .buffers import host_to_device
 
 PENALIZED_MODES = ("penalized", "penalized-top-k", "penalized-sample")
 SEARCH_MODES = ("sample", "penalized-sample")  # sample's top-k / top-p search passes
@@ -102,7 +103,7 @@ class DeviceSampling:
         floats, ints = _columns(host, count)
         floats.copy_(torch.tensor([[getattr(p, name) for p in rows] for name in FLOAT_COLUMNS], dtype=torch.float32))
         ints.copy_(torch.tensor([[getattr(p, name) for p in rows] for name in INT_COLUMNS], dtype=torch.int64))
-        floats, ints = _columns(host.to(device, non_blocking=True), count)
+        floats, ints = _columns(host_to_device(host, device), count)
         named = dict(zip(FLOAT_COLUMNS, floats))
         return cls(mode=mode, top_k=ints[0].to(torch.int32), seed=ints[1], **named)
 
