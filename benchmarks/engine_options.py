@@ -1,12 +1,12 @@
 """The engine's decode step with and without an option, in one process: which way is faster where it runs.
 
-Builds the 0.8B model (random weights, bf16) once per option set, e.g. `out_projection_mlp=False`, and
+Builds the 0.8B model (or --preset's; random weights, bf16) once per option set, e.g. `out_projection_mlp=False`, and
 times decode steps as `qwen-triton bench` does (`time_calls(back_to_back=True)` over the bench's step: the
 CUDA graph with feedback, one step ahead of the host) at each context, alternating the option sets for
 `rounds` rounds so that a drift of the machine falls on all of them alike; prints each median.
 
     python3 benchmarks/engine_options.py "out_projection_mlp=True" "out_projection_mlp=False" \
-        [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json]
+        [--preset 4b] [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json]
 
 The options are the plan's (engine/plan.py, Options: e.g. lm_head_pdl=True, screened_lm_head=False).
 QWEN_TRITON_TUNING=default runs every set without the H200's pins (tuning/__init__.py).
@@ -28,6 +28,7 @@ from qwen_triton.benchmark.harness import EngineRunner, plan_options, time_calls
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("option_sets", nargs="+", help="comma-separated name=value TritonModel options per set")
+    parser.add_argument("--preset", default="0.8b", help="the model shape (checkpoint.PRESETS)")
     parser.add_argument("--contexts", default="128,32768")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
@@ -36,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     max_length = max(contexts) + args.rounds * (args.steps + args.warmup) + 8
-    runners = {text: EngineRunner("triton+split_k+cuda_graph", "0.8b", max_length, "cuda", torch.bfloat16,
+    runners = {text: EngineRunner("triton+split_k+cuda_graph", args.preset, max_length, "cuda", torch.bfloat16,
                                   **plan_options(text)) for text in args.option_sets}
     times = {(text, context): [] for text in runners for context in contexts}
     for _ in range(args.rounds):

@@ -22,8 +22,10 @@ fi
 # PROFILE: "1" profiles a decode step at context 128 and a 128-token prefill (profile.json, .md); a length N
 # profiles each at that context and prefill length (profile-N.json, .md); rN a decode step of N rows (profile-rN);
 # pN the packed prefill of N prompts of 128 tokens (profile-pN); sN a decode step of N rows sampling with Qwen's
-# settings (temperature 0.7, top-p 0.8, top-k 20), qN the same with presence penalty 1.5
+# settings (temperature 0.7, top-p 0.8, top-k 20), qN the same with presence penalty 1.5. PROFILE_PRESET: the
+# model shape (default 0.8b; another's files are named profile-PRESET*)
 if [ -n "${PROFILE:-}" ]; then  # tuned kernels (their picks at the report's end; tuning times in err.log)
+    preset=${PROFILE_PRESET:-0.8b}
     for n in $PROFILE; do
         case $n in
             1) args=""; name=profile ;;
@@ -33,8 +35,9 @@ if [ -n "${PROFILE:-}" ]; then  # tuned kernels (their picks at the report's end
             q*) args="--rows ${n#q} --temperature 0.7 --top-p 0.8 --top-k 20 --presence-penalty 1.5"; name=profile-$n ;;
             *) args="--prefill $n --context $n"; name=profile-$n ;;
         esac
+        [ "$preset" = 0.8b ] || name=${name/profile/profile-$preset}
         TRITON_PRINT_AUTOTUNING=1 TRITON_CACHE_DIR=$CACHE timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli \
-            profile $args --out "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/err.log"; echo "$name rc $?"
+            profile --preset $preset $args --out "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/err.log"; echo "$name rc $?"
         grep -E "^(decode step|prefill of)" "$OUT/$name.md"
     done
 fi

@@ -10,7 +10,8 @@ norm + gate/up + swiglu, down + residual).
 
 With head_norm (a Gated DeltaNet layer in the engine's decode step), x is the delta rule's output o and
 phase 1 reads x' = gated_rms_norm(o, z) instead (gated_rms_norm.py's roundings): each program norms the
-whole row itself after its PDL wait, so the decode step before it needs no last program to norm the heads.
+row itself after its PDL wait, a few whole heads a K step (each head's norm is its own), so the decode step
+before it needs no last program to norm the heads.
 
 Each phase is a launch of this kernel that splits its output rows evenly over P programs, one per SM
 (ceil(N / P) rows each, one [BLOCK_N, BLOCK_K] tile of about 32 KiB per K step, the next tile loaded one
@@ -93,12 +94,12 @@ def _phase(x_ptr, stride_xm, w_ptr, out_ptr, stride_om, residual_ptr, stride_rm,
 
 
 @triton.jit
-def _head_tile(w_ptr, N, K, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _head_tile(w_ptr, N, K, first_head, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's weight rows as [BLOCK_N, BLOCK_H, BLOCK_D]: column h * HEAD_DIM + d at [:, h, d] (the
-    whole row of K = HEADS * HEAD_DIM, zero past it)."""
+    """This program's weight rows at the columns of heads first_head .. + BLOCK_H as [BLOCK_N, BLOCK_H, BLOCK_D]:
+    column (first_head + h) * HEAD_DIM + d at [:, h, d] (zero past the heads and the head's values)."""
     offs_n, end = _program_rows(N, BLOCK_N)
-    head = tl.arange(0, BLOCK_H)
+    head = first_head + tl.arange(0, BLOCK_H)
     lane = tl.arange(0, BLOCK_D)
     column = head[:, None] * HEAD_DIM + lane[None, :]
     in_row = (head < HEADS)[:, None] & (lane < HEAD_DIM)[None, :]
@@ -107,12 +108,13 @@ def _head_tile(w_ptr, N, K, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _head_normed_row(x_ptr, z_ptr, weight_ptr, eps, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _head_normed_row(x_ptr, z_ptr, weight_ptr, eps, first_head, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      ROUND_PRODUCT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One row of the Gated DeltaNet output norm (gated_rms_norm.py, the same roundings): x and z [HEADS *
-    HEAD_DIM], per head rmsnorm(x) * weight * silu(z), in x's dtype, as [BLOCK_H, BLOCK_D] (zero past the
-    heads and the head's values)."""
-    head = tl.arange(0, BLOCK_H)
+    """Heads first_head .. + BLOCK_H of one row of the Gated DeltaNet output norm (gated_rms_norm.py, the same
+    roundings): x and z [HEADS * HEAD_DIM], per head rmsnorm(x) * weight * silu(z), in x's dtype, as
+    [BLOCK_H, BLOCK_D] (zero past the heads and the head's values). Each head's norm is its own: a row can be
+    normed a few heads at a time."""
+    head = first_head + tl.arange(0, BLOCK_H)
     lane = tl.arange(0, BLOCK_D)
     channel = head[:, None] * HEAD_DIM + lane[None, :]
     mask = (head < HEADS)[:, None] & (lane < HEAD_DIM)[None, :]
@@ -128,15 +130,21 @@ def _head_normed_out_phase(x_ptr, stride_xm, z_ptr, stride_zm, head_norm_ptr, w_
                            M, N, K, w, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROUND_PRODUCT: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Phase 1 with the output norm as its prologue (HEAD_NORM): hidden[:, rows] += norm(x, z) @ W_o[rows]^T,
-    the whole row of K in the one tile w (`_head_tile`), each of the M rows in turn."""
+    BLOCK_H heads of K a step (w: the first step's tile, `_head_tile`; each step loads the next one ahead), each
+    of the M rows in turn."""
     offs_n, end = _program_rows(N, BLOCK_N)
     for row in range(M):
         offs_m = row + tl.arange(0, 1)
         if row > 0:
-            w = _head_tile(w_ptr, N, K, HEADS, HEAD_DIM, BLOCK_N, BLOCK_H, BLOCK_D)
-        y = _head_normed_row(x_ptr + row * stride_xm, z_ptr + row * stride_zm, head_norm_ptr, eps,
-                             HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_H, BLOCK_D)
-        acc = tl.sum(tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :, :], axis=2), axis=1)[None, :]
+            w = _head_tile(w_ptr, N, K, 0, HEADS, HEAD_DIM, BLOCK_N, BLOCK_H, BLOCK_D)
+        wide = tl.zeros([BLOCK_N, BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for first_head in range(0, HEADS, BLOCK_H):
+            w_next = _head_tile(w_ptr, N, K, first_head + BLOCK_H, HEADS, HEAD_DIM, BLOCK_N, BLOCK_H, BLOCK_D)
+            y = _head_normed_row(x_ptr + row * stride_xm, z_ptr + row * stride_zm, head_norm_ptr, eps, first_head,
+                                 HEADS, HEAD_DIM, ROUND_PRODUCT, BLOCK_H, BLOCK_D)
+            wide += w.to(tl.float32) * y.to(tl.float32)[None, :, :]
+            w = w_next
+        acc = tl.sum(tl.sum(wide, axis=2), axis=1)[None, :]
         store_output(acc, acc, hidden_ptr, stride_hm, hidden_ptr, stride_hm, offs_m, offs_n, M, end,
                      NO_ACTIVATION, True)
 
@@ -155,7 +163,7 @@ def _out_projection_mlp_kernel(
     # phase PHASE of the docstring; its first weight tile before the PDL wait. Phases 2 and 3 read rows the
     # launch before wrote from L2 (".cg"), as the GEMV chain does after its wait
     if PHASE == 1 and HEAD_NORM:
-        w = _head_tile(out_weight_ptr, HIDDEN, ATTENDED, HEADS, HEAD_DIM, BLOCK_N_OUT, BLOCK_H, BLOCK_D)
+        w = _head_tile(out_weight_ptr, HIDDEN, ATTENDED, 0, HEADS, HEAD_DIM, BLOCK_N_OUT, BLOCK_H, BLOCK_D)
         w_up = w
     elif PHASE == 1:
         w, w_up = _first_tile(out_weight_ptr, HIDDEN, ATTENDED, False, BLOCK_N_OUT, BLOCK_K_OUT)
@@ -185,10 +193,17 @@ def _out_projection_mlp_kernel(
 
 def _tile(N: int, K: int, programs: int, pair: bool) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of a phase: BLOCK_N covers a program's ceil(N / P) rows; BLOCK_K makes the tile
-    about TILE_ELEMENTS weights (both halves of a pair), at least 64 and at most K's power of two."""
+    about TILE_ELEMENTS weights (both halves of a pair), at least 32 and at most K's power of two."""
     block_n = triton.next_power_of_2(triton.cdiv(N, programs))
     block_k = TILE_ELEMENTS // (block_n * (2 if pair else 1))
-    return block_n, max(64, min(triton.next_power_of_2(K), triton.next_power_of_2(block_k)))
+    return block_n, max(32, min(triton.next_power_of_2(K), triton.next_power_of_2(block_k)))
+
+
+def _head_step(block_n: int, heads: int, head_dim: int) -> int:
+    """BLOCK_H of the head-normed out-projection: the heads a step takes, a power of two whose tile of BLOCK_N
+    rows is at most about TILE_ELEMENTS weights (at least one head; all of them at the 0.8B's shape)."""
+    step = max(1, TILE_ELEMENTS // (block_n * triton.next_power_of_2(head_dim)))
+    return min(triton.next_power_of_2(heads), 1 << (step.bit_length() - 1))
 
 
 def out_projection_mlp(
@@ -271,7 +286,7 @@ def out_projection_mlp(
             BLOCK_N_DOWN=block_n_down, BLOCK_K_DOWN=block_k_down,
             HEAD_NORM=head_norm is not None, HEADS=heads, HEAD_DIM=head_dim,
             ROUND_PRODUCT=x.dtype != torch.float32,
-            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_H=_head_step(block_n_out, heads, head_dim), BLOCK_D=triton.next_power_of_2(head_dim),
             num_warps=WARPS, num_stages=1, **launch_options(pdl),
         )
     return hidden
