@@ -5,7 +5,7 @@
 for a prefill of 1,500 tokens?") from fields fixed at load. An option the device cannot take at all is refused
 there with a ValueError naming it (pdl=True off Hopper); a variant that cannot serve a shape or a device (the
 staged tail on a CPU or past the 0.8B's sizes, the projected DeltaNet step for head dims it does not tile, the
-screened LM head past 4,096 columns) is left out, and the plan says what runs instead and, for a shape, why.
+screened LM head past 8,192 columns) is left out, and the plan says what runs instead and, for a shape, why.
 `qwen-triton ops` prints `describe()`.
 """
 
@@ -206,7 +206,7 @@ def staged_tail_fits(config: ModelConfig, device: DeviceProperties) -> bool:
 
 def screened_head_fits(config: ModelConfig) -> bool:
     """Whether lm_head_argmax_screened takes this model's hidden size (its row statistics and exact check hold a
-    whole row of x in one program: at most 4,096 columns, so not the 27B's 5,120)."""
+    whole row of x in one program: at most 8,192 columns, the 27B's 5,120 among them)."""
     return config.hidden_size <= SCREEN_MAX_COLUMNS
 
 

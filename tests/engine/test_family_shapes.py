@@ -1,7 +1,8 @@
 """The dense Qwen3.5 family's shape features on the Triton backend, against transformers on the CPU (interpreter,
 float32, small configs): more DeltaNet value heads than key heads (3x as the 27B, 2x as the 4B and 9B), an
-untied LM head (9B, 27B), a GQA group of 3 (the 27B's 24 query heads over 4 KV heads), a hidden size past the
-screened LM head's 4,096 columns (27B); and the plans of the family's presets on the H200."""
+untied LM head (9B, 27B), a GQA group of 3 (the 27B's 24 query heads over 4 KV heads), a hidden size past 4,096
+columns (27B) through the screened LM head, and one past its 8,192; and the plans of the family's presets on the
+H200."""
 
 import warnings
 
@@ -96,17 +97,17 @@ def test_batched_decode_with_a_gqa_group_of_3(checkpoints):
     assert together == [llm.generate(p, max_new_tokens=3).token_ids for p in prompts]
 
 
-def test_hidden_past_the_screened_heads_columns(tmp_path):
-    # hidden 4,160 > the screen's 4,096 columns (as the 27B's 5,120): the plan leaves the screened head out and the
-    # bf16 argmax head serves greedy decode; prefill, decode and generation match the oracle (one layer of each
-    # kind, a vocabulary of 64, so the interpreter stays fast)
+def test_hidden_past_4096_columns(tmp_path):
+    # hidden 4,160 > 4,096 columns (as the 27B's 5,120): the screened head serves greedy decode with 8 warps a row;
+    # prefill, decode and generation match the oracle (one layer of each kind, a vocabulary of 64, so the
+    # interpreter stays fast)
     config = small_config(hidden_size=4160, intermediate_size=64, vocab_size=64, eos_token_id=63,
                           num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                           tie_word_embeddings=False)
     directory = write_checkpoint(tmp_path, config, layout="causal", seed=5)
     llm = LLM(directory, backend="triton", device="cpu", dtype=torch.float32, max_length=24)
-    assert llm.model.plan.screened_rows == 0 and llm.model.lm_head_screen is None
-    assert llm.model.plan.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
+    assert llm.model.plan.screened_rows == 16 and llm.model.lm_head_screen is not None
+    assert llm.model.plan.decode_lm_head(1, "greedy") == plans.HEAD_SCREENED
     oracle = _oracle(directory)
     token_ids = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(6)).tolist()
     assert relative_error(llm.score(token_ids, prefill=17), transformers_score(oracle, token_ids, 17)) <= TOLERANCE
@@ -115,25 +116,31 @@ def test_hidden_past_the_screened_heads_columns(tmp_path):
     assert result.token_ids == _oracle_greedy(oracle, prompt, len(result.token_ids))
 
 
+def test_hidden_past_the_screened_heads_columns():
+    # past the screen's 8,192 columns the plan leaves the screened heads out (the bf16 argmax head serves greedy
+    # decode, the logits head top-k sampling) and says why
+    config = parse_config(official_config(dict(PRESETS["27b"], hidden_size=8320)))
+    plan = resolve_plan(config, DEVICES["h200"])
+    assert plan.screened_rows == 0 and plan.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
+    assert "the screened LM heads (hidden 8320 > their 8192 columns" in plan.describe(config)
+
+
 FAMILY = ("4b", "9b", "27b")
 
 
 @pytest.mark.parametrize("preset", FAMILY)
 def test_the_h200_plan_of_each_family_size(preset):
-    # the staged layer tail takes no size past the 0.8B (its weights do not fit the SMs' shared memory); the
-    # screened head takes hidden sizes up to 4,096 (so not the 27B's); everything else serves every size
+    # the staged layer tail takes no size past the 0.8B (its weights do not fit the SMs' shared memory); everything
+    # else serves every size
     config = parse_config(official_config(PRESETS[preset]))
     plan = resolve_plan(config, DEVICES["h200"])
     assert not plan.staged_tail and plan.projected_delta and plan.pdl and plan.cuda_graph
     # one row: the fused tail (a weight read once); two and more: the GEMM, which reads each weight once for all rows
     assert [plan.decode_tail(rows) for rows in (1, 2, 16)] == [plans.TAIL_FUSED] + [plans.TAIL_LINEAR] * 2
     assert plan.decode_delta(1) == plans.DELTA_PROJECTED and plan.decode_delta(2) == plans.DELTA_FUSED_NORM
-    screened = preset != "27b"
-    assert plan.screened_rows == (16 if screened else 0)
-    assert plan.decode_lm_head(1, "greedy") == (plans.HEAD_SCREENED if screened else plans.HEAD_ARGMAX)
+    assert plan.screened_rows == 16 and plan.decode_lm_head(1, "greedy") == plans.HEAD_SCREENED
     described = plan.describe(config)
-    assert "the staged layer tail" in described
-    assert ("the screened LM heads (hidden 5120" in described) != screened
+    assert "the staged layer tail" in described and "the screened LM heads" not in described
 
 
 def test_the_0_8b_plan_leaves_nothing_out():
@@ -144,7 +151,8 @@ def test_the_0_8b_plan_leaves_nothing_out():
 def test_ops_prints_the_27b_plan(capsys):
     main(["ops", "--preset", "27b", "--gpu", "h200"])
     out = capsys.readouterr().out
-    assert "hidden 5120, 64 layers" in out and "the screened LM heads (hidden 5120 > their 4096 columns" in out
+    assert "hidden 5120, 64 layers" in out and "Left out for this shape: the staged layer tail (hidden 5120" in out
+    assert "lm_head.screened (int8 screen" in out
 
 
 # ---- GPU: each size's real widths in bf16 ----------------------------------------------------------------------

@@ -50,14 +50,16 @@ def run_and_check(x, weight, norm_weight=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M, K, norm", [(1, 64, True), (3, 200, False), (2, 64, False)])
+@pytest.mark.parametrize("M, K, norm", [(1, 64, True), (3, 200, False), (2, 64, False), (2, 5000, True)])
 def test_screened_argmax_is_exact(device, dtype, M, K, norm):
     x = make((M, K), dtype, device, seed=10 + M)
     weight = make((3000, K), dtype, device, seed=11, scale=0.5)
     norm_weight = make((K,), dtype, device, seed=12, scale=0.3) if norm else None
     ids, candidates = run_and_check(x, weight, norm_weight)
     assert_argmax(ids, reference_logits(x, weight, norm_weight), 1e-2)  # and the reference's choice
-    assert all(1 <= count <= 150 for count in candidates), candidates  # a handful of the 3000 rows
+    # a handful of the 3000 rows; at 5,000 columns a third of them: the bound grows as K, random logits spread
+    # as sqrt(K) (a trained head's margins are wider)
+    assert all(1 <= count <= (150 if K <= 1024 else 1500) for count in candidates), candidates
     # the same ids again (the threshold was reset), into out
     out = torch.empty(M, dtype=torch.int64, device=device)
     screen = build_screen(weight)

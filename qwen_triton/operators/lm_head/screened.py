@@ -62,12 +62,18 @@ SCREEN_STAGES = 3
 CHECK_ROWS = 128  # BLOCK_R of kernel 2
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24 (summation_bound)
-MAX_COLUMNS = 4096  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row)
+MAX_COLUMNS = 8192  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row; the 27B's 5,120)
 # The interpreter pays per program and per operation, each over a whole tile: a head of more than
 # INTERPRETER_WIDE_V rows gets INTERPRETER_ROWS rows a program there in kernels 1 and 2, and kernel 1 no
 # wider a K step than the head (the tests' small heads keep the tiles above)
 INTERPRETER_WIDE_V = 4096
 INTERPRETER_ROWS = 8192
+
+
+def row_warps(block_x: int) -> int:
+    """The warps of kernels 0 and 2, which hold a whole row of x ([BLOCK_X] float32): 4, and 8 past 4,096 columns
+    (the same registers a thread)."""
+    return 4 if block_x <= 4096 else 8
 
 
 def _tiles(V: int, K: int) -> tuple[int, int, int]:
@@ -356,10 +362,11 @@ def lm_head_argmax_screened(
     if M == 0:
         return out
     work = _workspace(x.device, M, V, K)
+    block_x = max(16, triton.next_power_of_2(K))
     _quantize_kernel[(M,)](
         x, x if norm_weight is None else norm_weight, work.normed, work.quantized_x, work.statistics, K, x.stride(0),
         eps,
-        HAS_NORM=norm_weight is not None, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
+        HAS_NORM=norm_weight is not None, BLOCK_X=block_x, USE_PDL=pdl, num_warps=row_warps(block_x),
         **launch_options(pdl),
     )
     screen_rows, screen_columns, check_rows = _tiles(V, K)
@@ -371,7 +378,7 @@ def lm_head_argmax_screened(
     )
     _check_kernel[(work.tiles, M)](
         weight, work.normed, work.upper, work.threshold, work.values, work.indices, V, K, weight.stride(0), work.tiles,
-        BLOCK_R=check_rows, BLOCK_X=max(16, triton.next_power_of_2(K)), USE_PDL=pdl, num_warps=4,
+        BLOCK_R=check_rows, BLOCK_X=block_x, USE_PDL=pdl, num_warps=row_warps(block_x),
         **launch_options(pdl),
     )
     _argmax_reduce_kernel[(M,)](work.values, work.indices, work.tile_count, out, work.tiles, work.threshold,

@@ -338,7 +338,8 @@ def lm_head_screened_top_k(
     _quantize_kernel[(M,)](
         x, x if norm_weight is None else norm_weight, work.normed, work.quantized_x, work.statistics, K, x.stride(0),
         eps,
-        HAS_NORM=norm_weight is not None, BLOCK_X=block_x, USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        HAS_NORM=norm_weight is not None, BLOCK_X=block_x, USE_PDL=pdl, num_warps=screened.row_warps(block_x),
+        **launch_options(pdl),
     )
     _screen_top_k_kernel[(triton.cdiv(V, screen_rows), triton.cdiv(M, 16))](
         screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, work.quantized_x,
@@ -357,7 +358,7 @@ def lm_head_screened_top_k(
         weight, work.normed, logits, logits.stride(0), work.threshold, work.candidates, slots, *history, V, K,
         weight.stride(0),
         HAS_PENALTIES=has_penalties, HAS_SLOTS=has_slots, BLOCK_R=check_rows, BLOCK_X=block_x, USE_PDL=pdl,
-        num_warps=4, **launch_options(pdl),
+        num_warps=screened.row_warps(block_x), **launch_options(pdl),
     )
     return logits
 
