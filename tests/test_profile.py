@@ -1,4 +1,5 @@
-"""`qwen-triton profile` end to end on the CPU (tiny preset, interpreter, operators timed on the host)."""
+"""`qwen-triton profile` end to end on the CPU (tiny preset with a vocabulary of 4,096, interpreter, operators timed on
+the host)."""
 
 import pytest
 import torch
@@ -9,6 +10,13 @@ from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.config import FULL_ATTENTION, parse_config
 from qwen_triton.engine.trace import KernelTrace
 from qwen_triton.operators.lm_head.screened import screened_lm_head_bytes
+from tests.support import tiny_vocabulary
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_vocabulary():
+    with tiny_vocabulary():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +61,7 @@ def test_profile_bytes_add_up_to_the_decode_floor(report):
     floor = decode_bytes(config, 5, weight_bytes=4, activation_bytes=4).total  # float32 on the CPU
     # the greedy step's LM head reads its int8 copy (screened_lm_head_bytes), not the float32 head
     floor += screened_lm_head_bytes(config.vocab_size, config.hidden_size) - config.vocab_size * config.hidden_size * 4
-    assert abs(counted - floor) / floor < 0.01
+    assert abs(counted - floor) / floor < 0.02  # 1.2% of the 4,096-row vocabulary's step
 
 
 def test_kernel_trace_assigns_launches_to_the_current_operator():

@@ -103,9 +103,10 @@ class WorkloadSizes:
 
 GPU_SIZES = WorkloadSizes()
 # the interpreter takes seconds per prefill and per step of the tiny model: the fewest calls that run every path
-CPU_SIZES = WorkloadSizes(chat_requests=2, chat_lengths=(8, 24), chat_new_tokens=3, chat_warmup_length=6,
-                          decode_batches=(1, 2), decode_prompt=8, decode_new_tokens=3, prefill=((2, 8),),
-                          sampling_batches=(1,), sampling_new_tokens=3, stream_prompt=8, stream_new_tokens=3,
+# one decode step a generate (the least that times one): an interpreted step of the tiny model takes seconds
+CPU_SIZES = WorkloadSizes(chat_requests=2, chat_lengths=(8, 24), chat_new_tokens=2, chat_warmup_length=6,
+                          decode_batches=(1, 2), decode_prompt=8, decode_new_tokens=2, prefill=((2, 8),),
+                          sampling_batches=(1,), sampling_new_tokens=2, stream_prompt=8, stream_new_tokens=2,
                           repeats=1, warmup=False)
 
 

@@ -1,6 +1,6 @@
-"""`qwen-triton bench --workloads` end to end on the CPU at the CPU sizes (tiny preset, Triton interpreted), run
-once for the module: the JSON's schema, every row's time and floor, the decode rows' batch sizes and floors, the
-sampling and streaming ratios, the chat run's lengths and the printed table."""
+"""`qwen-triton bench --workloads` end to end on the CPU at the CPU sizes (tiny preset, its vocabulary cut to 4,096;
+Triton interpreted), run once for the module: the JSON's schema, every row's time and floor, the decode rows' batch
+sizes and floors, the sampling and streaming ratios, the chat run's lengths and the printed table."""
 
 import contextlib
 import dataclasses
@@ -17,8 +17,8 @@ from qwen_triton.benchmark.workloads import (CPU_SIZES, GPU_SIZES, SAMPLING_SETT
 from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.cli import main
 from qwen_triton.config import parse_config
+from tests.support import tiny_vocabulary
 
-TINY = parse_config(official_config(PRESETS["tiny"]))
 ROW_KEYS = {"workload", "case", "metric", "ms", "floor_ms", "pct_of_floor", "floor"}
 
 
@@ -27,11 +27,13 @@ def run(tmp_path_factory):
     """One bench run with the workload section (the variant part kept to the cheap reference at one step)."""
     out = tmp_path_factory.mktemp("bench")
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with contextlib.redirect_stdout(printed), tiny_vocabulary():
         code = main(["bench", "--device", "cpu", "--workloads", "--variants", "reference", "--steps", "1",
                      "--prefill", "4", "--contexts", "4", "--out", str(out)])
+        config = parse_config(official_config(PRESETS["tiny"]))
     report = json.loads((out / "latest.json").read_text())
-    return SimpleNamespace(code=code, report=report, section=report["workloads"], table=printed.getvalue())
+    return SimpleNamespace(code=code, report=report, section=report["workloads"], table=printed.getvalue(),
+                           config=config)
 
 
 def rows_of(section, workload):
@@ -75,7 +77,7 @@ def test_decode_rows_batches_and_floors(run):
     assert [r["batch"] for r in decode] == list(CPU_SIZES.decode_batches)
     for row in decode:
         assert 1 <= row["steps"] <= CPU_SIZES.decode_new_tokens - 1
-        moved = decode_run_bytes(TINY, CPU_SIZES.decode_prompt, row["steps"], row["batch"]) / row["steps"]
+        moved = decode_run_bytes(run.config, CPU_SIZES.decode_prompt, row["steps"], row["batch"]) / row["steps"]
         assert row["bytes"] == round(moved)
         assert row["floor_ms"] == pytest.approx(moved / (hbm * 1e12) * 1e3)
         assert row["tokens_per_s"] > 0
@@ -88,7 +90,7 @@ def test_prefill_rows_floor_is_the_prompts_flops(run):
     matmul = run.section["matmul_TFLOPs"]
     for row, (count, length) in zip(rows_of(run.section, "prefill"), CPU_SIZES.prefill):
         assert (row["batch"], row["prompt_tokens"]) == (count, length)
-        assert row["flops"] == count * prefill_flops(TINY, length)
+        assert row["flops"] == count * prefill_flops(run.config, length)
         assert row["floor_ms"] == pytest.approx(row["flops"] / (matmul * 1e12) * 1e3)
 
 
@@ -145,7 +147,7 @@ def test_sizes_by_device_and_the_llm_covers_them():
     assert GPU_SIZES.prefill == ((16, 128), (4, 1024)) and GPU_SIZES.sampling_batches == (1, 16)
     assert (GPU_SIZES.chat_requests, GPU_SIZES.chat_lengths, GPU_SIZES.chat_new_tokens) == (20, (32, 2048), 256)
     assert GPU_SIZES.max_batch() == 128 and GPU_SIZES.max_length() == 2048 + 256
-    assert CPU_SIZES.max_length() == 24 + 3 and CPU_SIZES.max_batch() == 2
+    assert CPU_SIZES.max_length() == 24 + 2 and CPU_SIZES.max_batch() == 2
 
 
 def test_steps_counts_the_tokens_generated():
