@@ -211,7 +211,7 @@ def test_gpu_each_size_loads_whole_and_generates(preset):
     tokens = {}
     for graphs in (True, False):
         llm = random_llm(preset, max_length=256, cuda_graph=graphs)
-        assert (llm.model.lm_head_screen is None) == (preset == "27b")
+        assert llm.model.lm_head_screen is not None  # every size's hidden is within the screened heads' columns
         tokens[graphs] = llm.generate(prompt, max_new_tokens=8).token_ids
         del llm
         torch.cuda.empty_cache()
