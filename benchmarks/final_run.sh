@@ -67,6 +67,19 @@ if [ -n "${BENCH_VARIANTS:-}" ]; then
     cat "$OUT/bench.md"; tail -3 "$OUT/err.log"
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 fi
+if [ -n "${FAMILY:-}" ]; then  # the family sizes (e.g. "4b 9b 27b"): decode @128 and a 4096-token prefill, 20 steps
+    for preset in $FAMILY; do  # (BENCHMARKS.md's family table); family-P.json, and each size's decode step profiled
+        TRITON_CACHE_DIR=$CACHE timeout ${FAMILY_TIMEOUT:-170} python3 -m qwen_triton.cli bench --preset $preset \
+            --variants triton+split_k+cuda_graph --prefill 4096 --contexts 128 --quick --out "$OUT/family-$preset" \
+            > "$OUT/family-$preset.md" 2>> "$OUT/err.log"; echo "family $preset rc $?"
+        grep -E "^\| triton" "$OUT/family-$preset.md"
+        if [ -n "${FAMILY_PROFILE:-}" ]; then
+            TRITON_CACHE_DIR=$CACHE timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli profile --preset $preset \
+                --prefill 16 --out "$OUT/profile-$preset.json" > "$OUT/profile-$preset.md" 2>> "$OUT/err.log"
+            echo "profile $preset rc $?"; grep -E "^decode step" "$OUT/profile-$preset.md"
+        fi
+    done
+fi
 if [ -n "${TUNED_TESTS:-}" ]; then  # the kernels with the configs the bench tuned (its cache)
     TRITON_CACHE_DIR=$CACHE timeout ${TUNED_TIMEOUT:-150} python3 -m pytest -m gpu $TUNED_TESTS -q -s --tb=short \
         -p no:cacheprovider > "$OUT/tuned.log" 2>&1

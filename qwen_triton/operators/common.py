@@ -76,8 +76,25 @@ def _skip_repeated_language_patches() -> None:
     executor.__call__ = run_grid_patching_once
 
 
+def _skip_overflow_checks() -> None:
+    """Under the interpreter, run integer arithmetic as the compiled kernels run it: without Triton's int32
+    overflow checks (a GPU compile makes them only with debug=True). The interpreter makes them by default: an
+    int64 copy of each operand, two compares and an assert after every integer add, sub and mul, about a third of
+    an interpreted model's time. The sizes the interpreter runs never reach int32's range; the offsets that can
+    (the LM head's rows times its columns at the 27B) are int64 in the kernels and tested on the GPU."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is not None and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if interpreting():
     _skip_repeated_language_patches()
+    _skip_overflow_checks()
 
 
 _SM_COUNTS: dict = {}

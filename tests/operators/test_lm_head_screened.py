@@ -50,16 +50,17 @@ def run_and_check(x, weight, norm_weight=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M, K, norm", [(1, 64, True), (3, 200, False), (2, 64, False), (2, 5000, True)])
-def test_screened_argmax_is_exact(device, dtype, M, K, norm):
+@pytest.mark.parametrize("M, V, K, norm", [(1, 3000, 64, True), (3, 3000, 200, False), (2, 3000, 64, False),
+                                           (2, 600, 5000, True)])  # 600 rows at 5,000 columns: the interpreter's time
+def test_screened_argmax_is_exact(device, dtype, M, V, K, norm):
     x = make((M, K), dtype, device, seed=10 + M)
-    weight = make((3000, K), dtype, device, seed=11, scale=0.5)
+    weight = make((V, K), dtype, device, seed=11, scale=0.5)
     norm_weight = make((K,), dtype, device, seed=12, scale=0.3) if norm else None
     ids, candidates = run_and_check(x, weight, norm_weight)
     assert_argmax(ids, reference_logits(x, weight, norm_weight), 1e-2)  # and the reference's choice
-    # a handful of the 3000 rows; at 5,000 columns a third of them: the bound grows as K, random logits spread
-    # as sqrt(K) (a trained head's margins are wider)
-    assert all(1 <= count <= (150 if K <= 1024 else 1500) for count in candidates), candidates
+    # a handful of the rows (5%); at 5,000 columns about a third of them: the bound grows as K, random logits
+    # spread as sqrt(K) (a trained head's margins are wider)
+    assert all(1 <= count <= (V // 20 if K <= 1024 else V // 2) for count in candidates), candidates
     # the same ids again (the threshold was reset), into out
     out = torch.empty(M, dtype=torch.int64, device=device)
     screen = build_screen(weight)
