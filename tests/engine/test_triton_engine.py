@@ -138,7 +138,7 @@ def test_greedy_generate_matches_transformers(checkpoints):
 
 
 def test_greedy_steps_through_the_screened_lm_head(checkpoints, monkeypatch):
-    # greedy, a batch and one sequence at a time: the LM head's int8 screen and exact check (lm_head/screened.py);
+    # greedy, a batch and one sequence alone: the LM head's int8 screen and exact check (lm_head/screened.py);
     # the same tokens as the full head (screened_lm_head=False)
     calls = []
     original = triton_model.lm_head_argmax_screened
@@ -152,8 +152,8 @@ def test_greedy_steps_through_the_screened_lm_head(checkpoints, monkeypatch):
                   max_batch=4, screened_lm_head=screened)
         tokens[screened] = [r.token_ids for r in llm.generate(prompts, max_new_tokens=4)]
         assert bool(calls) == screened
-        alone = [llm.generate(p, max_new_tokens=4).token_ids for p in prompts]  # batches of one
-        assert alone == tokens[screened]
+        alone = llm.generate(prompts[0], max_new_tokens=4).token_ids  # a batch of one (its one-row epilogue)
+        assert alone == tokens[screened][0]
     assert tokens[True] == tokens[False] and all(len(ids) == 4 for ids in tokens[True])
 
 
