@@ -68,11 +68,11 @@ if [ -n "${BENCH_VARIANTS:-}" ]; then
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 fi
 if [ -n "${FAMILY:-}" ]; then  # the family sizes (e.g. "4b 9b 27b"): decode @128 and a 4096-token prefill, 20 steps
-    for preset in $FAMILY; do  # (BENCHMARKS.md's family table); family-P.json, and each size's decode step profiled
+    for preset in $FAMILY; do  # (BENCHMARKS.md's family table): family-P.json; FAMILY_PROFILE: each size's step profiled
         TRITON_CACHE_DIR=$CACHE timeout ${FAMILY_TIMEOUT:-170} python3 -m qwen_triton.cli bench --preset $preset \
-            --variants triton+split_k+cuda_graph --prefill 4096 --contexts 128 --quick --out "$OUT/family-$preset" \
+            --variants triton+split_k+cuda_graph --prefill 4096 --contexts 128 --quick --out "/tmp/family-$preset" \
             > "$OUT/family-$preset.md" 2>> "$OUT/err.log"; echo "family $preset rc $?"
-        grep -E "^\| triton" "$OUT/family-$preset.md"
+        grep -E "^\| triton" "$OUT/family-$preset.md"; cp "/tmp/family-$preset/latest.json" "$OUT/family-$preset.json"
         if [ -n "${FAMILY_PROFILE:-}" ]; then
             TRITON_CACHE_DIR=$CACHE timeout ${PROFILE_TIMEOUT:-200} python3 -m qwen_triton.cli profile --preset $preset \
                 --prefill 16 --out "$OUT/profile-$preset.json" > "$OUT/profile-$preset.md" 2>> "$OUT/err.log"

@@ -210,6 +210,12 @@ def screened_head_fits(config: ModelConfig) -> bool:
     return config.hidden_size <= SCREEN_MAX_COLUMNS
 
 
+def gemv_past_its_limit(config: ModelConfig, tuning) -> bool:
+    """Whether this hidden size is past the tuning table's GEMV limit: one sequence's projections then run the
+    decode GEMM, without the GEMV's fused paths (the layer tail, the projected DeltaNet step)."""
+    return tuning.gemv_hidden_limit is not None and config.hidden_size > tuning.gemv_hidden_limit
+
+
 def _given(value, default):
     return default if value is None else value
 
@@ -226,7 +232,12 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         raise ValueError(f"pdl=True needs an NVIDIA GPU of compute capability 9.0 or newer, not {device.name}")
     if options.batch_invariant and not options.batched_projections:
         raise ValueError("batch_invariant=True needs batched_projections=True (the GEMM for every bucket)")
-    gemv_rows = 0 if options.batch_invariant else 1 if options.batched_projections else MAX_ROWS
+    if options.batch_invariant:
+        gemv_rows = 0
+    elif not options.batched_projections:
+        gemv_rows = MAX_ROWS
+    else:  # one row through the GEMV, up to the table's hidden size (past it the decode GEMM reads faster)
+        gemv_rows = 0 if gemv_past_its_limit(config, tuning) else 1
     # out_projection_mlp reads its weights once a row, as the GEMV does
     fused_tail_rows = gemv_rows if options.out_projection_mlp else 0
     staged_tail = (options.staged_out_projection_mlp and fused_tail_rows > 0 and device.type == "cuda"
@@ -359,9 +370,16 @@ def _left_out(plan: Plan, config: ModelConfig) -> list[str]:
         reasons.append(f"the staged layer tail (hidden {config.hidden_size}, MLP {config.intermediate_size}: its "
                        f"launch plan needs sizes of multiples of 256 whose weights fit the {plan.device.sm_count} "
                        "SMs' shared memory, one attended width)")
+    if (options.batched_projections and not options.batch_invariant
+            and gemv_past_its_limit(config, plan.tuning)):
+        reasons.append(f"one sequence's GEMV and its fused paths, the layer tail and the projected DeltaNet step "
+                       f"(hidden {config.hidden_size} > the {plan.tuning.name} table's {plan.tuning.gemv_hidden_limit}: "
+                       "the decode GEMM runs its projections, as for several sequences)")
     if options.screened_lm_head and not screened_head_fits(config):
+        serving = ("the bf16 argmax head serves greedy decode, the logits head top-k sampling" if plan.gemv_rows
+                   else "the logits head serves greedy decode and top-k sampling")
         reasons.append(f"the screened LM heads (hidden {config.hidden_size} > their {SCREEN_MAX_COLUMNS} columns; "
-                       "the bf16 argmax head serves greedy decode, the logits head top-k sampling)")
+                       f"{serving})")
     if options.projected_delta_decode and options.fused_delta_decode and not plan.projected_delta and (
             config.linear_key_head_dim % PROJECTED_ROWS or config.linear_value_head_dim % PROJECTED_ROWS):
         reasons.append(f"the projected DeltaNet step (head dims not multiples of {PROJECTED_ROWS})")

@@ -32,6 +32,10 @@ class Tuning:
     name: str
     # linear.gemv: (SPLIT_K, BLOCK_N, BLOCK_K) by the largest K served
     gemv_by_k: tuple | None
+    # one sequence's decode projections run the GEMV (and the fused paths that read weights as it does: the layer
+    # tail, the projected DeltaNet step) up to this hidden size; past it, the decode GEMM's smallest bucket, as a
+    # step of several rows runs them (None: at every size)
+    gemv_hidden_limit: int | None
     # linear.gemm: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K for prompts of up to MAX_SPLIT_ROWS tokens;
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N from gemm_long_prompt_rows tokens on, and on the
     # TMA loads in the bucket gemm_medium_prompt_bucket

@@ -113,6 +113,11 @@ CHUNK_LONG_PROMPT_PICKS = {
 TABLE = Tuning(
     name="h200",
     gemv_by_k=GEMV_BY_K,
+    # one sequence's step at context 128, the GEMV and its fused paths against the decode GEMM (batch_invariant=True,
+    # the same kernels for one row as for 16), us: 0.8B (hidden 1024) 568 against 1,020; 4B (2560) 3,271 against
+    # 3,017; 9B (4096) 5,224 against 4,476; 27B (5120) 22,499 against 13,859 (benchmarks/engine_options.py
+    # --preset P "" "batch_invariant=True"; docs/decisions.md, D165)
+    gemv_hidden_limit=2048,
     gemm_by_k=GEMM_BY_K,
     gemm_decode_rows=128,
     # a decode step of 2-128 rows (and prompts of 2-128 tokens): the configs that took the least time over a step's

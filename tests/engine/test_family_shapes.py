@@ -4,6 +4,7 @@ untied LM head (9B, 27B), a GQA group of 3 (the 27B's 24 query heads over 4 KV h
 columns (27B) through the screened LM head, and one past its 8,192; and the plans of the family's presets on the
 H200."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ from qwen_triton.cli import main
 from qwen_triton.config import parse_config
 from qwen_triton.engine import plan as plans
 from qwen_triton.engine import triton_model
-from qwen_triton.engine.plan import DEVICES, resolve_plan
+from qwen_triton.engine.plan import DEVICES, Options, resolve_plan
 from tests.support import relative_error, small_config, transformers_model, transformers_score, write_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")
@@ -117,12 +118,17 @@ def test_hidden_past_4096_columns(tmp_path):
 
 
 def test_hidden_past_the_screened_heads_columns():
-    # past the screen's 8,192 columns the plan leaves the screened heads out (the bf16 argmax head serves greedy
-    # decode, the logits head top-k sampling) and says why
+    # past the screen's 8,192 columns the plan leaves the screened heads out and says why; the logits head serves
+    # greedy decode (past the GEMV's hidden limit one row runs the decode GEMM, D165), or, with the GEMV at every
+    # size, the bf16 argmax head
     config = parse_config(official_config(dict(PRESETS["27b"], hidden_size=8320)))
     plan = resolve_plan(config, DEVICES["h200"])
-    assert plan.screened_rows == 0 and plan.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
-    assert "the screened LM heads (hidden 8320 > their 8192 columns" in plan.describe(config)
+    assert plan.screened_rows == 0 and plan.decode_lm_head(1, "greedy") == plans.HEAD_LOGITS
+    assert ("the screened LM heads (hidden 8320 > their 8192 columns; the logits head serves greedy decode and "
+            "top-k sampling)") in plan.describe(config)
+    unlimited = resolve_plan(config, DEVICES["h200"], tuning=dataclasses.replace(plan.tuning, gemv_hidden_limit=None))
+    assert unlimited.screened_rows == 0 and unlimited.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
+    assert "the bf16 argmax head serves greedy decode" in unlimited.describe(config)
 
 
 FAMILY = ("4b", "9b", "27b")
@@ -130,17 +136,27 @@ FAMILY = ("4b", "9b", "27b")
 
 @pytest.mark.parametrize("preset", FAMILY)
 def test_the_h200_plan_of_each_family_size(preset):
-    # the staged layer tail takes no size past the 0.8B (its weights do not fit the SMs' shared memory); everything
-    # else serves every size
+    # past the table's GEMV limit (hidden 2,048) one sequence runs as several do: the decode GEMM, its DeltaNet step
+    # with the gated norm, the three-GEMM tail (D165); the staged tail takes no size past the 0.8B (its weights do
+    # not fit the SMs' shared memory); the screened heads serve every size
     config = parse_config(official_config(PRESETS[preset]))
     plan = resolve_plan(config, DEVICES["h200"])
-    assert not plan.staged_tail and plan.projected_delta and plan.pdl and plan.cuda_graph
-    # one row: the fused tail (a weight read once); two and more: the GEMM, which reads each weight once for all rows
-    assert [plan.decode_tail(rows) for rows in (1, 2, 16)] == [plans.TAIL_FUSED] + [plans.TAIL_LINEAR] * 2
-    assert plan.decode_delta(1) == plans.DELTA_PROJECTED and plan.decode_delta(2) == plans.DELTA_FUSED_NORM
+    assert plan.gemv_rows == 0 and not plan.staged_tail and not plan.projected_delta and plan.pdl and plan.cuda_graph
+    assert [plan.decode_tail(rows) for rows in (1, 2, 16)] == [plans.TAIL_LINEAR] * 3
+    assert plan.decode_delta(1) == plan.decode_delta(2) == plans.DELTA_FUSED_NORM
     assert plan.screened_rows == 16 and plan.decode_lm_head(1, "greedy") == plans.HEAD_SCREENED
     described = plan.describe(config)
     assert "the staged layer tail" in described and "the screened LM heads" not in described
+    assert f"one sequence's GEMV and its fused paths, the layer tail and the projected DeltaNet step (hidden " \
+           f"{config.hidden_size} > the h200 table's 2048" in described
+    # a table without the limit: one row through the GEMV, the fused tail and the projected step, as at the 0.8B
+    unlimited = resolve_plan(config, DEVICES["h200"], tuning=dataclasses.replace(plan.tuning, gemv_hidden_limit=None))
+    assert unlimited.gemv_rows == 1 and unlimited.projected_delta and not unlimited.staged_tail
+    assert [unlimited.decode_tail(rows) for rows in (1, 2)] == [plans.TAIL_FUSED, plans.TAIL_LINEAR]
+    assert unlimited.decode_delta(1) == plans.DELTA_PROJECTED
+    assert "one sequence's GEMV" not in unlimited.describe(config)
+    # options that ask for the GEMV at every bucket keep it
+    assert resolve_plan(config, DEVICES["h200"], Options(batched_projections=False)).gemv_rows == 16
 
 
 def test_the_0_8b_plan_leaves_nothing_out():
