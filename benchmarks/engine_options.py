@@ -9,7 +9,8 @@ CUDA graph with feedback, one step ahead of the host) at each context, alternati
         [--preset 4b] [--contexts 128,32768] [--steps 200] [--rounds 2] [--out options.json]
 
 The options are the plan's (engine/plan.py, Options: e.g. lm_head_pdl=True, screened_lm_head=False).
-QWEN_TRITON_TUNING=default runs every set without the H200's pins (tuning/__init__.py).
+QWEN_TRITON_TUNING=default runs every set without the H200's pins (tuning/__init__.py). Each set holds its own model:
+where two do not fit the GPU beside each other (the 27B's 54 GB of weights each, on an H200), time one set a process.
 
 (A one-launch decode attention, compared so with the three kernels, is rejected: docs/decisions.md, D47.)
 """
