@@ -182,8 +182,13 @@ class Chat:
     def reply(self, text: str) -> None:
         llm, args = self.llm, self.args
         messages = self.messages + [{"role": "user", "content": text}]
-        prompt = self._prompt(messages)
-        prompt_tokens = len(llm.tokenizer.encode(prompt))
+        try:  # a long conversation takes a while to render and encode: Ctrl-C there keeps the chat going too
+            prompt = self._prompt(messages)
+            prompt_tokens = len(llm.tokenizer.encode(prompt))
+        except KeyboardInterrupt:
+            print(f"[stopped before the reply began; the conversation is kept: {len(self.messages)} messages]",
+                  file=sys.stderr)
+            return
         cut = budget_note(prompt_tokens, args.max_new_tokens, llm.max_length)
         if cut and prompt_tokens >= llm.max_length:
             print(f"(the conversation is too long: {cut}; /clear starts over)", file=sys.stderr)

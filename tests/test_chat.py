@@ -9,10 +9,11 @@ import subprocess
 import sys
 import termios
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from qwen_triton.chat import ThinkingSplitter
+from qwen_triton.chat import Chat, ThinkingSplitter
 from qwen_triton.checkpoint import make_preset_checkpoint
 
 pty = pytest.importorskip("pty")
@@ -138,3 +139,17 @@ def test_a_reply_opened_in_thinking_mode_by_the_prompt():
         splitter.feed(piece)
     splitter.finish()
     assert out.text == "\x1b[2mthinking: hmm\x1b[0m\nYes.\n"
+
+
+def test_ctrl_c_before_the_reply_begins_keeps_the_chat(capsys):
+    # Ctrl-C while the prompt is rendered or encoded (a long conversation): the reply is not begun, the conversation
+    # is kept as it was, and the chat goes on (the interrupt does not reach the command, which would end it)
+    class Tokenizer:
+        def apply_chat_template(self, messages, **keywords):
+            raise KeyboardInterrupt
+
+    llm = SimpleNamespace(tokenizer=Tokenizer(), max_length=64)
+    chat = Chat(llm, SimpleNamespace(system="be brief", thinking=None, max_new_tokens=8))
+    chat.reply("Hello")
+    assert chat.messages == [{"role": "system", "content": "be brief"}]
+    assert "[stopped before the reply began; the conversation is kept: 1 messages]" in capsys.readouterr().err
