@@ -9,7 +9,9 @@ writes between <think> and </think> is shown apart from the answer (dimmed on a 
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .cli import budget_note, format_statistics, sampling_keywords
@@ -84,6 +86,18 @@ class ThinkingSplitter:
         self.out.flush()
 
 
+def _take_ctrl_c():
+    """Make Ctrl-C (SIGINT) raise KeyboardInterrupt in this process, whatever it inherited: a process started with
+    SIGINT ignored (a background job of a non-interactive shell, a parent that ignores it) or blocked passes both on
+    to its children, and the chat's Ctrl-C would then do nothing. Returns the handler to restore (None off the main
+    thread, where signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if hasattr(signal, "pthread_sigmask"):  # POSIX
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class Chat:
     def __init__(self, llm, args, history_file: Path | None = None):
         self.llm, self.args = llm, args
@@ -126,6 +140,7 @@ class Chat:
     def run(self) -> None:
         self._start_readline()
         print("chat: type a message; /help lists the commands; Ctrl-D or /exit ends the chat", file=sys.stderr)
+        previous = _take_ctrl_c()
         try:
             while True:
                 try:
@@ -145,6 +160,8 @@ class Chat:
                 self.reply(line[1:] if line.startswith("//") else line)
         finally:
             self._save_history()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     def command(self, line: str) -> bool:
         """Run a slash command; True when the chat should end."""

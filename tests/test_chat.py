@@ -24,6 +24,10 @@ def _own_terminal():
     that Ctrl-C typed there becomes SIGINT, as in a real terminal."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # started with SIGINT ignored and blocked, as a parent that ignores it leaves a child (a test worker once did):
+    # the chat takes Ctrl-C back
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 class Terminal:
