@@ -370,8 +370,7 @@ def _left_out(plan: Plan, config: ModelConfig) -> list[str]:
         reasons.append(f"the staged layer tail (hidden {config.hidden_size}, MLP {config.intermediate_size}: its "
                        f"launch plan needs sizes of multiples of 256 whose weights fit the {plan.device.sm_count} "
                        "SMs' shared memory, one attended width)")
-    if (options.batched_projections and not options.batch_invariant
-            and gemv_past_its_limit(config, plan.tuning)):
+    if plan.gemv_rows == 0 and not options.batch_invariant:  # the table's GEMV limit, not an option, took it out
         reasons.append(f"one sequence's GEMV and its fused paths, the layer tail and the projected DeltaNet step "
                        f"(hidden {config.hidden_size} > the {plan.tuning.name} table's {plan.tuning.gemv_hidden_limit}: "
                        "the decode GEMM runs its projections, as for several sequences)")

@@ -80,8 +80,8 @@ def _skip_overflow_checks() -> None:
     """Under the interpreter, run integer arithmetic as the compiled kernels run it: without Triton's int32
     overflow checks (a GPU compile makes them only with debug=True). The interpreter makes them by default: an
     int64 copy of each operand, two compares and an assert after every integer add, sub and mul, about a third of
-    an interpreted model's time. The sizes the interpreter runs never reach int32's range; the offsets that can
-    (the LM head's rows times its columns at the 27B) are int64 in the kernels and tested on the GPU."""
+    an interpreted model's time. The sizes the interpreter runs never come near int32's range; the real sizes run
+    compiled, on the GPU, where no check was made anyway."""
     import dataclasses
 
     from triton.runtime import interpreter
