@@ -10,7 +10,9 @@ measured in the same run. A decode step runs each K's projections with one confi
 (batch invariance: tuning/h200.py, gemm_decode_by_k), so the summary adds up each (BLOCK_N, BLOCK_K, SPLIT_K,
 warps, stages) over the step's projections of each K.
 
-    python3 benchmarks/decode_gemm_sweep.py [--rows 2,16,64,128] [--out decode-gemm.json]
+    python3 benchmarks/decode_gemm_sweep.py [--preset 0.8b|4b|9b|27b] [--rows 2,16,64,128] [--out decode-gemm.json]
+
+--preset takes the projections of another size of the family (their N, K and count a step, from its config).
 """
 
 from __future__ import annotations
@@ -24,26 +26,40 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from qwen_triton.benchmark.harness import measure_hbm_bandwidth
+from qwen_triton.checkpoint import PRESETS, official_config
+from qwen_triton.config import parse_config
 from qwen_triton.operators.linear import gemm
 from qwen_triton.operators.linear.fusion import SQUARES_COLUMNS
 
 from gemm_sweep import L2_BYTES, graph_us  # (this script's folder is on sys.path)
 
-# name, weight rows, K, fusions, count in a step of the 0.8B (18 DeltaNet layers, 6 attention layers)
-PROJECTIONS = [
-    ("deltanet in-projection", 8224, 1024, ("norm",), 18),
-    ("attention in-projection", 5120, 1024, ("norm",), 6),
-    ("mlp gate/up + swiglu", 7168, 1024, ("norm", "swiglu"), 24),
-    ("mlp down + residual", 1024, 3584, ("residual",), 24),
-    ("deltanet out-projection + residual", 1024, 2048, ("residual",), 18),
-    ("attention gate + out-projection + residual", 1024, 2048, ("gate", "residual"), 6),
-]
+
+def projections(preset: str) -> list[tuple]:
+    """A decode step's projections at a size of the family, from its config: (name, weight rows, K, fusions, count a
+    step), e.g. at the 0.8B (18 DeltaNet layers, 6 attention layers) the DeltaNet in-projection 8224 x 1024 18 times."""
+    c = parse_config(official_config(PRESETS[preset]))
+    deltanet, attention = len(c.linear_attention_layers), len(c.full_attention_layers)
+    q_dim = c.num_attention_heads * c.head_dim
+    return [
+        ("deltanet in-projection", c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads,
+         c.hidden_size, ("norm",), deltanet),
+        ("attention in-projection", 2 * q_dim + 2 * c.num_key_value_heads * c.head_dim, c.hidden_size, ("norm",),
+         attention),
+        ("mlp gate/up + swiglu", 2 * c.intermediate_size, c.hidden_size, ("norm", "swiglu"), deltanet + attention),
+        ("mlp down + residual", c.hidden_size, c.intermediate_size, ("residual",), deltanet + attention),
+        ("deltanet out-projection + residual", c.hidden_size, c.linear_value_dim, ("residual",), deltanet),
+        ("attention gate + out-projection + residual", c.hidden_size, q_dim, ("gate", "residual"), attention),
+    ]
+
+
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): few rows a program, many programs (132 SMs on an H100)
 DECODE_CANDIDATES = [
     (64, 64, 1, 4, 4), (64, 128, 1, 4, 4), (32, 128, 1, 4, 4), (32, 64, 1, 4, 4), (16, 128, 1, 4, 4),
     (64, 128, 2, 4, 4), (32, 128, 2, 4, 4), (32, 256, 2, 4, 3), (16, 256, 2, 4, 3),
     (64, 128, 4, 4, 3), (32, 128, 4, 4, 4), (16, 128, 4, 4, 4), (32, 256, 4, 4, 3),
     (32, 128, 8, 4, 4), (16, 128, 8, 4, 4), (64, 64, 8, 4, 4), (32, 64, 8, 4, 4),
+    # wider tiles and longer splits, for the larger sizes' K of 2,560-12,288
+    (128, 64, 1, 4, 4), (64, 256, 2, 4, 3), (64, 128, 8, 4, 3),
 ]
 
 
@@ -101,12 +117,14 @@ def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="0.8b", choices=sorted(PRESETS))
     parser.add_argument("--rows", default="2,16,64,128")
     parser.add_argument("--out")
     parser.add_argument("--compile-part", default="0/1", help="i/n: only compile every n-th config from the i-th")
     args = parser.parse_args()
     part = tuple(int(v) for v in args.compile_part.split("/"))
     hbm = measure_hbm_bandwidth() if part[1] == 1 else 1.0
+    shapes = projections(args.preset)
     rows = []
     started = time.perf_counter()
 
@@ -115,17 +133,18 @@ def main() -> None:
         rows.append(row)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), hbm_copy_TBps=hbm, rows=rows), f, indent=1)
+                json.dump(dict(device=torch.cuda.get_device_name(), preset=args.preset, hbm_copy_TBps=hbm, rows=rows),
+                          f, indent=1)
 
     for M in (int(m) for m in args.rows.split(",")):
-        for name, weight_rows, K, fusions, _ in PROJECTIONS:
+        for name, weight_rows, K, fusions, _ in shapes:
             sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part)
         print(f"M={M} swept at {time.perf_counter() - started:.0f} s", flush=True)
     if part[1] > 1:
         return
-    print(f"{torch.cuda.get_device_name()}: copy {hbm:.2f} TB/s; us per launch with PDL, back to back in a CUDA graph")
-    counts = {name: count for name, _, _, _, count in PROJECTIONS}
-    by_k = {name: K for name, _, K, _, _ in PROJECTIONS}
+    print(f"{args.preset} on {torch.cuda.get_device_name()}: copy {hbm:.2f} TB/s; us per launch with PDL, back to back in a CUDA graph")
+    counts = {name: count for name, _, _, _, count in shapes}
+    by_k = {name: K for name, _, K, _, _ in shapes}
     for M in dict.fromkeys(r["M"] for r in rows):
         mine = [r for r in rows if r["M"] == M]
         for name in counts:

@@ -51,15 +51,19 @@ if [ -n "${GEMM_SWEEP:-}" ]; then  # every GEMM config at these row counts (e.g.
         --loads pointer --out "$OUT/gemm-sweep.json" > "$OUT/gemm-sweep.md" 2>> "$OUT/err.log"; echo "sweep rc $?"
     cat "$OUT/gemm-sweep.md"
 fi
-if [ -n "${DECODE_GEMM_SWEEP:-}" ]; then  # the decode GEMM's configs at these row counts (h200.py's decode picks)
-    for i in 0 1 2 3 4 5 6 7; do  # compile a share each, in parallel, into the cache the timing run reads
-        TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py \
-            --rows "$DECODE_GEMM_SWEEP" --compile-part $i/8 > /dev/null 2>> "$OUT/err.log" &
+if [ -n "${DECODE_GEMM_SWEEP:-}" ]; then  # the decode GEMM's configs (h200.py's decode picks): "ROWS" at the 0.8B or
+    for sweep in $DECODE_GEMM_SWEEP; do  # "PRESET:ROWS" each, e.g. "16,64,128 4b:1,16": decode-gemm[-PRESET].json/.md
+        case $sweep in *:*) preset=${sweep%%:*}; rows=${sweep#*:}; name=decode-gemm-$preset ;;
+                       *) preset=0.8b; rows=$sweep; name=decode-gemm ;; esac
+        for i in 0 1 2 3 4 5 6 7; do  # compile a share each, in parallel, into the cache the timing run reads
+            TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py \
+                --preset $preset --rows "$rows" --compile-part $i/8 > /dev/null 2>> "$OUT/err.log" &
+        done
+        wait
+        TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py --preset $preset \
+            --rows "$rows" --out "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/err.log"; echo "decode sweep $preset rc $?"
+        grep -E "K=" "$OUT/$name.md"
     done
-    wait
-    TRITON_CACHE_DIR=$CACHE timeout ${SWEEP_TIMEOUT:-240} python3 benchmarks/decode_gemm_sweep.py \
-        --rows "$DECODE_GEMM_SWEEP" --out "$OUT/decode-gemm.json" > "$OUT/decode-gemm.md" 2>> "$OUT/err.log"; echo "decode sweep rc $?"
-    grep -E "K=" "$OUT/decode-gemm.md"
 fi
 if [ -n "${BENCH_VARIANTS:-}" ]; then
     TRITON_CACHE_DIR=$CACHE timeout ${BENCH_TIMEOUT:-300} python3 -m qwen_triton.cli bench --variants "$BENCH_VARIANTS" \
