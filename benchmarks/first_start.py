@@ -6,7 +6,9 @@ cache that first start left, each in a fresh process, with the configs the autot
 
 The cache directory is emptied first. Each start runs `random_llm` (the 0.8B's shape, random weights made on the
 GPU) with TRITON_PRINT_AUTOTUNING=1: "timed" counts the configs the autotuner ran (a key taken from the recorded
-picks, tuning/picks.py, times none), "tuned_keys" the keys it chose for, whether by timing or from a pick.
+picks, tuning/picks.py, times none), "tuned_keys" the keys it chose for, whether by timing or from a pick;
+"compile_workers" counts the compile workers the start ran before its warm-up (engine/compile_workers.py: on a cold
+cache only; QWEN_TRITON_COMPILE_WORKERS=0 runs none), "compile_workers_s" their time, part of "ready_s".
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ started = time.perf_counter()
 from qwen_triton.benchmark.models import random_llm
 llm = random_llm("0.8b", max_batch={max_batch}, max_length={max_length}, progress=False)
 torch.cuda.synchronize()
-print("READY", time.perf_counter() - started, flush=True)
+report = llm.warm_up_report
+print("READY", time.perf_counter() - started, report.compile_workers, report.compile_seconds, flush=True)
 """
 
 
@@ -36,9 +39,13 @@ def start(cache: Path, max_batch: int, max_length: int, picks: str | None) -> di
     result = subprocess.run([sys.executable, "-c", START.format(max_batch=max_batch, max_length=max_length)],
                             env=env, capture_output=True, text=True, timeout=900)
     ready = [line for line in result.stdout.splitlines() if line.startswith("READY")]
-    return dict(returncode=result.returncode, ready_s=float(ready[0].split()[1]) if ready else None,
+    fields = ready[0].split() if ready else None
+    return dict(returncode=result.returncode, ready_s=float(fields[1]) if ready else None,
+                compile_workers=int(fields[2]) if ready else None,
+                compile_workers_s=float(fields[3]) if ready else None,
                 timed=result.stdout.count("Autotuning kernel "),
                 tuned_keys=result.stdout.count("Triton autotuning for function "),
+                workers_said=[line for line in result.stderr.splitlines() if "compile worker" in line][:8],
                 error=None if result.returncode == 0 else result.stderr[-3000:])
 
 

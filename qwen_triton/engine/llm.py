@@ -161,6 +161,8 @@ class LLM(ModelText):
     warm_up: the triton backend compiles and autotunes every kernel variant a generation can reach (every prompt
     length up to max_length, every batch up to max_batch, every sampling mode) before the constructor returns,
     so that no request does (engine/warmup.py; what it ran is `warm_up_report`); None: on a GPU, not on a CPU.
+    On a Triton cache that has not seen this model's warm-up, compile workers fill the cache first
+    (engine/compile_workers.py; QWEN_TRITON_COMPILE_WORKERS=0 turns them off).
     progress: the loading's and the warm-up's progress on stderr.
     tokenizer: a `Tokenizer` to use instead of the checkpoint's. The triton backend's options
     (`backend_options`) switch its optimisations off one by one (README, "The engine on the kernels").
@@ -220,7 +222,7 @@ class LLM(ModelText):
             )
         self.warm_up_report = None  # engine/warmup.py's WarmUp: what the warm-up ran, its time
         if backend == "triton" and (default_warm_up(self.device) if warm_up is None else warm_up):
-            from .warmup import warm_up as run_warm_up
+            from .compile_workers import warm_up as run_warm_up  # on a cold Triton cache, compile workers first
 
             self.warm_up_report = run_warm_up(self.model, progress=progress)
         self._tokenizer = tokenizer

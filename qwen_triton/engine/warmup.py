@@ -42,6 +42,12 @@ and `LLM.score`'s prefill, whose LM head writes the logits of
 every position (a GEMM per length bucket over the whole vocabulary: 4 GB of float32 logits at 4096 tokens of the
 0.8B, too much to allocate at load).
 
+The warm-up is a flat list of items in a fixed order (`warm_up_items`: each prefill length in each slot, each packed
+token bucket, each packed LM head bucket, each first token's choice, each decode batch in each mode), each of which
+launches on its own (`Shared` makes what one item needs of another: the prefill's logits, the decode buffers), so
+that on a cold Triton cache compile workers can each run a share of them, every item in exactly one share
+(`warm_up(share=(index, count))`, engine/compile_workers.py), before this process runs them all.
+
 The warm-up leaves no state behind: its decode steps run on buffers of their own, and it resets every slot at the
 end (the KV cache needs no zeroing: no kernel reads past a sequence's length). The model's own progress lines of
 a first run ("first prefill: compiling and autotuning ...") are switched off, since no first run compiles any more.
@@ -51,7 +57,9 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import triton
@@ -107,25 +115,6 @@ def prefill_lengths(plan: Plan, max_length: int, row_bytes: int) -> list[int]:
     return sorted(chosen.values(), key=lambda tokens: (triton.next_power_of_2(tokens), -tokens))
 
 
-def warm_up_packed(model, progress: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """One packed pass per token bucket, the largest first, and the LM head at every sequence bucket (captured with
-    the packed graphs); nothing without plan.packed_prefill. Returns the buckets run. The caller resets the slot."""
-    if not model.plan.packed_prefill:
-        return (), ()
-    tokens_run = sorted(model.packed_buckets, reverse=True)
-    report = progress_printer("warm-up: packed prefill buckets" + (" (CUDA graphs)" if model.packed_graphs else "")) \
-        if progress else None
-    for index, tokens in enumerate(tokens_run):
-        model.reset(0)
-        prompt = torch.zeros(min(tokens, model.max_length), dtype=torch.int64)
-        model.prefill_packed([prompt], [0], [0])
-        if report is not None:
-            report(index + 1, len(tokens_run))
-    for rows in model.packed_head_buckets:
-        model.warm_up_packed_head(rows)
-    return tuple(tokens_run), tuple(model.packed_head_buckets)
-
-
 def decode_batches(max_batch: int) -> list[int]:
     """The decode batch buckets a model of max_batch sequences runs (buffers.bucket: the powers of two below
     max_batch, then max_batch itself)."""
@@ -152,29 +141,6 @@ def first_token_rows(rows: int, vocab: int) -> list[int]:
     return sorted(chosen.values())
 
 
-@dataclass(frozen=True)
-class WarmUp:
-    """What a warm-up ran and how long it took."""
-
-    prefill_lengths: tuple[int, ...]
-    prefill_slots: tuple[int, ...]
-    packed_tokens: tuple[int, ...]  # the packed passes' token buckets
-    packed_rows: tuple[int, ...]  # their LM head's sequence buckets
-    batches: tuple[int, ...]
-    modes: tuple[str, ...]
-    first_token_rows: tuple[int, ...]
-    seconds: float
-
-    def summary(self) -> str:
-        lengths = self.prefill_lengths
-        buckets = sorted({triton.next_power_of_2(tokens) for tokens in lengths})
-        packed_buckets = (f", {len(self.packed_tokens)} packed prefill buckets ({min(self.packed_tokens)} to "
-                          f"{max(self.packed_tokens)} tokens)" if self.packed_tokens else "")
-        return (f"warm-up: {len(lengths)} prefill lengths ({len(buckets)} buckets, {lengths[0]} to "
-                f"{max(lengths)} tokens){packed_buckets}, decode at batch {', '.join(map(str, self.batches))} in "
-                f"{len(self.modes)} modes: {self.seconds:.1f} s")
-
-
 def _load_sampling(buffers: DecodeBuffers, sampling: DeviceSampling | None, history: PenaltyHistory) -> None:
     """Inputs at position 0 and every row's sampling parameters, as decode_tokens loads them."""
     size = buffers.size
@@ -192,69 +158,225 @@ def _load_sampling(buffers: DecodeBuffers, sampling: DeviceSampling | None, hist
         prompt_mask.zero_()
 
 
-@torch.no_grad()
-def warm_up(model, progress: bool = False) -> WarmUp:
-    """Run every prefill length of `prefill_lengths`, the first token's choice and every decode step of
-    `decode_batches` x DECODE_MODES on `model` (a TritonModel), then reset every slot. progress: a line per phase
-    on stderr and the summary."""
-    started = time.perf_counter()
-    config, device = model.config, model.device
-    model.progress = False  # its first-run lines (they would say compiling): the warm-up's own instead
-    row_bytes = config.hidden_size * model.embed.element_size()
-    lengths = prefill_lengths(model.plan, model.max_length, row_bytes)
-    buckets = sorted({triton.next_power_of_2(tokens) for tokens in lengths})
-    slots = prefill_slots(model.state, model.max_batch)
-    report = progress_printer("warm-up: prefill buckets") if progress else None
-    logits = None
-    for index, length_bucket in enumerate(buckets):
-        for tokens in (t for t in lengths if triton.next_power_of_2(t) == length_bucket):
-            for slot in slots:
-                model.reset(slot)
-                logits = model.prefill_eager(torch.zeros(tokens, dtype=torch.int64, device=device), slot, 0, False)
-        if report is not None:
-            report(index + 1, len(buckets))
-    packed_tokens, packed_rows = warm_up_packed(model, progress)
+@dataclass(frozen=True)
+class Contents:
+    """What a warm-up of a model runs: its prefill lengths and slots, its packed passes' token buckets and their
+    LM head's sequence buckets, its decode batches and the rows of the first token's choices."""
 
-    batches = decode_batches(model.max_batch)
-    rows = first_token_rows(batches[-1], config.vocab_size)
-    samplings = {mode: DeviceSampling.build([params] * batches[-1], device)
-                 for mode, _, params in DECODE_MODES if params is not None}
-    for mode, sampling in samplings.items():
-        if sampling.mode != mode:
-            raise AssertionError(f"the warm-up's parameters for mode {mode!r} choose {sampling.mode!r}")
-    history = PenaltyHistory(batches[-1], config.vocab_size, device)  # its own: the model's stays as it was
-    prompt = torch.zeros(1, dtype=torch.int64, device=device)
-    for sampling in samplings.values():
-        for row in rows:
-            if sampling.mode in PENALIZED_MODES:
-                counts, prompt_mask = history.start(row, prompt)
-                choose_first(logits, sampling, row, counts, prompt_mask)
-            else:
-                choose_first(logits, sampling, row)
-    del history
+    prefill_lengths: tuple[int, ...]
+    prefill_slots: tuple[int, ...]
+    packed_tokens: tuple[int, ...]  # the largest first
+    packed_rows: tuple[int, ...]
+    batches: tuple[int, ...]
+    first_token_rows: tuple[int, ...]
 
-    report = progress_printer("warm-up: decode batches") if progress else None
-    for index, size in enumerate(batches):
-        buffers = DecodeBuffers(config, size, device, model.dtype)  # its own: the model's stay as they were
+    @classmethod
+    def of(cls, model) -> "Contents":
+        row_bytes = model.config.hidden_size * model.embed.element_size()
+        batches = decode_batches(model.max_batch)
+        packed = model.plan.packed_prefill
+        return cls(tuple(prefill_lengths(model.plan, model.max_length, row_bytes)),
+                   tuple(prefill_slots(model.state, model.max_batch)),
+                   tuple(sorted(model.packed_buckets, reverse=True)) if packed else (),
+                   tuple(model.packed_head_buckets) if packed else (), tuple(batches),
+                   tuple(first_token_rows(batches[-1], model.config.vocab_size)))
+
+
+@dataclass(frozen=True)
+class Item:
+    """One piece of the warm-up, launched by run(): a prefill of one length in one slot, a packed pass of one token
+    bucket, the packed LM head at one sequence bucket, the first token's choice in one mode at one row, or a decode
+    step of one batch in one mode. The pieces are independent (`Shared` makes what one needs of another's: the
+    logits, the buffers), so that compile workers can each run a share of them (engine/compile_workers.py).
+    group: the piece's place in its phase's progress line (its length bucket, its token bucket, its batch)."""
+
+    phase: str  # "prefill", "packed prefill", "packed head", "first token" or "decode"
+    name: str
+    group: int
+    run: Callable[[], None] = field(compare=False, repr=False)
+
+
+class Shared:
+    """What the items of one warm-up share, each made when an item first needs it: the last prefill's logits (the
+    first token's choices read them), each mode's sampling parameters, the first token's penalty history (its own:
+    the model's stays as it was) and the decode buffers of the batch being run (their own too)."""
+
+    def __init__(self, model, contents: Contents):
+        self.model, self.contents = model, contents
+        self.logits: torch.Tensor | None = None
+        self._samplings: dict[str, DeviceSampling] | None = None
+        self._history: PenaltyHistory | None = None
+        self._buffers: DecodeBuffers | None = None
+        self._prompt = torch.zeros(1, dtype=torch.int64, device=model.device)
+
+    def prefill(self, tokens: int, slot: int) -> None:
+        model = self.model
+        model.reset(slot)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=model.device)
+        self.logits = model.prefill_eager(ids, slot, 0, False)
+
+    def packed_prefill(self, tokens: int) -> None:
+        model = self.model
+        model.reset(0)
+        model.prefill_packed([torch.zeros(min(tokens, model.max_length), dtype=torch.int64)], [0], [0])
+
+    @property
+    def samplings(self) -> dict[str, DeviceSampling]:
+        """Each mode's parameters for every row of the largest batch."""
+        if self._samplings is None:
+            rows, device = self.contents.batches[-1], self.model.device
+            self._samplings = {mode: DeviceSampling.build([params] * rows, device)
+                               for mode, _, params in DECODE_MODES if params is not None}
+            for mode, sampling in self._samplings.items():
+                if sampling.mode != mode:
+                    raise AssertionError(f"the warm-up's parameters for mode {mode!r} choose {sampling.mode!r}")
+        return self._samplings
+
+    def choose_first(self, mode: str, row: int) -> None:
+        """The first token's choice at `row` from the last prefill's logits; in a share that ran no prefill, from
+        zeros of their shape and dtype (what the choice's kernels specialise on)."""
+        model, sampling = self.model, self.samplings[mode]
+        if self.logits is None:
+            self.logits = torch.zeros(1, model.config.vocab_size, dtype=torch.float32, device=model.device)
+        if sampling.mode not in PENALIZED_MODES:
+            choose_first(self.logits, sampling, row)
+            return
+        if self._history is None:
+            self._history = PenaltyHistory(self.contents.batches[-1], model.config.vocab_size, model.device)
+        counts, prompt_mask = self._history.start(row, self._prompt)
+        choose_first(self.logits, sampling, row, counts, prompt_mask)
+
+    def decode(self, size: int, mode: str, feedback: bool) -> None:
+        model = self.model
+        self._history = None  # the first token's choices are done
+        if self._buffers is None or self._buffers.size != size:
+            self._buffers = None  # the last batch's, freed before this one's are made
+            self._buffers = DecodeBuffers(model.config, size, model.device, model.dtype)
+        _load_sampling(self._buffers, self.samplings.get(mode), model.history)
+        model.warm_up_step(self._buffers, mode, feedback)
+
+    def close(self) -> None:
+        self._history = self._buffers = None
+
+
+def warm_up_items(model, contents: Contents | None = None) -> tuple[list[Item], Shared]:
+    """The warm-up as a flat list, in the order `warm_up` runs it (each length bucket's prefills, the packed passes
+    from the largest bucket, the packed LM heads, the first token's choices, the decode steps by batch), and the
+    state its items share. The list depends only on the model's config, plan, dtype, max_length and max_batch, so a
+    compile worker's model of the same makes the same list."""
+    contents = Contents.of(model) if contents is None else contents
+    shared = Shared(model, contents)
+    items: list[Item] = []
+    buckets = sorted({triton.next_power_of_2(tokens) for tokens in contents.prefill_lengths})
+    for group, length_bucket in enumerate(buckets):
+        for tokens in (t for t in contents.prefill_lengths if triton.next_power_of_2(t) == length_bucket):
+            for slot in contents.prefill_slots:
+                items.append(Item("prefill", f"prefill of {tokens} tokens in slot {slot}", group,
+                                  partial(shared.prefill, tokens, slot)))
+    for group, tokens in enumerate(contents.packed_tokens):
+        items.append(Item("packed prefill", f"packed prefill of {tokens} tokens", group,
+                          partial(shared.packed_prefill, tokens)))
+    for group, rows in enumerate(contents.packed_rows):
+        items.append(Item("packed head", f"packed LM head of {rows} rows", group,
+                          partial(model.warm_up_packed_head, rows)))
+    for mode, _, params in DECODE_MODES:
+        for row in contents.first_token_rows if params is not None else ():
+            items.append(Item("first token", f"first token's choice, {mode}, row {row}", 0,
+                              partial(shared.choose_first, mode, row)))
+    for group, size in enumerate(contents.batches):
         for mode, feedback, _ in DECODE_MODES:
-            _load_sampling(buffers, samplings.get(mode), model.history)
-            model.warm_up_step(buffers, mode, feedback)
-        del buffers
-        if report is not None:
-            report(index + 1, len(batches))
+            items.append(Item("decode", f"decode step of batch {size}, {mode}", group,
+                              partial(shared.decode, size, mode, feedback)))
+    return items, shared
+
+
+def share_of(items: list, share: tuple[int, int] | None) -> list:
+    """The items of share (index, count): those at positions index, index + count, ...; share None: all."""
+    if share is None:
+        return list(items)
+    index, count = share
+    if not 0 <= index < count:
+        raise ValueError(f"share must be (index, count) with 0 <= index < count, got {share}")
+    return items[index::count]
+
+
+def _progress_reports(model, items: list[Item]) -> dict[int, Callable[[], None]]:
+    """position in `items` -> the progress line's update after that item: the last item of each group of the
+    prefills (by length bucket), the packed passes and the decode steps (by batch)."""
+    labels = {"prefill": "warm-up: prefill buckets",
+              "packed prefill": "warm-up: packed prefill buckets" + (" (CUDA graphs)" if model.packed_graphs else ""),
+              "decode": "warm-up: decode batches"}
+    reports = {}
+    for phase, label in labels.items():
+        ends = {item.group: position for position, item in enumerate(items) if item.phase == phase}
+        report = progress_printer(label)
+        for done, position in enumerate(sorted(ends.values()), 1):
+            reports[position] = partial(report, done, len(ends))
+    return reports
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up ran and how long it took (a share of it: the whole warm-up's contents, `share` its part)."""
+
+    prefill_lengths: tuple[int, ...]
+    prefill_slots: tuple[int, ...]
+    packed_tokens: tuple[int, ...]  # the packed passes' token buckets
+    packed_rows: tuple[int, ...]  # their LM head's sequence buckets
+    batches: tuple[int, ...]
+    modes: tuple[str, ...]
+    first_token_rows: tuple[int, ...]
+    seconds: float
+    share: tuple[int, int] | None = None  # (index, count): the items this run ran (`share_of`); None: all
+    compile_workers: int = 0  # the compile workers that ran before it (engine/compile_workers.py)
+    compile_seconds: float = 0.0  # their time, counted in seconds
+
+    def summary(self) -> str:
+        lengths = self.prefill_lengths
+        buckets = sorted({triton.next_power_of_2(tokens) for tokens in lengths})
+        packed_buckets = (f", {len(self.packed_tokens)} packed prefill buckets ({min(self.packed_tokens)} to "
+                          f"{max(self.packed_tokens)} tokens)" if self.packed_tokens else "")
+        part = "" if self.share is None else f" (share {self.share[0] + 1} of {self.share[1]})"
+        workers = (f" ({self.compile_workers} compile workers first: {self.compile_seconds:.1f} s of it)"
+                   if self.compile_workers else "")
+        return (f"warm-up{part}: {len(lengths)} prefill lengths ({len(buckets)} buckets, {lengths[0]} to "
+                f"{max(lengths)} tokens){packed_buckets}, decode at batch {', '.join(map(str, self.batches))} in "
+                f"{len(self.modes)} modes: {self.seconds:.1f} s{workers}")
+
+
+@torch.no_grad()
+def warm_up(model, progress: bool = False, share: tuple[int, int] | None = None,
+            compiled: tuple[int, float] = (0, 0.0)) -> WarmUp:
+    """Run every prefill length of `prefill_lengths`, the packed passes, the first token's choice and every decode
+    step of `decode_batches` x DECODE_MODES on `model` (a TritonModel), then reset every slot. progress: a line per
+    phase on stderr and the summary. share (index, count): only the items `share_of` gives that share (a compile
+    worker's part, engine/compile_workers.py); None: all of them. compiled: the count and time of the compile
+    workers that ran before this warm-up, for its report."""
+    started = time.perf_counter()
+    model.progress = False  # its first-run lines (they would say compiling): the warm-up's own instead
+    contents = Contents.of(model)
+    items, shared = warm_up_items(model, contents)
+    items = share_of(items, share)
+    reports = _progress_reports(model, items) if progress else {}
+    for position, item in enumerate(items):
+        item.run()
+        if position in reports:
+            reports[position]()
+    shared.close()
     model.reset()
     if model.history.counts is not None:  # the penalized steps' counts: no history left behind
         model.history.counts.zero_()
         model.history.prompt_mask.zero_()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    done = WarmUp(tuple(lengths), tuple(slots), packed_tokens, packed_rows, tuple(batches),
-                  tuple(mode for mode, _, _ in DECODE_MODES),
-                  tuple(rows), time.perf_counter() - started)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    done = WarmUp(contents.prefill_lengths, contents.prefill_slots, contents.packed_tokens, contents.packed_rows,
+                  contents.batches, tuple(mode for mode, _, _ in DECODE_MODES), contents.first_token_rows,
+                  time.perf_counter() - started + compiled[1], share, *compiled)
     if progress:
         print(done.summary(), file=sys.stderr, flush=True)
     return done
 
 
-__all__ = ["DECODE_MODES", "WarmUp", "decode_batches", "first_token_rows", "prefill_lengths",
-           "prefill_signature", "prefill_slots", "specialization", "warm_up", "warm_up_packed"]
+__all__ = ["DECODE_MODES", "Contents", "Item", "Shared", "WarmUp", "decode_batches", "first_token_rows",
+           "prefill_lengths", "prefill_signature", "prefill_slots", "share_of", "specialization", "warm_up",
+           "warm_up_items"]
