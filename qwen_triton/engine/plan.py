@@ -236,8 +236,8 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         gemv_rows = 0
     elif not options.batched_projections:
         gemv_rows = MAX_ROWS
-    else:  # one row through the GEMV, up to the table's hidden size (past it the decode GEMM reads faster)
-        gemv_rows = 0 if gemv_past_its_limit(config, tuning) else 1
+    else:  # the table's rows through the GEMV, up to its hidden size (past it the decode GEMM reads faster)
+        gemv_rows = 0 if gemv_past_its_limit(config, tuning) else min(tuning.gemv_most_rows, MAX_ROWS)
     # out_projection_mlp reads its weights once a row, as the GEMV does
     fused_tail_rows = gemv_rows if options.out_projection_mlp else 0
     staged_tail = (options.staged_out_projection_mlp and fused_tail_rows > 0 and device.type == "cuda"

@@ -36,6 +36,9 @@ class Tuning:
     # tail, the projected DeltaNet step) up to this hidden size; past it, the decode GEMM's smallest bucket, as a
     # step of several rows runs them (None: at every size)
     gemv_hidden_limit: int | None
+    # below that limit, a decode step of up to this many rows runs its projections through the GEMV (a weight read
+    # once a row) and the fused paths; more rows, the decode GEMM (a weight read once for all rows)
+    gemv_most_rows: int
     # linear.gemm: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K for prompts of up to MAX_SPLIT_ROWS tokens;
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N from gemm_long_prompt_rows tokens on, and on the
     # TMA loads in the bucket gemm_medium_prompt_bucket

@@ -24,7 +24,11 @@ GEMM_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))  # (BLOCK_M, BLO
 # A decode step of several sequences (tuning.gemm_decode_rows): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 # by K, BLOCK_M the bucket's rows (16 to 64). The in-projections and gate/up (K = 1024) 64 x 128 tiles, one a
 # program; the out-projections (2048) K split in two of 256-wide steps over 32 columns; down (3584) in four.
-GEMM_DECODE_BY_K = ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (None, (32, 128, 4, 4, 4)))
+# The 4B's K = 2560 projections (its in-projections and gate/up) 32 x 128 tiles, one a program: at 1 and 16 rows
+# 1,959 and 1,979 us a step against 2,203 and 2,244 with K split in four (benchmarks/decode_gemm_sweep.py
+# --preset 4b --rows 1,16 on the H100; docs/decisions.md, D168).
+GEMM_DECODE_BY_K = ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (2560, (32, 128, 1, 4, 4)),
+                    (None, (32, 128, 4, 4, 4)))
 # Prompts of gemm_long_prompt_rows tokens or more: the configs fastest in the same setting at M = 4096
 # (benchmarks/gemm_sweep.py, commit 23ea421; docs/decisions.md, D58): 128 x 256
 # tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
@@ -118,6 +122,10 @@ TABLE = Tuning(
     # 3,017; 9B (4096) 5,224 against 4,476; 27B (5120) 22,499 against 13,859 (benchmarks/engine_options.py
     # --preset P "" "batch_invariant=True"; docs/decisions.md, D165)
     gemv_hidden_limit=2048,
+    # a step of two rows through the GEMV, more through the decode GEMM: 0.8B at context 128 on the H100, us per
+    # step at 2 / 4 / 8 rows 1,000 / 1,488 / 2,443 against 1,130 / 1,132 / 1,150 (benchmarks/batched_decode.py
+    # "" "batched_projections=False" --batches 2,4,8,16; docs/decisions.md, D167)
+    gemv_most_rows=2,
     gemm_by_k=GEMM_BY_K,
     gemm_decode_rows=128,
     # a decode step of 2-128 rows (and prompts of 2-128 tokens): the configs that took the least time over a step's

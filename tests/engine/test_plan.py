@@ -1,5 +1,7 @@
 """The plan: which kernel runs each operator at each bucket, resolved for a device that need not be present."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,21 +18,26 @@ H200 = DEVICES["h200"]
 def test_the_h200_plan_of_the_0_8b_model():
     plan = resolve_plan(CONFIG, H200)
     assert plan.pdl and plan.cuda_graph and plan.fold_norms and plan.split_k and plan.tuning.name == "h200"
-    # one row: the GEMV and the fused kernels; several: the GEMM (each weight read once for all rows), norms folded
-    assert plan.gemv_rows == 1
-    assert [plan.decode_tail(rows) for rows in (1, 2, 16, 32)] == [plans.TAIL_STAGED] + [plans.TAIL_LINEAR] * 3
-    assert [plan.decode_delta(rows) for rows in (1, 2, 32)] == [plans.DELTA_PROJECTED] + [plans.DELTA_FUSED_NORM] * 2
-    assert [plan.decode_folded_norm(rows) for rows in (1, 2, 128)] == [False, True, True]
+    # one or two rows (the table's gemv_most_rows): the GEMV and the fused kernels; more: the GEMM (each weight read
+    # once for all rows), norms folded
+    assert plan.gemv_rows == plan.tuning.gemv_most_rows == 2
+    assert [plan.decode_tail(rows) for rows in (1, 2, 3, 16, 32)] == [plans.TAIL_STAGED, plans.TAIL_FUSED] + [
+        plans.TAIL_LINEAR] * 3
+    assert [plan.decode_delta(rows) for rows in (1, 2, 3, 32)] == [plans.DELTA_PROJECTED, plans.DELTA_FUSED] + [
+        plans.DELTA_FUSED_NORM] * 2
+    assert [plan.decode_folded_norm(rows) for rows in (1, 2, 3, 128)] == [False, False, True, True]
     assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
         plans.HEAD_LOGITS]
-    assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
-    assert plan.decode_lm_head(2, "temperature") == plans.HEAD_LOGITS
+    assert plan.decode_lm_head(1, "temperature") == plan.decode_lm_head(2, "temperature") == plans.HEAD_GUMBEL
+    assert plan.decode_lm_head(3, "temperature") == plans.HEAD_LOGITS
+    one_row = resolve_plan(CONFIG, H200, tuning=dataclasses.replace(plan.tuning, gemv_most_rows=1))
+    assert one_row.gemv_rows == 1 and one_row.decode_tail(2) == plans.TAIL_LINEAR and one_row.decode_folded_norm(2)
     assert plan.decode_lm_head(1, "sample") == plan.decode_lm_head(1, "logits") == plans.HEAD_LOGITS
     assert [plan.decode_lm_head(rows, mode) for rows in (1, 16, 32) for mode in ("top-k", "penalized-top-k")] == [
         plans.HEAD_SCREENED_TOP_K] * 4 + [plans.HEAD_LOGITS] * 2
     assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
     assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
-    assert not plan.prefill_folded_norm(1) and plan.prefill_folded_norm(2)
+    assert not plan.prefill_folded_norm(2) and plan.prefill_folded_norm(3)
 
 
 def test_without_batched_projections_several_rows_run_the_gemv():

@@ -7,6 +7,7 @@ import importlib
 import triton
 
 from qwen_triton import tuning
+from qwen_triton.operators.common import keep_preferred
 
 # the modules (the packages export the launchers under the same names)
 qk_norm_rotary = importlib.import_module("qwen_triton.operators.attention.qk_norm_rotary")
@@ -21,7 +22,9 @@ def test_the_h200_table_holds_the_values_the_kernels_were_tuned_with():
     assert h200.gemv_by_k == ((1024, (1, 16, 256)), (2048, (1, 8, 1024)), (None, (4, 16, 512)))
     assert h200.gemm_by_k == ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))
     assert h200.gemm_decode_rows == 128
-    assert h200.gemm_decode_by_k == ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (None, (32, 128, 4, 4, 4)))
+    assert h200.gemm_decode_by_k == ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (2560, (32, 128, 1, 4, 4)),
+                                     (None, (32, 128, 4, 4, 4)))
+    assert h200.gemv_hidden_limit == 2048 and h200.gemv_most_rows == 2
     assert h200.gemm_long_by_n == ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
     assert h200.gemm_medium_by_n == ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
     assert (h200.gemm_long_prompt_rows, h200.gemm_medium_prompt_bucket, h200.gemm_tma_rows) == (4096, 1024, 257)
@@ -69,3 +72,15 @@ def test_a_gpu_without_a_table_keeps_the_thresholds_and_autotunes_every_config(m
     monkeypatch.setattr(chunk, "SHORT_PROMPT_PICKS", default.chunk_short_prompt_picks)
     prune = chunk._prompt_pick("state")
     assert prune(configs, dict(chunk_bucket=2)) == configs
+
+
+def test_every_decode_pin_is_in_the_gemm_config_space_at_every_block_m(monkeypatch):
+    """A pin that matches no config of the space is ignored (keep_preferred keeps them all: the key autotunes); each
+    of the H200's decode pins, at each BLOCK_M a decode bucket takes (16 to 64), is one config of the space."""
+    monkeypatch.setattr(gemm, "autotune_configs", lambda configs: configs)  # the GPU's space, not the interpreter's
+    space = gemm._configs(split=True)
+    for _, values in tuning.H200.gemm_decode_by_k:
+        pin = dict(zip(gemm.DECODE_FIELDS, values))
+        for block_m in (16, 32, 64):
+            kept = keep_preferred(space, dict(pin, BLOCK_M=block_m))
+            assert len(kept) == 1 and kept is not space, (pin, block_m)

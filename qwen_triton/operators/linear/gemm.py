@@ -113,6 +113,7 @@ def _configs(split: bool) -> list[triton.Config]:
         # the decode pins' (tuning/h200.py, GEMM_DECODE_BY_K) at each BLOCK_M
         (64, 64, 128, 4, 4, 1), (16, 32, 256, 4, 3, 2), (32, 32, 256, 4, 3, 2), (64, 32, 256, 4, 3, 2),
         (16, 32, 128, 4, 4, 4), (32, 32, 128, 4, 4, 4), (64, 32, 128, 4, 4, 4),
+        (16, 32, 128, 4, 4, 1), (32, 32, 128, 4, 4, 1), (64, 32, 128, 4, 4, 1),
     ]:
         if split or split_k == 1:
             configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
