@@ -34,7 +34,8 @@ machine, shape, version or picks file, an emptied cache) the workers run again.
 How many (`worker_count`): QWEN_TRITON_COMPILE_WORKERS (0 turns them off), else min(8, half the CPUs: ptxas and
 the LLVM passes each take a CPU); at most as many as fit the GPU's free memory, each counted as 1.5 times what the
 main process has allocated (the model's weights and caches, plus the warm-up's buffers and graphs) and 1.5 GiB
-(a process's CUDA context and kernels); fewer than 2 are not worth their start, so then none.
+(a process's CUDA context and kernels); fewer than 2 are not worth their start, so then none. A Ray replica on a
+fraction of a GPU runs none unless the variable says otherwise (server/ray_app.py, `limit_compile_workers`).
 
 What it costs: each worker starts Python, PyTorch and the package (a few seconds) and makes its model's weights on
 the GPU (no disk read), holding its share of the GPU's memory while it runs; a kernel that every item launches

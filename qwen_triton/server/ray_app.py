@@ -26,6 +26,7 @@ config files (`serve run`, KubeRay). ray[serve] comes with the `ray` extra: pip 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -210,6 +211,18 @@ class ReplicaOptions:
     prefill_chunk: int = 512
     drain_timeout: float = 30.0
     stall_s: float = ENGINE_STALL_S
+    gpu_share: float = 1.0  # the replica's num_gpus (build_application sets it)
+
+
+def limit_compile_workers(gpu_share: float, environment=None) -> None:
+    """A replica on a fraction of a GPU warms up without compile workers (engine/compile_workers.py): they count the
+    GPU's free memory as theirs, which is the other replicas' while those load. A count set in the environment
+    stays."""
+    from ..engine.compile_workers import WORKERS_VARIABLE
+
+    environment = os.environ if environment is None else environment
+    if 0 < gpu_share < 1:
+        environment.setdefault(WORKERS_VARIABLE, "0")
 
 
 @serve.ingress()
@@ -224,6 +237,7 @@ class QwenTritonReplica:
         context = serve.get_replica_context()
         self.name, self.deployment, self.application = context.replica_id.unique_id, context.deployment, context.app_name
         self.options = options
+        limit_compile_workers(options.gpu_share)  # (the engine's process inherits this one's environment)
         loaded = Loaded(options.engine)
         self.text = loaded.text()
         self.engine = loaded.start_engine(options.max_num_seqs, max_queue=options.max_queue,
@@ -252,6 +266,7 @@ def build_application(options: ReplicaOptions, *, replicas: int, gpus_per_replic
     one CPU. With max_replicas: between min_replicas and max_replicas, `replicas` at the start, scaled by the
     requests in flight, a replica counting as full with as many requests as its slots (max_num_seqs)."""
     resources = {"num_cpus": 1, "num_gpus": gpus_per_replica} if gpus_per_replica > 0 else {"num_cpus": 1}
+    options = dataclasses.replace(options, gpu_share=gpus_per_replica)
     scaling: dict = {"num_replicas": replicas}
     if max_replicas is not None:
         scaling = {"num_replicas": "auto", "autoscaling_config": {

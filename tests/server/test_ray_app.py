@@ -200,7 +200,7 @@ def test_the_config_file_builder_makes_the_commands_deployment():
     assert deployment.num_replicas == 4 and deployment.max_ongoing_requests == 32 + 64
     assert deployment.ray_actor_options == {"num_cpus": 1, "num_gpus": 0.5}
     (options,) = deployment.init_args
-    assert options.engine.device == "cuda" and options.model_name == "Qwen/Qwen3.5-0.8B"
+    assert options.engine.device == "cuda" and options.model_name == "Qwen/Qwen3.5-0.8B" and options.gpu_share == 0.5
     scaled = application({"model": "m", "replicas": 2, "min_replicas": 1, "max_replicas": 6})._bound_deployment
     assert scaled._deployment_config.autoscaling_config.max_replicas == 6
     assert scaled._deployment_config.autoscaling_config.target_ongoing_requests == 16
@@ -208,3 +208,12 @@ def test_the_config_file_builder_makes_the_commands_deployment():
         application({"model": "m", "gpus": 1})
     with pytest.raises(ValueError, match="needs args.model"):
         application({"replicas": 2})
+
+
+def test_a_replica_on_part_of_a_gpu_starts_no_compile_workers_unless_told():
+    from qwen_triton.server.ray_app import limit_compile_workers
+
+    for share, given, expected in ((0.5, None, "0"), (0.25, "3", "3"), (1.0, None, None), (0.0, None, None)):
+        environment = {} if given is None else {"QWEN_TRITON_COMPILE_WORKERS": given}
+        limit_compile_workers(share, environment)
+        assert environment.get("QWEN_TRITON_COMPILE_WORKERS") == expected, (share, given)
