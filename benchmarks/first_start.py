@@ -40,9 +40,8 @@ def start(cache: Path, max_batch: int, max_length: int, picks: str | None) -> di
                             env=env, capture_output=True, text=True, timeout=900)
     ready = [line for line in result.stdout.splitlines() if line.startswith("READY")]
     fields = ready[0].split() if ready else None
-    return dict(returncode=result.returncode, ready_s=float(fields[1]) if ready else None,
-                compile_workers=int(fields[2]) if ready else None,
-                compile_workers_s=float(fields[3]) if ready else None,
+    ready_s, workers, workers_s = (float(fields[1]), int(fields[2]), float(fields[3])) if ready else (None,) * 3
+    return dict(returncode=result.returncode, ready_s=ready_s, compile_workers=workers, compile_workers_s=workers_s,
                 timed=result.stdout.count("Autotuning kernel "),
                 tuned_keys=result.stdout.count("Triton autotuning for function "),
                 workers_said=[line for line in result.stderr.splitlines() if "compile worker" in line][:8],

@@ -89,14 +89,6 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def installed_picks(gpu: str) -> Path | None:
-    """The picks file this process's kernels take (installed by the model, once a process; QWEN_TRITON_PICKS=off:
-    none, as `qwen-triton tune` runs, which then compiles every config of every key)."""
-    from ..tuning.picks import install
-
-    return install(gpu)
-
-
 @dataclass(frozen=True)
 class Identity:
     """Everything a warm-up's kernels in the Triton cache depend on; two models of equal identities warm up the same
@@ -118,10 +110,12 @@ class Identity:
         import triton
 
         from .. import __version__
+        from ..tuning.picks import install as install_picks
 
         device = model.device
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        picks = installed_picks(gpu) if device.type == "cuda" else None
+        # the picks file this process's kernels take (tuning/picks.py; none with QWEN_TRITON_PICKS=off)
+        picks = install_picks(gpu) if device.type == "cuda" else None
         return cls(f"{__version__}+{source_digest()}", triton.__version__, torch.__version__, gpu, repr(model.config),
                    str(model.dtype), repr(model.plan),
                    "none" if picks is None else hashlib.sha256(picks.read_bytes()).hexdigest(),
