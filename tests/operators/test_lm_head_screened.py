@@ -165,8 +165,16 @@ def test_errors_name_the_argument(device):
 VOCAB, HIDDEN = 248320, 1024
 
 
+def test_the_check_takes_more_rows_a_program_for_more_rows_of_x():
+    """Kernel 2's BLOCK_R: CHECK_ROWS for one row of x, doubling with the rows' power of two up to CHECK_ROWS_MOST,
+    so that 16 rows launch as many programs as one (the real vocabulary's 1,940 a row at one row, 122 at 16)."""
+    assert [screened.check_rows(M) for M in (1, 2, 3, 4, 16, 17, 128)] == [128, 256, 512, 512, 2048, 2048, 2048]
+    programs = {M: -(-VOCAB // screened.check_rows(M)) * M for M in (1, 16)}
+    assert programs == {1: 1940, 16: 1952}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("M", [1, 2, 16])
 def test_gpu_screened_argmax_real_shape(M):
     x = make((M, HIDDEN), torch.bfloat16, "cuda", seed=50 + M)
     weight = make((VOCAB, HIDDEN), torch.bfloat16, "cuda", seed=51, scale=0.05)

@@ -28,9 +28,10 @@ Four kernels (a row's result does not depend on its batch: its integers, bounds 
    tensor-core product (int8, int32 accumulation; the rows of x are B's 16 columns, N = 16 being the product's
    least), pipelined as a GEMM: the int8 head is read once for up to 16 rows. It stores each row's upper bounds
    c_i + B_i and folds their greatest lower bound into the row's tau (a float atomic max).
-2. `_check_kernel`, grid (V / BLOCK_R, M): the rows of its BLOCK_R whose upper bound reaches tau are read whole
-   from W, one after the other, and their logits computed against x_n in float32 (a row's logit does not depend
-   on which other rows are candidates); it stores its (max, lowest index of the max).
+2. `_check_kernel`, grid (V / BLOCK_R, M), BLOCK_R = 128 x M up to 2,048 (`check_rows`: about as many programs for
+   M rows as for one): the rows of its BLOCK_R whose upper bound reaches tau are read whole from W, one after the
+   other, and their logits computed against x_n in float32 (a row's logit does not depend on which other rows are
+   candidates); it stores its (max, lowest index of the max).
 3. argmax.py's `_argmax_reduce_kernel` folds those in a fixed order, keeps tau for `candidate_counts` and resets
    it to -inf for the next call.
 
@@ -54,12 +55,17 @@ from ..common import (allow_next_kernel, check_same_device, check_tensor, interp
                       wait_for_previous_kernel)
 from .argmax import FLOAT_DTYPES, INT32_MAX, _argmax_reduce_kernel, reduce_block
 
-# the kernels' tiles (module constants: benchmarks/engine_options.py --settings can change them)
+# the kernels' tiles
 SCREEN_ROWS = 128  # BLOCK_V of kernel 1: q rows a program
 SCREEN_COLUMNS = 128  # BLOCK_K of kernel 1: the columns of a q tile
 SCREEN_WARPS = 4
 SCREEN_STAGES = 3
-CHECK_ROWS = 128  # BLOCK_R of kernel 2
+# BLOCK_R of kernel 2: CHECK_ROWS for one row of x, CHECK_ROWS x M (a power of two) for M rows, at most
+# CHECK_ROWS_MOST, so that M rows launch about as many programs as one (V / CHECK_ROWS: 1,940 at the 0.8B's
+# vocabulary); 128 rows a program at every M ran 31,040 programs at 16 rows, 36.8 us of a 16-row step's 1,440 on
+# the H100 (`qwen-triton profile --rows 16`; docs/decisions.md, D170)
+CHECK_ROWS = 128
+CHECK_ROWS_MOST = 2048
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24 (summation_bound)
 MAX_COLUMNS = 8192  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row; the 27B's 5,120)
@@ -76,11 +82,18 @@ def row_warps(block_x: int) -> int:
     return 4 if block_x <= 4096 else 8
 
 
-def _tiles(V: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_V and BLOCK_K of kernel 1, BLOCK_R of kernel 2) for a head of V rows of K columns."""
+def check_rows(M: int) -> int:
+    """BLOCK_R of kernel 2 for M rows of x: CHECK_ROWS a row, at most CHECK_ROWS_MOST."""
+    return min(CHECK_ROWS * triton.next_power_of_2(M), CHECK_ROWS_MOST)
+
+
+def _tiles(V: int, K: int, M: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_V and BLOCK_K of kernel 1, BLOCK_R of kernel 2) for a head of V rows of K columns and M rows of x
+    (screened_top_k.py's check keeps CHECK_ROWS at every M: its rows hold 10-20 times greedy's candidates, each
+    read one after the other by its program)."""
     if interpreting() and V > INTERPRETER_WIDE_V:
         return INTERPRETER_ROWS, min(SCREEN_COLUMNS, max(16, triton.next_power_of_2(K))), INTERPRETER_ROWS
-    return SCREEN_ROWS, SCREEN_COLUMNS, CHECK_ROWS
+    return SCREEN_ROWS, SCREEN_COLUMNS, check_rows(M)
 
 
 class LmHeadScreen(NamedTuple):
@@ -308,7 +321,7 @@ _workspaces: dict[tuple, _Workspace] = {}
 def _workspace(device, M: int, V: int, K: int) -> _Workspace:
     key = (device, M, V, K)
     if key not in _workspaces:
-        tiles = triton.cdiv(V, _tiles(V, K)[2])
+        tiles = triton.cdiv(V, _tiles(V, K, M)[2])
         _workspaces[key] = _Workspace(
             normed=torch.empty(M, K, dtype=torch.float32, device=device),
             quantized_x=torch.zeros(triton.cdiv(M, 16) * 16, K, dtype=torch.int8, device=device),
@@ -369,7 +382,7 @@ def lm_head_argmax_screened(
         HAS_NORM=norm_weight is not None, BLOCK_X=block_x, USE_PDL=pdl, num_warps=row_warps(block_x),
         **launch_options(pdl),
     )
-    screen_rows, screen_columns, check_rows = _tiles(V, K)
+    screen_rows, screen_columns, block_r = _tiles(V, K, M)
     _screen_kernel[(triton.cdiv(V, screen_rows), triton.cdiv(M, 16))](
         screen.quantized, screen.scales, screen.residual_bounds, screen.quantized_norms, work.quantized_x,
         work.statistics, work.upper, work.threshold, M, V, K, screen.quantized.stride(0),
@@ -378,7 +391,7 @@ def lm_head_argmax_screened(
     )
     _check_kernel[(work.tiles, M)](
         weight, work.normed, work.upper, work.threshold, work.values, work.indices, V, K, weight.stride(0), work.tiles,
-        BLOCK_R=check_rows, BLOCK_X=block_x, USE_PDL=pdl, num_warps=row_warps(block_x),
+        BLOCK_R=block_r, BLOCK_X=block_x, USE_PDL=pdl, num_warps=row_warps(block_x),
         **launch_options(pdl),
     )
     _argmax_reduce_kernel[(M,)](work.values, work.indices, work.tile_count, out, work.tiles, work.threshold,
