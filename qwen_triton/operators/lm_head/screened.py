@@ -60,12 +60,8 @@ SCREEN_ROWS = 128  # BLOCK_V of kernel 1: q rows a program
 SCREEN_COLUMNS = 128  # BLOCK_K of kernel 1: the columns of a q tile
 SCREEN_WARPS = 4
 SCREEN_STAGES = 3
-# BLOCK_R of kernel 2: CHECK_ROWS for one row of x, CHECK_ROWS x M (a power of two) for M rows, at most
-# CHECK_ROWS_MOST, so that M rows launch about as many programs as one (V / CHECK_ROWS: 1,940 at the 0.8B's
-# vocabulary); 128 rows a program at every M ran 31,040 programs at 16 rows, 36.8 us of a 16-row step's 1,440 on
-# the H100 (`qwen-triton profile --rows 16`; docs/decisions.md, D170)
-CHECK_ROWS = 128
-CHECK_ROWS_MOST = 2048
+CHECK_ROWS = 128  # BLOCK_R of kernel 2 for one row of x (check_rows; docs/decisions.md, D170)
+CHECK_ROWS_MOST = 2048  # ... and its largest, for 16 rows or more
 QUANTIZED_MAX = 127.0
 SUMMATION_BOUND = 1.2e-4  # h_i / ||W_i||: twice K u / (1 - K u) for K = 1024 columns, u = 2^-24 (summation_bound)
 MAX_COLUMNS = 8192  # K of kernel 0's one-pass row statistics (a [BLOCK_X] vector of the row; the 27B's 5,120)
@@ -83,7 +79,9 @@ def row_warps(block_x: int) -> int:
 
 
 def check_rows(M: int) -> int:
-    """BLOCK_R of kernel 2 for M rows of x: CHECK_ROWS a row, at most CHECK_ROWS_MOST."""
+    """BLOCK_R of kernel 2 for M rows of x: CHECK_ROWS a row, at most CHECK_ROWS_MOST, so that M rows launch about as
+    many programs as one (V / CHECK_ROWS, 1,940 at the real vocabulary; 128 rows a program at 16 rows launched
+    31,040, 36.8 us of the 0.8B's 16-row step on the H100)."""
     return min(CHECK_ROWS * triton.next_power_of_2(M), CHECK_ROWS_MOST)
 
 
