@@ -11,6 +11,10 @@ measured in the same run. A decode step runs each K's projections with one confi
 warps, stages) over the step's projections of each K.
 
     python3 benchmarks/decode_gemm_sweep.py [--preset 0.8b|4b|9b|27b] [--rows 2,16,64,128] [--out decode-gemm.json]
+        [--resident]
+
+--resident times the resident-weights GEMM (linear/resident_gemm.py) instead: its default config (`resident`) and
+each of RESIDENT_CANDIDATES, against the tiled GEMM's pick (`engine`).
 
 --preset takes the projections of another size of the family (their N, K and count a step, from its config).
 """
@@ -61,6 +65,63 @@ DECODE_CANDIDATES = [
     # wider tiles and longer splits, for the larger sizes' K of 2,560-12,288
     (128, 64, 1, 4, 4), (64, 256, 2, 4, 3), (64, 128, 8, 4, 3),
 ]
+
+
+# (BLOCK_N, SPLIT_K, num_warps) of the resident-weights GEMM: a slice of BLOCK_N rows over K / SPLIT_K columns a program
+RESIDENT_CANDIDATES = [
+    (16, 1, 4), (32, 1, 4), (32, 1, 8), (64, 1, 8), (16, 2, 4), (32, 2, 4), (32, 2, 8), (64, 2, 8),
+    (32, 4, 4), (64, 4, 8), (32, 7, 4), (32, 8, 4),
+]
+
+
+def sweep_resident(name, weight_rows, K, fusions, M, hbm, record):
+    """Time the tiled GEMM's pick and the resident-weights GEMM's default and candidates for one projection."""
+    from qwen_triton.operators.linear import resident_gemm
+
+    torch.manual_seed(0)
+    pair = "swiglu" in fusions
+    N = weight_rows // (2 if pair else 1)
+    weight_bytes = weight_rows * K * 2
+    copies = max(2, min(24, -(-2 * L2_BYTES // weight_bytes)))
+    weights = [torch.randn(weight_rows, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    norm_squares = (x.float() ** 2).sum(1, keepdim=True) if "norm" in fusions else None
+    squares_out = torch.empty(M, -(-N // SQUARES_COLUMNS), device="cuda") if "residual" in fusions else None
+    gate = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) if "gate" in fusions else None
+    floor_us = weight_bytes / (hbm * 1e12) * 1e6
+    options = dict(gate=gate, norm_squares=norm_squares, squares_out=squares_out,
+                   residual=residual if "residual" in fusions else None, activation=1 if pair else 0, pdl=True)
+    target = residual if "residual" in fusions else out
+
+    def tiled(i):
+        gemm.gemm(x, weights[i], target, **options)
+
+    tiled(0)
+    record(dict(shape=name, M=M, variant="engine", config=str(gemm._gemm_split.best_config),
+                us=graph_us(tiled, copies), floor_us=floor_us))
+    default = resident_gemm.config_for(K, squares_out is not None, pair)
+    candidates = [("resident", default)] + [
+        ("config", dict(BLOCK_N=n, SPLIT_K=s, num_warps=w)) for n, s, w in RESIDENT_CANDIDATES]
+    for variant, config in candidates:
+        columns = resident_gemm.split_columns(K, config["SPLIT_K"])
+        elements = config["BLOCK_N"] * triton.next_power_of_2(columns) * (2 if pair else 1)
+        if (columns * (config["SPLIT_K"] - 1) >= K or squares_out is not None and config["BLOCK_N"] < SQUARES_COLUMNS
+                or elements > 256 * 32 * config["num_warps"]):  # more than 256 weight elements a thread
+            continue
+
+        def resident(i, config=config):
+            resident_gemm.resident_gemm(x, weights[i], target, config=config, **options)
+        try:
+            resident(0)
+            us = graph_us(resident, copies)
+        except OutOfResources:
+            us = float("nan")
+        record(dict(shape=name, M=M, variant=variant, block_m=16,
+                    config=[config["BLOCK_N"], config["SPLIT_K"], config["num_warps"]], us=us, floor_us=floor_us))
+    weights.clear()
+    torch.cuda.empty_cache()
 
 
 def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1)):
@@ -120,6 +181,7 @@ def main() -> None:
     parser.add_argument("--preset", default="0.8b", choices=sorted(PRESETS))
     parser.add_argument("--rows", default="2,16,64,128")
     parser.add_argument("--out")
+    parser.add_argument("--resident", action="store_true", help="the resident-weights GEMM's configs")
     parser.add_argument("--compile-part", default="0/1", help="i/n: only compile every n-th config from the i-th")
     args = parser.parse_args()
     part = tuple(int(v) for v in args.compile_part.split("/"))
@@ -138,7 +200,10 @@ def main() -> None:
 
     for M in (int(m) for m in args.rows.split(",")):
         for name, weight_rows, K, fusions, _ in shapes:
-            sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part)
+            if args.resident:
+                sweep_resident(name, weight_rows, K, fusions, M, hbm, record)
+            else:
+                sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part)
         print(f"M={M} swept at {time.perf_counter() - started:.0f} s", flush=True)
     if part[1] > 1:
         return
@@ -154,6 +219,10 @@ def main() -> None:
             print(f"M={M} {name}: floor {engine['floor_us']:.1f}; engine {engine['us']:.1f} "
                   f"({engine['pct_of_floor']:.0f}%); best {best['us']:.1f} ({best['pct_of_floor']:.0f}%) "
                   f"BLOCK_M {best['block_m']} {best['config']}")
+            default = next((r for r in mine if r["shape"] == name and r["variant"] == "resident"), None)
+            if default is not None:
+                print(f"M={M} {name}: resident default {default['us']:.1f} ({default['pct_of_floor']:.0f}%) "
+                      f"{default['config']}")
         # one config per K for the step: the sum over that K's projections, weighted by their count in a step
         for K in sorted(set(by_k.values())):
             totals = {}
@@ -166,7 +235,9 @@ def main() -> None:
             engine = sum(next(r["us"] for r in mine if r["shape"] == name and r["variant"] == "engine") * counts[name]
                          for name in shapes)
             ranked = sorted(complete.items(), key=lambda item: item[1])[:3]
-            print(f"M={M} K={K}: engine {engine:.0f} us a step; best " +
+            resident = sum(next((r["us"] for r in mine if r["shape"] == name and r["variant"] == "resident"), 0.0)
+                           * counts[name] for name in shapes)
+            print(f"M={M} K={K}: engine {engine:.0f} us a step; resident default {resident:.0f}; best " +
                   "; ".join(f"{us:.0f} (BLOCK_M {key[0]} {list(key[1])})" for key, us in ranked))
 
 

@@ -14,6 +14,7 @@ GPU.
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py state --block-v 32 --warps 8 --stages 3 --sequence \
         [--constant NAME=VALUE]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py gemm-epilogues [--variant "in-projection folded" --sequence]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py resident [--sequence]
 
 gemm-epilogues: the GEMM's code with and without the folded norm's epilogues, for the tiles a prefill of 4096
 tokens runs (TMA loads, 8 warps, 3 stages): the DeltaNet in-projection (128 x 128, with and without the folded
@@ -21,6 +22,9 @@ norm's 1/rms), gate/up (the same), down (128 x 256, residual, with and without t
 prompt's down split in four over pointer loads (64 x 64, 4 warps), with the sums. One line of JSON of each
 variant's counts (the CPU test `tests/operators/test_linear.py::test_gemm_folded_norm_epilogues_compile_for_hopper`
 runs it); with --variant NAME --sequence that variant's PTX operations in order.
+
+resident: the resident-weights GEMM's code for the 0.8B's projections with the engine's configs (the CPU test
+`tests/operators/test_resident_gemm.py::test_resident_gemm_compiles_for_hopper_without_spills` runs it).
 
 --sequence prints the PTX's shared-memory, tensor-core, barrier and global-memory operations in program order (runs
 of one operation collapsed to `op xN`): what a loop's step waits on. --constant NAME=VALUE sets a constexpr of the
@@ -168,9 +172,43 @@ def gemm_epilogues(variant: str | None, sequence: bool) -> None:
     print(json.dumps(results))
 
 
+def resident(sequence: bool) -> None:
+    """The resident-weights GEMM's counts (linear/resident_gemm.py) for the 0.8B's projections with the configs the
+    engine launches them with (`config_for`), as one line of JSON (or the first one's PTX sequence)."""
+    import json
+
+    from qwen_triton.operators.linear import resident_gemm
+
+    types = dict({pointer: "*fp32" for pointer in ("partial_ptr", "norm_squares_ptr", "squares_ptr")},
+                 counter_ptr="*i32", **{integer: "i32" for integer in ("M", "N", "K", "K_PER_SPLIT", "PARTS")})
+    results = {}
+    for name, K, pair, residual, folded in RESIDENT_VARIANTS:
+        config = resident_gemm.config_for(K, residual, pair)
+        columns = resident_gemm.split_columns(K, config["SPLIT_K"])
+        constants = dict(ACTIVATION=int(pair), HAS_RESIDUAL=residual, FOLDED_NORM=folded, WRITE_SQUARES=residual,
+                         BLOCK_PARTS=32, BLOCK_M=resident_gemm.BLOCK_M, BLOCK_N=config["BLOCK_N"],
+                         BLOCK_K=triton.next_power_of_2(columns), SPLIT_K=config["SPLIT_K"], USE_PDL=True)
+        counts = compile_counts(resident_gemm._resident_kernel, constants, config["num_warps"], 1, sequence=sequence,
+                                types=types, divisible=("N", "K", "K_PER_SPLIT"))
+        if sequence:
+            print(counts["sequence"])
+            return
+        results[name] = {key: counts[key] for key in ("registers", "stack_bytes", "shared_bytes", "tensor_core")}
+    print(json.dumps(results))
+
+
+RESIDENT_VARIANTS = (  # name, K, SwiGLU pair, residual (+ the sums of squares), folded norm
+    ("in-projection", 1024, False, False, True),
+    ("gate/up", 1024, True, False, True),
+    ("down", 3584, False, True, False),
+    ("out-projection", 2048, False, True, False),
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output", "gemm-epilogues"])
+    parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output", "gemm-epilogues",
+                                           "resident"])
     parser.add_argument("--variant", choices=[variant[0] for variant in GEMM_VARIANTS],
                         help="gemm-epilogues: this variant alone")
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
@@ -184,6 +222,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.kernel == "gemm-epilogues":
         gemm_epilogues(args.variant, args.sequence)
+        return
+    if args.kernel == "resident":
+        resident(args.sequence)
         return
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",

@@ -1,4 +1,5 @@
-"""Projections: the split-K GEMV (decode), the tiled GEMM (prefill) and the `linear` launcher over both; and a
+"""Projections: the split-K GEMV (one row), the resident-weights GEMM (a decode step of a few rows), the tiled GEMM
+(more rows, prefill) and the `linear` launcher over them; and a
 decode layer's out-projection and MLP: `out_projection_mlp` (three launches, one program per SM) and, for one
 sequence on Hopper, `staged_out_projection_mlp` (one Gluon launch, every weight staged in shared memory)."""
 

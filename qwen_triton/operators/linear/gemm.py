@@ -350,7 +350,7 @@ def _workspace(device: torch.device, rows: int, N: int):
     return split_workspace(_workspaces, device, MAX_SPLIT_K, rows, N, tiles)
 
 
-def _apply_prologue(x, gate, norm_weight, eps, pdl=False):
+def apply_prologue(x, gate, norm_weight, eps, pdl=False):
     """prologue(x) [M, K] in a workspace per (device, dtype, bucket of M, K), which the GEMM reads at once
     (calls on one stream may share it, calls on concurrent streams must not)."""
     M, K = x.shape
@@ -393,7 +393,7 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     norm_squares [M, P] float32: x's rows' sums of squares, for the folded norm (no prologue pass);
     squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written."""
     if gate is not None or norm_weight is not None:
-        x = _apply_prologue(x, gate, norm_weight, eps, pdl)
+        x = apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
     if tma is None:
         tma = M >= TMA_ROWS and x.element_size() == 2 and tma_available(x.device)  # measured in bf16 only

@@ -19,7 +19,8 @@ The GEMV (M <= 16) keeps its prologue for a folded norm, with a zero norm weight
 squares_out with `row_squares` after it.
 
 Dispatch: M <= 16 tokens -> split-K GEMV (gemv.py); more -> tiled GEMM (gemm.py), whose tiles come through TMA
-descriptors from 257 tokens on (Hopper). `gemv=` overrides it: the GEMV reads the weights once a row (a row is then
+descriptors from 257 tokens on (Hopper); `resident=True` (a decode step's rows) -> the resident-weights GEMM
+(resident_gemm.py). `gemv=` overrides it: the GEMV reads the weights once a row (a row is then
 reduced as it is alone), the GEMM once for all rows, so the engine runs the GEMV for one row only (engine/plan.py).
 Accumulation is float32; the output is rounded once to x's dtype (or float32 with out_dtype, for logits).
 
@@ -46,6 +47,8 @@ from .fusion import SQUARES_COLUMNS
 from .gemm import gemm
 from .gemv import MAX_ROWS
 from .gemv import gemv as gemv_kernel
+from .resident_gemm import MAX_ROWS as RESIDENT_ROWS
+from .resident_gemm import resident_gemm
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = {None: 0, "swiglu": 1}
@@ -91,6 +94,7 @@ def linear(
     norm_squares: torch.Tensor | None = None,
     squares_out: torch.Tensor | None = None,
     gemv: bool | None = None,
+    resident: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -104,6 +108,7 @@ def linear(
     the output rows' sums of squares (each row's over its columns: what the next folded norm reads).
     gemv: run the GEMV (True; M <= 16) or the GEMM (False); None: the GEMV for M <= 16. The engine's plan says
     which (`Plan.gemv_rows`): the GEMV reads each weight once a row, the GEMM once for all rows.
+    resident: where the GEMM runs, its resident-weights form (resident_gemm.py; M <= 128: a decode step's rows).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -169,5 +174,9 @@ def linear(
         if squares_out is not None:
             row_squares(out, out=squares_out)
         return out
+    if resident:
+        if M > RESIDENT_ROWS:
+            raise ValueError(f"resident=True serves at most {RESIDENT_ROWS} rows, x has {M}")
+        return resident_gemm(x, weight, out, pdl=pdl, norm_squares=norm_squares, squares_out=squares_out, **options)
     return gemm(x, weight, out, split_k=split_k, pdl=pdl, norm_squares=norm_squares, squares_out=squares_out,
                 **options)
