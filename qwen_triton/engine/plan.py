@@ -23,12 +23,14 @@ from ..operators.gated_delta_rule.projected_decode import ROWS as PROJECTED_ROWS
 from ..operators.linear import staged_out_projection_mlp as staged
 from ..operators.linear.gemm import MAX_SPLIT_ROWS
 from ..operators.linear.gemv import MAX_ROWS
+from ..operators.linear.resident_gemm import MAX_ROWS as RESIDENT_ROWS
 from ..operators.lm_head.screened import MAX_COLUMNS as SCREEN_MAX_COLUMNS
 from ..tuning import Tuning, active, for_device_name
 from .buffers import bucket
 from .device_sampling import TOP_K_MODES
 
 PREFILL_GRAPHS = 8  # CUDA graphs of prefills kept (the most recently captured)
+INVARIANT_STEP_TUNING_ROWS = 16  # batch_invariant: every bucket's fused DeltaNet step takes the 16-row bucket's pick
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,12 @@ class Options:
     # every decode step, one row's too, runs the kernels of several rows, so that a sequence's ids never depend on
     # how many sequences share its steps (one row then forgoes the GEMV and the fused one-row kernels)
     batch_invariant: bool = False
+    # a decode step's rows past the GEMV's, up to the table's resident_most_rows, through the resident-weights GEMM
+    # (linear/resident_gemm.py: each program's weight slice loaded before its PDL wait); False: the tiled GEMM.
+    # Not with batch_invariant, whose buckets all take the tiled GEMM (one kernel: the same bits at any batch), nor
+    # past the table's GEMV hidden limit (its slices were measured at the 0.8B's widths; the 4B's one-row step took
+    # 4,642 us through it against 3,442 tiled, H100)
+    resident_gemm: bool = True
     pdl: bool | None = None  # programmatic dependent launch (None: where the device has it)
     fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
     # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
@@ -98,6 +106,7 @@ class Options:
     prefill_pdl_tokens: int | None = None  # prefills of up to this many tokens launch with PDL
     lm_head_pdl: bool | None = None  # the decode LM head (not screened) with PDL
     screened_lm_head_pdl: bool | None = None
+    resident_most_rows: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -124,9 +133,13 @@ class Plan:
     pdl: bool
     fold_norms: bool
     gemv_rows: int  # projections of up to this many rows run the GEMV (a weight read once a row), more the GEMM
+    resident_rows: int  # a decode step's rows past gemv_rows and up to this many: the resident-weights GEMM (0: none)
     fused_tail_rows: int  # decode buckets of up to this many rows run the layer tail as out_projection_mlp (0: none)
     staged_tail: bool  # a one-row decode's layer tail is staged_out_projection_mlp
     delta_step: str  # DELTA_FUSED or DELTA_UNFUSED (several rows, or where the projected step is off)
+    # the rows the fused DeltaNet step's autotuning keys every bucket on (None: each bucket its own config). With
+    # batch_invariant one config serves every bucket: the configs reduce in different orders
+    step_tuning_rows: int | None
     output_norm_in_projection: bool
     projected_delta: bool  # a one-row decode's DeltaNet layer is the projected step
     screened_rows: int  # greedy and top-k decode buckets of up to this many rows use the screened heads (0: none)
@@ -257,9 +270,13 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         pdl=pdl,
         fold_norms=fold_norms,
         gemv_rows=gemv_rows,
+        resident_rows=(min(_given(options.resident_most_rows, tuning.resident_most_rows), RESIDENT_ROWS)
+                       if options.resident_gemm and not options.batch_invariant
+                       and not gemv_past_its_limit(config, tuning) else 0),
         fused_tail_rows=fused_tail_rows,
         staged_tail=staged_tail,
         delta_step=DELTA_FUSED if options.fused_delta_decode else DELTA_UNFUSED,
+        step_tuning_rows=INVARIANT_STEP_TUNING_ROWS if options.batch_invariant else None,
         output_norm_in_projection=options.output_norm_in_projection,
         projected_delta=projected,
         screened_rows=tuning.screened_rows if options.screened_lm_head and screened_head_fits(config) else 0,
@@ -333,6 +350,8 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
     head = plan.decode_lm_head(rows, "greedy")
     gemv = rows <= plan.gemv_rows
     projection = "linear.gemv:_gemv_kernel" if gemv else "linear.gemm:_gemm_kernel"
+    if not gemv and rows <= plan.resident_rows:
+        projection = "linear.resident_gemm:_resident_kernel"
     top_k_head = plan.decode_lm_head(rows, "penalized-top-k")
     return {
         "attention in-projection": projection + (" (norm in the prologue)" if gemv else " (norm folded)"),

@@ -182,11 +182,15 @@ class TritonModel:
         return self.trace.operator(kind, layer, moved, flops)
 
     def _linear(self, kind: str, layer: int | None, x, weight, step: ForwardPass, out=None, **options):
-        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM) and the pass's
-        PDL, traced as one operator."""
+        """`linear` with the plan's choices (split-K; the GEMV or, past plan.gemv_rows, the GEMM, in a decode step
+        its resident-weights form up to plan.resident_rows) and the pass's PDL, traced as one operator. A prefill
+        keeps the tiled GEMM at any length: a prompt then gets the same bits alone (its own rows) as in a packed
+        pass (the rows of its token bucket)."""
+        rows = x.shape[0]
+        resident = step.buffers is not None and self.plan.gemv_rows < rows <= self.plan.resident_rows
         with self._traced(kind, layer, costs.linear, x, weight, **options):
-            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl,
-                          gemv=x.shape[0] <= self.plan.gemv_rows, **options)
+            return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl, gemv=rows <= self.plan.gemv_rows,
+                          resident=resident, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _norm(self, norm_weight, squares) -> dict:
@@ -295,7 +299,7 @@ class TritonModel:
                 out = gated_delta_rule_decode_fused(
                     mixed, z, a, b, w.conv, conv_state, w.A_log, w.dt_bias, w.norm, c.rms_norm_eps, state,
                     out=scratch["delta_normed"], delta_out=scratch["delta_out"], pdl=step.pdl,
-                    normalize=not norm_later, slots=step.slots,
+                    normalize=not norm_later, slots=step.slots, tuning_batch=self.plan.step_tuning_rows,
                 )
             if norm_later:
                 out, head_norm = out.view(size, -1), (z, w.norm)

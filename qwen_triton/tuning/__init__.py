@@ -39,6 +39,9 @@ class Tuning:
     # below that limit, a decode step of up to this many rows runs its projections through the GEMV (a weight read
     # once a row) and the fused paths; more rows, the decode GEMM (a weight read once for all rows)
     gemv_most_rows: int
+    # past gemv_most_rows and up to this many rows, a decode step's projections run the resident-weights GEMM (its
+    # weights loaded before its PDL wait, linear/resident_gemm.py); more rows, the tiled decode GEMM
+    resident_most_rows: int
     # linear.gemm: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by K for prompts of up to MAX_SPLIT_ROWS tokens;
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N from gemm_long_prompt_rows tokens on, and on the
     # TMA loads in the bucket gemm_medium_prompt_bucket

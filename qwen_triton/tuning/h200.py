@@ -122,10 +122,12 @@ TABLE = Tuning(
     # 3,017; 9B (4096) 5,224 against 4,476; 27B (5120) 22,499 against 13,859 (benchmarks/engine_options.py
     # --preset P "" "batch_invariant=True"; docs/decisions.md, D165)
     gemv_hidden_limit=2048,
-    # a step of two rows through the GEMV, more through the decode GEMM: 0.8B at context 128 on the H100, us per
-    # step at 2 / 4 / 8 rows 1,000 / 1,488 / 2,443 against 1,130 / 1,132 / 1,150 (benchmarks/batched_decode.py
-    # "" "batched_projections=False" --batches 2,4,8,16; docs/decisions.md, D167)
-    gemv_most_rows=2,
+    # one row through the GEMV, 2-16 through the resident-weights GEMM, more through the tiled decode GEMM: 0.8B at
+    # context 128 on the H100, us per step: 2 rows 994 through the GEMV, 838 resident; 16 rows 1,388 tiled, 1,148
+    # resident; 64 and 128 rows 2,544 and 4,128 tiled, 3,305 and 6,197 resident (benchmarks/batched_decode.py;
+    # docs/decisions.md, D172)
+    gemv_most_rows=1,
+    resident_most_rows=16,
     gemm_by_k=GEMM_BY_K,
     gemm_decode_rows=128,
     # a decode step of 2-128 rows (and prompts of 2-128 tokens): the configs that took the least time over a step's

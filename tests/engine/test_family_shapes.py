@@ -149,11 +149,14 @@ def test_the_h200_plan_of_each_family_size(preset):
     assert "the staged layer tail" in described and "the screened LM heads" not in described
     assert f"one sequence's GEMV and its fused paths, the layer tail and the projected DeltaNet step (hidden " \
            f"{config.hidden_size} > the h200 table's 2048" in described
-    # a table without the limit: one or two rows through the GEMV, the fused tail and the projected step, as at the
-    # 0.8B
+    # past that limit no bucket takes the resident-weights GEMM (measured slower at the 4B, D172)
+    assert plan.resident_rows == 0
+    # a table without the limit: one row through the GEMV, the fused tail and the projected step, 2-16 rows through
+    # the resident-weights GEMM, as at the 0.8B
     unlimited = resolve_plan(config, DEVICES["h200"], tuning=dataclasses.replace(plan.tuning, gemv_hidden_limit=None))
-    assert unlimited.gemv_rows == 2 and unlimited.projected_delta and not unlimited.staged_tail
-    assert [unlimited.decode_tail(rows) for rows in (1, 2, 3)] == [plans.TAIL_FUSED] * 2 + [plans.TAIL_LINEAR]
+    assert unlimited.gemv_rows == 1 and unlimited.projected_delta and not unlimited.staged_tail
+    assert unlimited.resident_rows == 16
+    assert [unlimited.decode_tail(rows) for rows in (1, 2, 3)] == [plans.TAIL_FUSED] + [plans.TAIL_LINEAR] * 2
     assert unlimited.decode_delta(1) == plans.DELTA_PROJECTED
     assert "one sequence's GEMV" not in unlimited.describe(config)
     # options that ask for the GEMV at every bucket keep it

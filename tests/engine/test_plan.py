@@ -18,26 +18,27 @@ H200 = DEVICES["h200"]
 def test_the_h200_plan_of_the_0_8b_model():
     plan = resolve_plan(CONFIG, H200)
     assert plan.pdl and plan.cuda_graph and plan.fold_norms and plan.split_k and plan.tuning.name == "h200"
-    # one or two rows (the table's gemv_most_rows): the GEMV and the fused kernels; more: the GEMM (each weight read
-    # once for all rows), norms folded
-    assert plan.gemv_rows == plan.tuning.gemv_most_rows == 2
-    assert [plan.decode_tail(rows) for rows in (1, 2, 3, 16, 32)] == [plans.TAIL_STAGED, plans.TAIL_FUSED] + [
-        plans.TAIL_LINEAR] * 3
-    assert [plan.decode_delta(rows) for rows in (1, 2, 3, 32)] == [plans.DELTA_PROJECTED, plans.DELTA_FUSED] + [
-        plans.DELTA_FUSED_NORM] * 2
-    assert [plan.decode_folded_norm(rows) for rows in (1, 2, 3, 128)] == [False, False, True, True]
+    # one row (the table's gemv_most_rows): the GEMV and the fused kernels; 2-16 rows (resident_most_rows) the
+    # resident-weights GEMM, more the tiled GEMM (each weight read once for all rows), norms folded
+    assert plan.gemv_rows == plan.tuning.gemv_most_rows == 1
+    assert plan.resident_rows == plan.tuning.resident_most_rows == 16
+    assert [plan.decode_tail(rows) for rows in (1, 2, 3, 16, 32)] == [plans.TAIL_STAGED] + [plans.TAIL_LINEAR] * 4
+    assert [plan.decode_delta(rows) for rows in (1, 2, 3, 32)] == [plans.DELTA_PROJECTED] + [
+        plans.DELTA_FUSED_NORM] * 3
+    assert [plan.decode_folded_norm(rows) for rows in (1, 2, 3, 128)] == [False, True, True, True]
     assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
         plans.HEAD_LOGITS]
-    assert plan.decode_lm_head(1, "temperature") == plan.decode_lm_head(2, "temperature") == plans.HEAD_GUMBEL
-    assert plan.decode_lm_head(3, "temperature") == plans.HEAD_LOGITS
-    one_row = resolve_plan(CONFIG, H200, tuning=dataclasses.replace(plan.tuning, gemv_most_rows=1))
-    assert one_row.gemv_rows == 1 and one_row.decode_tail(2) == plans.TAIL_LINEAR and one_row.decode_folded_norm(2)
+    assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
+    assert plan.decode_lm_head(2, "temperature") == plans.HEAD_LOGITS
+    two_rows = resolve_plan(CONFIG, H200, tuning=dataclasses.replace(plan.tuning, gemv_most_rows=2))
+    assert two_rows.gemv_rows == 2 and two_rows.decode_tail(2) == plans.TAIL_FUSED
+    assert not two_rows.decode_folded_norm(2) and two_rows.decode_folded_norm(3)
     assert plan.decode_lm_head(1, "sample") == plan.decode_lm_head(1, "logits") == plans.HEAD_LOGITS
     assert [plan.decode_lm_head(rows, mode) for rows in (1, 16, 32) for mode in ("top-k", "penalized-top-k")] == [
         plans.HEAD_SCREENED_TOP_K] * 4 + [plans.HEAD_LOGITS] * 2
     assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
     assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
-    assert not plan.prefill_folded_norm(2) and plan.prefill_folded_norm(3)
+    assert not plan.prefill_folded_norm(1) and plan.prefill_folded_norm(2)
 
 
 def test_without_batched_projections_several_rows_run_the_gemv():
@@ -57,12 +58,26 @@ def test_without_batched_projections_several_rows_run_the_gemv():
 def test_batch_invariant_runs_one_row_as_several():
     plan = resolve_plan(CONFIG, H200, Options(batch_invariant=True))
     assert plan.gemv_rows == 0 and not plan.staged_tail and not plan.projected_delta
+    # one kernel for every bucket's projections (the tiled GEMM) and one config for every bucket's DeltaNet step
+    assert plan.resident_rows == 0 and plan.step_tuning_rows == plans.INVARIANT_STEP_TUNING_ROWS
+    assert resolve_plan(CONFIG, H200).step_tuning_rows is None
     for rows in (1, 2, 128):
         assert plan.decode_tail(rows) == plans.TAIL_LINEAR and plan.decode_delta(rows) == plans.DELTA_FUSED_NORM
         assert plan.decode_folded_norm(rows) and plan.decode_lm_head(rows, "temperature") == plans.HEAD_LOGITS
     assert plan.decode_lm_head(1, "greedy") == plan.decode_lm_head(16, "greedy") == plans.HEAD_SCREENED
     with pytest.raises(ValueError, match="batch_invariant=True needs batched_projections=True"):
         resolve_plan(CONFIG, H200, Options(batch_invariant=True, batched_projections=False))
+
+
+def test_the_resident_gemm_serves_the_buckets_past_the_gemv_up_to_its_rows():
+    assert resolve_plan(CONFIG, H200, Options(resident_gemm=False)).resident_rows == 0
+    assert resolve_plan(CONFIG, H200, Options(resident_most_rows=32)).resident_rows == 32
+    assert resolve_plan(CONFIG, H200, Options(resident_most_rows=1000)).resident_rows == 128
+    # past the GEMV's hidden limit (the 4B and larger) every bucket takes the tiled GEMM
+    assert resolve_plan(parse_config(official_config(PRESETS["4b"])), H200).resident_rows == 0
+    described = resolve_plan(CONFIG, H200).describe(CONFIG, decode_rows=(1, 2, 16, 32), prefill_tokens=(16, 32))
+    lines = [line for line in described.splitlines() if "in-projection" in line]
+    assert lines and "resident_gemm:_resident_kernel" in lines[0] and "gemm:_gemm_kernel" in lines[0]
 
 
 def test_options_turn_variants_off():

@@ -271,10 +271,12 @@ def test_gpu_rows_over_slots_equal_each_slot_alone():
 
 
 @pytest.mark.gpu
-def test_gpu_batch_invariant_rows_equal_each_slot_alone_bit_for_bit():
+@pytest.mark.parametrize("resident", [False, True], ids=["tiled", "resident"])
+def test_gpu_batch_invariant_rows_equal_each_slot_alone_bit_for_bit(resident):
     """With batch_invariant=True a one-row step runs the kernels of several rows: at the 0.8B shape in bf16, three
-    rows (a bucket of four), two rows and each slot alone give the same logits and states, bit for bit."""
-    model = _real_model(batch_invariant=True)
+    rows (a bucket of four), two rows and each slot alone give the same logits and states, bit for bit (the decode
+    GEMM tiled, and in its resident-weights form)."""
+    model = _real_model(batch_invariant=True, resident_gemm=resident)
     for slot, ids in enumerate(GPU_PROMPTS):
         model.reset(slot)
         model.prefill(torch.tensor(ids, device="cuda"), slot=slot, all_logits=False)

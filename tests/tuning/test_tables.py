@@ -24,7 +24,7 @@ def test_the_h200_table_holds_the_values_the_kernels_were_tuned_with():
     assert h200.gemm_decode_rows == 128
     assert h200.gemm_decode_by_k == ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (2560, (32, 128, 1, 4, 4)),
                                      (None, (32, 128, 4, 4, 4)))
-    assert h200.gemv_hidden_limit == 2048 and h200.gemv_most_rows == 2
+    assert h200.gemv_hidden_limit == 2048 and h200.gemv_most_rows == 1 and h200.resident_most_rows == 16
     assert h200.gemm_long_by_n == ((1024, (128, 256, 64, 8, 3)), (None, (128, 128, 64, 8, 3)))
     assert h200.gemm_medium_by_n == ((1024, (64, 128, 64, 4, 4)), (None, (128, 128, 64, 8, 3)))
     assert (h200.gemm_long_prompt_rows, h200.gemm_medium_prompt_bucket, h200.gemm_tma_rows) == (4096, 1024, 257)

@@ -73,13 +73,13 @@ STEP_CONFIGS = [
 
 
 @triton.autotune(configs=autotune_configs(STEP_CONFIGS),
-                 key=["batch", "K_HEADS", "V_HEADS", "K_DIM", "V_DIM", "WIDTH"],
+                 key=["tuning_batch", "K_HEADS", "V_HEADS", "K_DIM", "V_DIM", "WIDTH"],
                  restore_value=["conv_state_ptr", "state_ptr"], cache_results=True)
 @triton.jit
 def _fused_step_kernel(
     x_ptr, conv_weight_ptr, conv_state_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr,
     z_ptr, norm_weight_ptr, out_ptr, counter_ptr, slots_ptr,
-    batch, scale, eps,
+    batch, tuning_batch, scale, eps,
     stride_xb, stride_wc, stride_cb, stride_cc, stride_ab, stride_bb, stride_ob, stride_oh, stride_zb, stride_yb,
     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
     V_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -179,6 +179,7 @@ def gated_delta_rule_decode_fused(
     pdl: bool = False,
     normalize: bool = True,
     slots: torch.Tensor | None = None,
+    tuning_batch: int | None = None,
 ) -> torch.Tensor:
     """One decode step of a Gated DeltaNet layer for B sequences: y [B, Hv*Dv], out_proj's input.
 
@@ -193,6 +194,9 @@ def gated_delta_rule_decode_fused(
     without PDL, and writes each layer's state once).
     normalize=False: no gated RMSNorm; returns o (delta_out) for a consumer that norms it itself
     (out_projection_mlp's head_norm), `out` untouched.
+    tuning_batch: the batch the autotuner keys this launch's config on (None: B). Its configs reduce over the key
+    dimension in different orders, so a caller whose rows must not depend on the batch passes one value for every
+    B: one config, the same bits (the engine's batch_invariant).
     """
     check_tensor("state", state, shape=(None, None, None, None), dtype=torch.float32, contiguous=True)
     slot_count, value_heads, key_dim, value_dim = state.shape
@@ -233,7 +237,7 @@ def gated_delta_rule_decode_fused(
     _fused_step_kernel[grid](
         x, conv_weight, conv_state, a, b, A_log, dt_bias, state, delta_out,
         z, norm_weight, out, _arrival_counters(x.device, batch, key_heads), slots,
-        batch, key_dim**-0.5, eps,
+        batch, batch if tuning_batch is None else tuning_batch, key_dim**-0.5, eps,
         x.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1), a.stride(0), b.stride(0),
         delta_out.stride(0), delta_out.stride(1), z.stride(0), out.stride(0),
         K_HEADS=key_heads, V_HEADS=value_heads, GROUP=group, K_DIM=key_dim, V_DIM=value_dim,
