@@ -74,26 +74,33 @@ RESIDENT_CANDIDATES = [
 ]
 
 
-def sweep_resident(name, weight_rows, K, fusions, M, hbm, record):
-    """Time the tiled GEMM's pick and the resident-weights GEMM's default and candidates for one projection."""
-    from qwen_triton.operators.linear import resident_gemm
-
+def projection_inputs(weight_rows, K, fusions, M, hbm):
+    """One projection's launch at M rows as the step runs it: x, `copies` distinct weights (more bytes than twice the
+    L2), the output (the residual itself for a residual add), the launch options (the step's fusions, PDL) and the
+    floor (the weight bytes over the copy bandwidth), us."""
     torch.manual_seed(0)
-    pair = "swiglu" in fusions
-    N = weight_rows // (2 if pair else 1)
+    N = weight_rows // (2 if "swiglu" in fusions else 1)
     weight_bytes = weight_rows * K * 2
     copies = max(2, min(24, -(-2 * L2_BYTES // weight_bytes)))
     weights = [torch.randn(weight_rows, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    norm_squares = (x.float() ** 2).sum(1, keepdim=True) if "norm" in fusions else None
-    squares_out = torch.empty(M, -(-N // SQUARES_COLUMNS), device="cuda") if "residual" in fusions else None
-    gate = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) if "gate" in fusions else None
-    floor_us = weight_bytes / (hbm * 1e12) * 1e6
-    options = dict(gate=gate, norm_squares=norm_squares, squares_out=squares_out,
-                   residual=residual if "residual" in fusions else None, activation=1 if pair else 0, pdl=True)
-    target = residual if "residual" in fusions else out
+    residual = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if "residual" in fusions else None
+    out = residual if residual is not None else torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    options = dict(
+        gate=torch.randn(M, K, device="cuda", dtype=torch.bfloat16) if "gate" in fusions else None,
+        norm_squares=(x.float() ** 2).sum(1, keepdim=True) if "norm" in fusions else None,
+        squares_out=torch.empty(M, -(-N // SQUARES_COLUMNS), device="cuda") if residual is not None else None,
+        residual=residual, activation=1 if "swiglu" in fusions else 0, pdl=True)
+    return x, weights, out, options, weight_bytes / (hbm * 1e12) * 1e6
+
+
+def sweep_resident(name, weight_rows, K, fusions, M, hbm, record):
+    """Time the tiled GEMM's pick and the resident-weights GEMM's default and candidates for one projection."""
+    from qwen_triton.operators.linear import resident_gemm
+
+    pair = "swiglu" in fusions
+    x, weights, target, options, floor_us = projection_inputs(weight_rows, K, fusions, M, hbm)
+    copies = len(weights)
 
     def tiled(i):
         gemm.gemm(x, weights[i], target, **options)
@@ -101,6 +108,7 @@ def sweep_resident(name, weight_rows, K, fusions, M, hbm, record):
     tiled(0)
     record(dict(shape=name, M=M, variant="engine", config=str(gemm._gemm_split.best_config),
                 us=graph_us(tiled, copies), floor_us=floor_us))
+    squares_out = options["squares_out"]
     default = resident_gemm.config_for(K, squares_out is not None, pair)
     candidates = [("resident", default)] + [
         ("config", dict(BLOCK_N=n, SPLIT_K=s, num_warps=w)) for n, s, w in RESIDENT_CANDIDATES]
@@ -128,23 +136,11 @@ def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1))
     """Time the engine's pick and each candidate (with part=(i, n), n > 1: only compile every n-th candidate from
     the i-th, into Triton's cache, for a timing run after)."""
     compile_only = part[1] > 1
-    torch.manual_seed(0)
-    N = weight_rows // (2 if "swiglu" in fusions else 1)
-    weight_bytes = weight_rows * K * 2
-    copies = max(2, min(24, -(-2 * L2_BYTES // weight_bytes)))
-    weights = [torch.randn(weight_rows, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    norm_squares = (x.float() ** 2).sum(1, keepdim=True) if "norm" in fusions else None
-    squares_out = torch.empty(M, -(-N // SQUARES_COLUMNS), device="cuda") if "residual" in fusions else None
-    gate = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) if "gate" in fusions else None
-    floor_us = weight_bytes / (hbm * 1e12) * 1e6
+    x, weights, target, options, floor_us = projection_inputs(weight_rows, K, fusions, M, hbm)
+    copies = len(weights)
 
     def launch(i):
-        gemm.gemm(x, weights[i], residual if "residual" in fusions else out, gate=gate, norm_squares=norm_squares,
-                  squares_out=squares_out, residual=residual if "residual" in fusions else None,
-                  activation=1 if "swiglu" in fusions else 0, pdl=True)
+        gemm.gemm(x, weights[i], target, **options)
 
     kernel = gemm._gemm_split
     configs = list(kernel.configs)
