@@ -7,6 +7,7 @@ DeltaNet and one attention layer, whose head dims let a one-row step run the pro
 three-row step the fused one). On the GPU the same at the 0.8B shape in bf16, through CUDA graphs replayed with
 changing slot sets."""
 
+import importlib
 import warnings
 
 import pytest
@@ -104,6 +105,27 @@ def test_decode_over_slots_equals_each_slot_alone(prefilled, backend):
         for name, tensor in states(model).items():
             assert relative_error(after[name][slot], tensor[slot]) <= 1e-5, (name, slot)
             assert not torch.equal(after[name][slot], before[name][slot]), (name, slot)  # the step wrote it
+
+
+def test_the_resident_gemm_serves_decode_steps_not_prefills(prefilled, monkeypatch):
+    """A decode step of 2-16 rows runs its projections through the resident-weights GEMM; a prefill of as many tokens
+    keeps the tiled GEMM, so that a prompt prefilled alone gets the bits of its packed pass (docs/decisions.md,
+    D172)."""
+    module = importlib.import_module("qwen_triton.operators.linear.linear")
+    model, _ = prefilled("triton")
+    real, rows = module.resident_gemm, []
+
+    def recorded(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(module, "resident_gemm", recorded)
+    model.reset(BYSTANDER)
+    model.prefill(torch.tensor([4, 5, 6, 7, 8]), slot=BYSTANDER, all_logits=False)
+    assert rows == []
+    positions = [len(PROMPTS[slot]) for slot in ORDER]
+    model.decode(torch.tensor(NEXT_IDS), torch.tensor(positions), torch.tensor(ORDER))
+    assert rows and set(rows) == {4}  # three rows in a bucket of four, every projection of the step
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
