@@ -574,24 +574,23 @@ def test_gpu_residual_add_writes_sums_of_squares(M, K, gate):
     torch.testing.assert_close(squares.double().sum(dim=1), hidden.double().pow(2).sum(dim=1), rtol=1e-5, atol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [100, 128, 320])
-def test_gpu_folded_norm_chain_with_pdl(M):
-    """A residual add writing the sums of squares, then gate/up with its norm folded, in a CUDA graph with PDL
-    behind a kernel that writes the inputs: the bits of the launches without PDL."""
+def assert_folded_norm_chain_replays_with_pdl(M, K, **options):
+    """A residual add (K columns in) writing the sums of squares, then gate/up with its norm folded, each `linear`
+    with `options`, in a CUDA graph with PDL behind a kernel that writes the inputs: the bits of the launches
+    without PDL."""
     from qwen_triton.operators.common import pdl_available
 
     if not pdl_available("cuda"):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    attended, out_weight, kwargs = gpu_inputs(M, HIDDEN, 2048, ("residual",), seed=M)
+    attended, out_weight, kwargs = gpu_inputs(M, HIDDEN, K, ("residual",), seed=M)
     source = kwargs["residual"]
     _, gate_up, _ = gpu_inputs(M, 7168, HIDDEN, (), seed=M + 1)
     hidden, squares = source.clone(), torch.empty(M, HIDDEN // 32, device="cuda")
 
     def chain(pdl):
         hidden.copy_(source)
-        linear(attended, out_weight, residual=hidden, out=hidden, squares_out=squares, pdl=pdl)
-        return linear(hidden, gate_up, activation="swiglu", norm_squares=squares, pdl=pdl)
+        linear(attended, out_weight, residual=hidden, out=hidden, squares_out=squares, pdl=pdl, **options)
+        return linear(hidden, gate_up, activation="swiglu", norm_squares=squares, pdl=pdl, **options)
 
     expected = chain(False).clone()
     graph = torch.cuda.CUDAGraph()
@@ -602,6 +601,13 @@ def test_gpu_folded_norm_chain_with_pdl(M):
         squares.zero_()
         graph.replay()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [100, 128, 320])
+def test_gpu_folded_norm_chain_with_pdl(M):
+    """The chain through the GEMM (assert_folded_norm_chain_replays_with_pdl)."""
+    assert_folded_norm_chain_replays_with_pdl(M, 2048)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,9 @@ import torch
 
 from qwen_triton.operators.linear import linear
 from qwen_triton.operators.linear.resident_gemm import config_for, resident_gemm
-from tests.operators.test_linear import (BENCHMARKS, GPU_BOUND, PROJECTIONS, assert_close, folded_reference,
-                                         gpu_inputs, inputs, reference, relative_norm_error, split_squares)
+from tests.operators.test_linear import (BENCHMARKS, GPU_BOUND, PROJECTIONS, assert_close,
+                                         assert_folded_norm_chain_replays_with_pdl, folded_reference, gpu_inputs,
+                                         inputs, reference, relative_norm_error, split_squares)
 from tests.support import run_without_interpreter
 
 
@@ -142,29 +143,6 @@ def test_gpu_resident_gemm_real_shapes_batch_invariant(name, rows, K, options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [3, 16, 100])
 def test_gpu_resident_gemm_with_pdl_in_a_graph(M):
-    """A residual add writing the sums of squares, then gate/up with its norm folded, K split, in a CUDA graph with
-    PDL: the bits of the launches without PDL."""
-    from qwen_triton.operators.common import pdl_available
-
-    if not pdl_available("cuda"):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    attended, out_weight, kwargs = gpu_inputs(M, 1024, 3584, ("residual",), seed=M)
-    source = kwargs["residual"]
-    _, gate_up, _ = gpu_inputs(M, 7168, 1024, (), seed=M + 1)
-    hidden, squares = source.clone(), torch.empty(M, 1024 // 32, device="cuda")
-
-    def chain(pdl):
-        hidden.copy_(source)
-        linear(attended, out_weight, residual=hidden, out=hidden, squares_out=squares, pdl=pdl, gemv=False,
-               resident=True)
-        return linear(hidden, gate_up, activation="swiglu", norm_squares=squares, pdl=pdl, gemv=False, resident=True)
-
-    expected = chain(False).clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(True)
-    for _ in range(3):
-        hidden.zero_()
-        squares.zero_()
-        graph.replay()
-        assert torch.equal(out, expected)
+    """The folded-norm chain (test_linear.assert_folded_norm_chain_replays_with_pdl) through the resident-weights
+    GEMM, the residual add's K = 3,584 split: with PDL in a CUDA graph, the bits of the launches without PDL."""
+    assert_folded_norm_chain_replays_with_pdl(M, 3584, gemv=False, resident=True)

@@ -249,6 +249,26 @@ def store_split_output(acc, acc_up, partial_ptr, counter_ptr, split_index, out_p
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def store_tile(acc, acc_up, row_squares, K, eps, partial_ptr, counter_ptr, split_index, out_ptr, stride_om,
+               residual_ptr, stride_rm, offs_m, offs_n, M, N, SPLIT_K: tl.constexpr, ACTIVATION: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr, squares_ptr, stride_sm, FOLDED_NORM: tl.constexpr,
+               WRITE_SQUARES: tl.constexpr):
+    """A GEMM tile's epilogue and store: with FOLDED_NORM the rows' 1/rms from row_squares (`load_row_squares`,
+    else None), then `store_output`, or with SPLIT_K > 1 `store_split_output` on the tile's counter."""
+    if FOLDED_NORM:
+        rstd = folded_rstd(row_squares, K, eps)
+    else:
+        rstd = None
+    if SPLIT_K == 1:
+        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
+                     ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
+    else:
+        store_split_output(acc, acc_up, partial_ptr, counter_ptr, split_index, out_ptr, stride_om, residual_ptr,
+                           stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL,
+                           rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
+
+
 def split_workspace(cache: dict, device: torch.device, split_k: int, rows: int, N: int, tiles: int):
     """What `store_split_output` needs for up to `rows` x N outputs split over at most split_k programs:
     float32 partials [split_k, 2, rows, N] and `tiles` zeroed int32 arrival counters (one per output tile,

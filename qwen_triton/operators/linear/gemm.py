@@ -84,8 +84,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, shared_memory_limit, wait_for_previous_kernel)
-from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, folded_rstd, load_row_squares, prologue, row_rstd,
-                     split_workspace, store_output, store_split_output)
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, load_row_squares, prologue, row_rstd, split_workspace,
+                     store_tile)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -307,23 +307,17 @@ def _gemm_kernel(
     # reduced after it, so that the main loop waits for neither the load nor the reduction
     if FOLDED_NORM:
         row_squares = load_row_squares(norm_squares_ptr, stride_nm, offs_m, M, PARTS, BLOCK_PARTS)
+    else:
+        row_squares = None
     if TMA:
         acc, acc_up = accumulate_described(x_ptr, w_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, k_start, k_end,
                                            ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc, acc_up = accumulate(x_ptr, stride_xm, w_ptr, stride_wn, N * stride_wn, offs_m, offs_n, M, N,
                                  k_start, k_end, ACTIVATION == SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K)
-    if FOLDED_NORM:
-        rstd = folded_rstd(row_squares, K, eps)
-    else:
-        rstd = None
-    if SPLIT_K == 1:
-        store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                     ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
-    else:
-        store_split_output(acc, acc_up, partial_ptr, counter_ptr + pid, pid_k, out_ptr, stride_om, residual_ptr,
-                           stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL,
-                           rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
+    store_tile(acc, acc_up, row_squares, K, eps, partial_ptr, counter_ptr + pid, pid_k, out_ptr, stride_om,
+               residual_ptr, stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL, squares_ptr,
+               stride_sm, FOLDED_NORM, WRITE_SQUARES)
 
 
 _KEY = ["M_BUCKET", "N", "K", "ACTIVATION", "HAS_RESIDUAL", "SPLIT_ALLOWED", "FOLDED_NORM", "WRITE_SQUARES"]

@@ -34,8 +34,7 @@ import triton.language as tl
 
 from ..common import allow_next_kernel, launch_options, wait_for_previous_kernel
 from .gemm import apply_prologue
-from .fusion import (SQUARES_COLUMNS, SWIGLU, dot, folded_rstd, load_row_squares, split_workspace, store_output,
-                     store_split_output)
+from .fusion import SQUARES_COLUMNS, SWIGLU, dot, load_row_squares, split_workspace, store_tile
 
 MAX_ROWS = 128  # the rows a call takes (a decode step's largest bucket)
 BLOCK_M = 16  # rows a dot: the tensor cores' smallest tile of rows
@@ -76,6 +75,8 @@ def _resident_kernel(
         m_mask = offs_m < M
         if FOLDED_NORM:
             row_squares = load_row_squares(norm_squares_ptr, stride_nm, offs_m, M, PARTS, BLOCK_PARTS)
+        else:
+            row_squares = None
         x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot(x, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
@@ -83,18 +84,10 @@ def _resident_kernel(
             acc_up = dot(x, w_up, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
         else:
             acc_up = acc
-        if FOLDED_NORM:
-            rstd = folded_rstd(row_squares, K, eps)
-        else:
-            rstd = None
-        if SPLIT_K == 1:
-            store_output(acc, acc_up, out_ptr, stride_om, residual_ptr, stride_rm, offs_m, offs_n, M, N,
-                         ACTIVATION, HAS_RESIDUAL, rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
-        else:
-            counter = counter_ptr + (m_start // BLOCK_M) * tl.num_programs(0) + pid_n
-            store_split_output(acc, acc_up, partial_ptr, counter, pid_k, out_ptr, stride_om, residual_ptr,
-                               stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL,
-                               rstd, squares_ptr, stride_sm, FOLDED_NORM, WRITE_SQUARES)
+        counter = counter_ptr + (m_start // BLOCK_M) * tl.num_programs(0) + pid_n  # the tile's, with SPLIT_K > 1
+        store_tile(acc, acc_up, row_squares, K, eps, partial_ptr, counter, pid_k, out_ptr, stride_om, residual_ptr,
+                   stride_rm, offs_m, offs_n, M, N, SPLIT_K, ACTIVATION, HAS_RESIDUAL, squares_ptr, stride_sm,
+                   FOLDED_NORM, WRITE_SQUARES)
 
 
 _workspaces: dict[int, dict] = {}  # by SPLIT_K: fusion.split_workspace's caches
