@@ -109,7 +109,7 @@ def sweep_resident(name, weight_rows, K, fusions, M, hbm, record):
     record(dict(shape=name, M=M, variant="engine", config=str(gemm._gemm_split.best_config),
                 us=graph_us(tiled, copies), floor_us=floor_us))
     squares_out = options["squares_out"]
-    default = resident_gemm.config_for(K, squares_out is not None, pair)
+    default = resident_gemm.config_for(K, pair)
     candidates = [("resident", default)] + [
         ("config", dict(BLOCK_N=n, SPLIT_K=s, num_warps=w)) for n, s, w in RESIDENT_CANDIDATES]
     for variant, config in candidates:

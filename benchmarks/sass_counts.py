@@ -183,7 +183,7 @@ def resident(sequence: bool) -> None:
                  counter_ptr="*i32", **{integer: "i32" for integer in ("M", "N", "K", "K_PER_SPLIT", "PARTS")})
     results = {}
     for name, K, pair, residual, folded in RESIDENT_VARIANTS:
-        config = resident_gemm.config_for(K, residual, pair)
+        config = resident_gemm.config_for(K, pair)
         columns = resident_gemm.split_columns(K, config["SPLIT_K"])
         constants = dict(ACTIVATION=int(pair), HAS_RESIDUAL=residual, FOLDED_NORM=folded, WRITE_SQUARES=residual,
                          BLOCK_PARTS=32, BLOCK_M=resident_gemm.BLOCK_M, BLOCK_N=config["BLOCK_N"],

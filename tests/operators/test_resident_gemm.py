@@ -86,10 +86,10 @@ def test_resident_gemm_rows_do_not_depend_on_the_batch(device, config):
         assert torch.equal(run(x[:M].contiguous(), weight, kwargs, ("swiglu",), config), full[:M]), M
 
 
-def test_config_for_splits_long_k_and_widens_for_the_sums_of_squares():
-    assert config_for(1024, False, False) == dict(BLOCK_N=32, SPLIT_K=1, num_warps=4)
-    assert config_for(3584, True, False)["SPLIT_K"] == 4
-    assert config_for(1024, False, True)["num_warps"] == 8
+def test_config_for_splits_long_k_and_gives_pairs_more_warps():
+    assert config_for(1024, False) == dict(BLOCK_N=32, SPLIT_K=1, num_warps=4)
+    assert config_for(3584, False)["SPLIT_K"] == 4
+    assert config_for(1024, True)["num_warps"] == 8
 
 
 def test_resident_gemm_refuses_what_it_cannot_serve(device):

@@ -93,7 +93,7 @@ def _resident_kernel(
 _workspaces: dict[int, dict] = {}  # by SPLIT_K: fusion.split_workspace's caches
 
 
-def config_for(K: int, write_squares: bool, pair: bool) -> dict:
+def config_for(K: int, pair: bool) -> dict:
     """The launch's BLOCK_N, SPLIT_K and num_warps for a projection of K columns: K in splits of at most
     SLICE_COLUMNS, BLOCK_N = SQUARES_COLUMNS (the output's sums of squares need whole groups), 8 warps for paired
     gate/up slices."""
@@ -116,7 +116,7 @@ def resident_gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None,
         x = apply_prologue(x, gate, norm_weight, eps, pdl)
     N = out.shape[1]
     if config is None:
-        config = config_for(K, squares_out is not None, activation == 1)  # 1: SwiGLU
+        config = config_for(K, activation == 1)  # 1: SwiGLU
     if squares_out is not None and config["BLOCK_N"] < SQUARES_COLUMNS:
         raise ValueError(f"writing the sums of squares needs BLOCK_N >= {SQUARES_COLUMNS}, not {config['BLOCK_N']}")
     split_k = config["SPLIT_K"]
