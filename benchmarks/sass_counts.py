@@ -18,11 +18,9 @@ GPU.
 
 gemm-epilogues: the GEMM's code with and without the folded norm's epilogues, for the tiles a prefill of 4096
 tokens runs (TMA loads, 8 warps, 3 stages): the DeltaNet in-projection (128 x 128, with and without the folded
-norm's 1/rms), gate/up (the same), down (128 x 256, residual, with and without the sums of squares); a short
-prompt's down split in four over pointer loads (64 x 64, 4 warps), with the sums; and a decode step's gate/up
-(64 x 64, 4 warps, the tuned decode tile) over pointer loads with PDL and the L2 prefetch of its weight slice
-before the wait (`prefetches`: the PTX's prefetch.global.L2 operations). One line of JSON of each variant's
-counts (the CPU test `tests/operators/test_linear.py::test_gemm_folded_norm_epilogues_compile_for_hopper`
+norm's 1/rms), gate/up (the same), down (128 x 256, residual, with and without the sums of squares); and a short
+prompt's down split in four over pointer loads (64 x 64, 4 warps), with the sums. One line of JSON of each
+variant's counts (the CPU test `tests/operators/test_linear.py::test_gemm_folded_norm_epilogues_compile_for_hopper`
 runs it); with --variant NAME --sequence that variant's PTX operations in order.
 
 resident: the resident-weights GEMM's code for the 0.8B's projections with the engine's configs (the CPU test
@@ -125,7 +123,6 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
         (re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line) for line in sass.splitlines()) if match)
     registers, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     counts = dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
-                  prefetches=compiled.asm["ptx"].count("prefetch.global.L2"),
                   instructions=sum(opcodes.values()), shared_stores=opcodes["STS"], shared_loads=opcodes["LDS"],
                   barriers=opcodes["BAR"],
                   tensor_core={name: opcodes[name] for name in ("HGMMA", "HMMA")}, top=dict(opcodes.most_common(8)))
@@ -134,16 +131,14 @@ def compile_counts(kernel, constants: dict, warps: int, stages: int, sequence: b
     return counts
 
 
-GEMM_VARIANTS = (  # name, ACTIVATION, HAS_RESIDUAL, FOLDED_NORM, WRITE_SQUARES, BLOCK_M, BLOCK_N, SPLIT_K, TMA, warps,
-    # PDL with the L2 prefetch (a decode step's)
-    ("in-projection", 0, False, False, False, 128, 128, 1, True, 8, False),
-    ("in-projection folded", 0, False, True, False, 128, 128, 1, True, 8, False),
-    ("gate/up", 1, False, False, False, 128, 128, 1, True, 8, False),
-    ("gate/up folded", 1, False, True, False, 128, 128, 1, True, 8, False),
-    ("down", 0, True, False, False, 128, 256, 1, True, 8, False),
-    ("down squares", 0, True, False, True, 128, 256, 1, True, 8, False),
-    ("down squares split", 0, True, False, True, 64, 64, 4, False, 4, False),
-    ("decode gate/up prefetch", 1, False, True, False, 64, 64, 1, False, 4, True),
+GEMM_VARIANTS = (  # name, ACTIVATION, HAS_RESIDUAL, FOLDED_NORM, WRITE_SQUARES, BLOCK_M, BLOCK_N, SPLIT_K, TMA, warps
+    ("in-projection", 0, False, False, False, 128, 128, 1, True, 8),
+    ("in-projection folded", 0, False, True, False, 128, 128, 1, True, 8),
+    ("gate/up", 1, False, False, False, 128, 128, 1, True, 8),
+    ("gate/up folded", 1, False, True, False, 128, 128, 1, True, 8),
+    ("down", 0, True, False, False, 128, 256, 1, True, 8),
+    ("down squares", 0, True, False, True, 128, 256, 1, True, 8),
+    ("down squares split", 0, True, False, True, 64, 64, 4, False, 4),
 )
 
 
@@ -157,7 +152,7 @@ def gemm_epilogues(variant: str | None, sequence: bool) -> None:
 
     x = torch.zeros(4096, 1024, dtype=torch.bfloat16)
     results = {}
-    for name, activation, residual, folded, squares, block_m, block_n, split_k, tma, warps, prefetch in GEMM_VARIANTS:
+    for name, activation, residual, folded, squares, block_m, block_n, split_k, tma, warps in GEMM_VARIANTS:
         if variant and name != variant:
             continue
         types = dict({pointer: "*fp32" for pointer in ("partial_ptr", "norm_squares_ptr", "squares_ptr")},
@@ -167,13 +162,13 @@ def gemm_epilogues(variant: str | None, sequence: bool) -> None:
             types["w_ptr"] = mangle_type(TensorDescriptor(x, [4096, 1024], [1024, 1], [block_n, 64]))
         constants = dict(ACTIVATION=activation, HAS_RESIDUAL=residual, SPLIT_ALLOWED=split_k > 1, FOLDED_NORM=folded,
                          WRITE_SQUARES=squares, BLOCK_PARTS=32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-                         GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=prefetch, PREFETCH=prefetch)
+                         GROUP_M=8, SPLIT_K=split_k, TMA=tma, USE_PDL=False)
         counts = compile_counts(gemm._gemm_kernel, constants, warps, 3, sequence=sequence, types=types)
         if sequence:
             print(counts["sequence"])
             return
         results[name] = {key: counts[key] for key in ("registers", "stack_bytes", "shared_bytes", "shared_stores",
-                                                      "shared_loads", "barriers", "tensor_core", "prefetches")}
+                                                      "shared_loads", "barriers", "tensor_core")}
     print(json.dumps(results))
 
 

@@ -97,9 +97,6 @@ class Options:
     # past the table's GEMV hidden limit (its slices were measured at the 0.8B's widths; the 4B's one-row step took
     # 4,642 us through it against 3,442 tiled, H100)
     resident_gemm: bool = True
-    # with PDL, the tiled GEMM's programs ask L2 for their weight slices before the PDL wait
-    # (linear/fusion.py, prefetch_slice); False: their weights stream only after it
-    l2_prefetch: bool = True
     pdl: bool | None = None  # programmatic dependent launch (None: where the device has it)
     fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
     # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
@@ -137,7 +134,6 @@ class Plan:
     fold_norms: bool
     gemv_rows: int  # projections of up to this many rows run the GEMV (a weight read once a row), more the GEMM
     resident_rows: int  # a decode step's rows past gemv_rows and up to this many: the resident-weights GEMM (0: none)
-    l2_prefetch: bool  # the tiled GEMM asks L2 for their weight slices before the PDL wait (with pdl)
     fused_tail_rows: int  # decode buckets of up to this many rows run the layer tail as out_projection_mlp (0: none)
     staged_tail: bool  # a one-row decode's layer tail is staged_out_projection_mlp
     delta_step: str  # DELTA_FUSED or DELTA_UNFUSED (several rows, or where the projected step is off)
@@ -277,7 +273,6 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         resident_rows=(min(_given(options.resident_most_rows, tuning.resident_most_rows), RESIDENT_ROWS)
                        if options.resident_gemm and not options.batch_invariant
                        and not gemv_past_its_limit(config, tuning) else 0),
-        l2_prefetch=pdl and options.l2_prefetch,
         fused_tail_rows=fused_tail_rows,
         staged_tail=staged_tail,
         delta_step=DELTA_FUSED if options.fused_delta_decode else DELTA_UNFUSED,

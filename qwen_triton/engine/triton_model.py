@@ -190,7 +190,7 @@ class TritonModel:
         resident = step.buffers is not None and self.plan.gemv_rows < rows <= self.plan.resident_rows
         with self._traced(kind, layer, costs.linear, x, weight, **options):
             return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl, gemv=rows <= self.plan.gemv_rows,
-                          resident=resident, prefetch=self.plan.l2_prefetch, **options)
+                          resident=resident, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _norm(self, norm_weight, squares) -> dict:

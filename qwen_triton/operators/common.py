@@ -255,24 +255,6 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
         gdc_wait()
 
 
-@triton.jit
-def prefetch_rows(base_ptr, row_offsets, row_mask, k_start, k_end, LINES: tl.constexpr):
-    """Ask L2 for elements k_start..k_end of the rows at base_ptr + row_offsets (where row_mask): one
-    `prefetch.global.L2::evict_last` a 128-byte line (1,024 bits), LINES lines a row per pass. A prefetch
-    holds no register and waits for nothing, so a kernel launched with PDL can ask for its whole weight slice before its
-    `wait_for_previous_kernel`, and its main loop then finds the slice in L2 (data no kernel writes only: the
-    lines are read before the previous kernel has finished). GPU only: the interpreter has no inline assembly,
-    so callers guard it with a constexpr that is False there."""
-    per_line: tl.constexpr = 1024 // base_ptr.dtype.element_ty.primitive_bitwidth
-    lines = tl.arange(0, LINES) * per_line
-    for k0 in range(k_start, k_end, LINES * per_line):
-        columns = k0 + lines
-        mask = row_mask[:, None] & (columns < k_end)[None, :]
-        pointers = tl.where(mask, base_ptr + row_offsets[:, None] + columns[None, :], base_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
 # ---- decode rows and sequence slots ----------------------------------------------------------------
 # A decode kernel's row r works on the sequence in slot slots[r] (int32 [B] on the device, distinct, below the
 # state's slot count; read by the kernel, so a CUDA graph replays with whatever slots were written into the

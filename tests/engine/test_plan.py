@@ -80,13 +80,6 @@ def test_the_resident_gemm_serves_the_buckets_past_the_gemv_up_to_its_rows():
     assert lines and "resident_gemm:_resident_kernel" in lines[0] and "gemm:_gemm_kernel" in lines[0]
 
 
-def test_the_l2_prefetch_goes_with_pdl_and_can_be_turned_off():
-    assert resolve_plan(CONFIG, H200).l2_prefetch
-    assert not resolve_plan(CONFIG, H200, Options(l2_prefetch=False)).l2_prefetch
-    assert not resolve_plan(CONFIG, H200, Options(pdl=False)).l2_prefetch
-    assert not resolve_plan(CONFIG, DEVICES["cpu"]).l2_prefetch
-
-
 def test_options_turn_variants_off():
     plan = resolve_plan(CONFIG, H200, Options(out_projection_mlp=False, screened_lm_head=False, pdl=False,
                                               fold_norms=False))

@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import prefetch_rows
-
 NO_ACTIVATION = tl.constexpr(0)
 SWIGLU = tl.constexpr(1)
 # the squares epilogue's slots: one float32 a row per this many output columns; a tile writing them spans a
@@ -144,21 +142,6 @@ def load_weight_tile(w_ptr, w_rows, up_offset, n_mask, offs_k, k_end, PAIR: tl.c
     else:
         w_up = w
     return w, w_up
-
-
-PREFETCH_LINES = tl.constexpr(16)  # a weight row's 128-byte lines asked for a pass: 1,024 bf16 columns
-
-
-@triton.jit
-def prefetch_slice(w_ptr, stride_wn, offs_n, N, k_start, k_end, PAIR: tl.constexpr):
-    """Ask L2 for weight rows offs_n (and with PAIR their up rows, N rows further) over columns k_start..k_end
-    (common.prefetch_rows): a PDL kernel's slice, requested before its wait, streams from HBM while the previous
-    kernel drains, and its main loop then reads it from L2."""
-    w_rows = offs_n.to(tl.int64) * stride_wn
-    n_mask = offs_n < N
-    prefetch_rows(w_ptr, w_rows, n_mask, k_start, k_end, PREFETCH_LINES)
-    if PAIR:
-        prefetch_rows(w_ptr + N * stride_wn, w_rows, n_mask, k_start, k_end, PREFETCH_LINES)
 
 
 @triton.jit

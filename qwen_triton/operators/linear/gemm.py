@@ -84,8 +84,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, shared_memory_limit, wait_for_previous_kernel)
-from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, load_row_squares, prefetch_slice, prologue, row_rstd,
-                     split_workspace, store_tile)
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, load_row_squares, prologue, row_rstd, split_workspace,
+                     store_tile)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -287,15 +287,14 @@ def _gemm_kernel(
     FOLDED_NORM: tl.constexpr, WRITE_SQUARES: tl.constexpr, BLOCK_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, TMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     # M_BUCKET and SPLIT_ALLOWED only key the autotuning (M rounded up to a power of two; splits allowed).
     # TMA: x_ptr and w_ptr are tensor descriptors (`_described`) and the tiles come through the TMA unit.
     # FOLDED_NORM: the rows' sums of squares in norm_squares [M, PARTS] scale the accumulators (fusion.py);
     # WRITE_SQUARES: the output rows' sums of squares to squares (fusion.store_output).
-    # USE_PDL: launched with PDL (everything after the wait but the prefetch); PREFETCH (with USE_PDL, pointer
-    # loads): the first row block's programs ask L2 for their weight slice before the wait
+    # USE_PDL: launched with PDL (everything after the wait)
     allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = _tile_coordinates(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -304,10 +303,6 @@ def _gemm_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH:
-        if pid_m == 0:
-            prefetch_slice(w_ptr, stride_wn, offs_n, N, k_start, k_end, ACTIVATION == SWIGLU)
-    wait_for_previous_kernel(USE_PDL)
     # the folded norm's sums of squares of the rows (P floats a row from L2): loaded before the main loop and
     # reduced after it, so that the main loop waits for neither the load nor the reduction
     if FOLDED_NORM:
@@ -383,13 +378,12 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False, norm_squares=None, squares_out=None, prefetch=True):
+         tma=None, pdl=False, norm_squares=None, squares_out=None):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
-    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py); prefetch
-    (with pdl, pointer loads): the weight slices asked of L2 before the PDL wait (fusion.prefetch_slice).
+    loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
     norm_squares [M, P] float32: x's rows' sums of squares, for the folded norm (no prologue pass);
     squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written."""
     if gate is not None or norm_weight is not None:
@@ -425,7 +419,7 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
         FOLDED_NORM=norm_squares is not None, WRITE_SQUARES=squares_out is not None,
-        BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl, PREFETCH=prefetch and pdl and not tma,
+        BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl,
         **launch_options(pdl),
     )
     return out
