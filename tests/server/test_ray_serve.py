@@ -35,12 +35,12 @@ pytestmark = pytest.mark.slow
 class Command:
     """`qwen-triton serve --replicas 2` in a process of its own: its URL and Ray's address once it serves."""
 
-    def __init__(self, checkpoint, log: Path):
+    def __init__(self, checkpoint, log: Path, *extra: str):
         self.log = log
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qwen_triton.cli", "serve", "--model", str(checkpoint), "--replicas", "2",
              "--port", "0", "--max-length", str(MAX_LENGTH), "--max-num-seqs", "4", "--max-queue", "32",
-             "--prefill-chunk", "16", "--drain-timeout", "5", "--served-model-name", "tiny"],
+             "--prefill-chunk", "16", "--drain-timeout", "5", "--served-model-name", "tiny", *extra],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"), stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                  # Ray's token (its default) would need this process to switch Ray's settings to a token before
