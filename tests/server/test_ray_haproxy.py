@@ -1,13 +1,14 @@
 """`qwen-triton serve --replicas 2 --proxy haproxy` on the CPU: Ray Serve's HAProxy in front of the two replicas'
 own HTTP servers (server/ray_app.py, haproxy_environment). Both replicas answer the official `openai` client with
-what LLM gives, a stream comes through whole, the app's errors come through, and SIGTERM stops HAProxy with the
-rest and exits 0.
+what LLM gives, a stream comes through whole, the app's errors come through, a killed replica's requests go to
+the other while Ray brings it back, and SIGTERM stops HAProxy with the rest and exits 0.
 
 Opt-in (QWEN_TRITON_TEST_HAPROXY=1): Ray's HAProxy binds its metrics and stats ports on every interface (its
 template gives no host), and the suite's servers listen on 127.0.0.1 only. Run where that is allowed:
 `QWEN_TRITON_TEST_HAPROXY=1 python -m pytest -q tests/server/test_ray_haproxy.py` (docs/decisions.md, D175)."""
 
 import os
+import signal
 import subprocess
 import time
 
@@ -15,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from qwen_triton.server.ray_app import REPLICA_HEADER  # noqa: E402
-from tests.server.test_ray_serve import PROMPT, Command  # noqa: E402
+from tests.server.test_ray_serve import PROMPT, Command, in_replica, wait_for_two_replicas_without  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("QWEN_TRITON_TEST_HAPROXY") != "1",
@@ -36,8 +37,10 @@ def command(checkpoint, tmp_path_factory):
     command = Command(checkpoint, tmp_path_factory.mktemp("haproxy") / "serve.log", "--proxy", "haproxy")
     command.haproxy = haproxy_processes() - before
     try:
+        ray.init(address=command.ray_address, log_to_driver=False, logging_level="error")
         yield command
     finally:
+        ray.shutdown()
         command.stop()
 
 
@@ -73,6 +76,26 @@ def test_a_stream_and_the_apps_errors_come_through_haproxy(command, client):
     assert bad.value.body["param"] == "temperature"
     missing = httpx.get(command.url + "/v1/nowhere")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_a_killed_replicas_requests_go_to_the_other_and_ray_brings_it_back(command, client):
+    victim = client.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2,
+                                                         temperature=0).headers[REPLICA_HEADER]
+    os.kill(in_replica(victim, os.getpid), signal.SIGKILL)
+    answered, failed = set(), 0
+    deadline = time.monotonic() + 60
+    while len(answered) < 4:  # HAProxy's checks mark the dead replica down; until then a request may fail
+        assert time.monotonic() < deadline, f"no replica answered after the kill ({failed} failures)"
+        try:
+            raw = client.completions.with_raw_response.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+            answered.add((raw.headers[REPLICA_HEADER], len(answered)))
+        except openai.APIError:
+            failed += 1
+            time.sleep(0.5)
+    print(f"\nafter the kill: {failed} requests failed before HAProxy sent them to the other replica")
+    assert victim not in {name for name, _ in answered}
+    assert failed <= 3, failed
+    wait_for_two_replicas_without(victim)
 
 
 def test_sigterm_stops_haproxy_and_exits_0(command):
