@@ -5,7 +5,8 @@ replica's own) serving app.py's
 FastAPI app: Ray Serve's `@serve.ingress`, late-bound, asks each replica for its app once the replica has loaded
 its weights (`__serve_build_asgi_app__`), so the routes, the streaming, the errors and the metrics are app.py's
 and nothing here answers a request. Ray Serve's HTTP proxy (one per node) sends each request to the one of two
-replicas drawn at random that has fewer requests in flight. `ray_actor_options` hold a replica's share of a GPU
+replicas drawn at random that has fewer requests in flight; with `--proxy haproxy`, Ray's HAProxy takes its place
+in front of the replicas' own HTTP servers (haproxy_environment). `ray_actor_options` hold a replica's share of a GPU
 (`num_gpus`: 0.5 puts two replicas on one GPU) or, where it runs on the CPU, one CPU.
 
 What a replica adds to the app: its name, in the REPLICA_HEADER of every response and in the metric
