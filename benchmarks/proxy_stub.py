@@ -74,9 +74,9 @@ def serve_front(front: str, port: int, step: float, tokens: int) -> None:
         uvicorn.run(stub_app(step, tokens), host="127.0.0.1", port=port, log_level="warning")
         return
     if front == "haproxy":
-        from qwen_triton.server.ray_app import free_port, haproxy_environment
+        from qwen_triton.server.ray_app import free_ports, haproxy_environment
 
-        os.environ.update(haproxy_environment(free_port(), free_port()))
+        os.environ.update(haproxy_environment(*free_ports(2)))
     import ray
     from ray import serve
 
@@ -122,9 +122,9 @@ async def load(url: str, clients: int, seconds: float) -> float:
 
 
 def measure(front: str, args) -> float:
-    from qwen_triton.server.ray_app import free_port
+    from qwen_triton.server.ray_app import free_ports
 
-    port = free_port()
+    (port,) = free_ports(1)
     ray_env = dict(item.split("=", 1) for item in args.ray_env)
     process = subprocess.Popen([sys.executable, __file__, "--serve", front, "--port", str(port), "--step",
                                 str(args.step), "--tokens", str(args.tokens)], cwd=ROOT,

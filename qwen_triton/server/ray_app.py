@@ -330,13 +330,17 @@ def haproxy_environment(metrics_port: int, stats_port: int) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port)}
 
 
-def free_port() -> int:
-    """A TCP port no process listens on now (on every interface, as HAProxy's metrics and stats bind)."""
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports no process listens on now (on every interface, as HAProxy's metrics and stats
+    bind): all bound at once, so that no two are the same."""
+    import contextlib
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 class RayServer:
@@ -377,7 +381,7 @@ class RayServer:
             source = str(Path(__file__).resolve().parents[2])
             os.environ["PYTHONPATH"] = os.pathsep.join([source, *filter(None, [os.environ.get("PYTHONPATH")])])
             if self.proxy == "haproxy":
-                os.environ.update(haproxy_environment(free_port(), free_port()))
+                os.environ.update(haproxy_environment(*free_ports(2)))
             else:
                 os.environ.pop(HAPROXY_VARIABLE, None)
             # "local": a new instance, even where `ray start` has left one running on this machine

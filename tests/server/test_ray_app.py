@@ -226,9 +226,11 @@ def test_haproxy_is_ray_serves_own_mode_on_ports_of_its_own():
     metrics and stats on the ports given (two instances on one machine must not share Ray's defaults)."""
     import importlib
 
-    from qwen_triton.server.ray_app import RayServer, free_port, haproxy_environment
+    from qwen_triton.server.ray_app import RayServer, free_ports, haproxy_environment
 
-    environment = haproxy_environment(free_port(), 12346)
+    assert len(set(free_ports(3))) == 3
+    metrics, _ = free_ports(2)
+    environment = haproxy_environment(metrics, 12346)
     constants = importlib.import_module("ray.serve._private.constants")
     names = {name for name in vars(constants) if name.startswith("RAY_SERVE_")}
     assert set(environment) <= names, set(environment) - names  # every variable is one Ray reads

@@ -279,3 +279,12 @@ def split_workspace(cache: dict, device: torch.device, split_k: int, rows: int, 
         cache[key] = (torch.empty(split_k * 2 * rows * N, dtype=torch.float32, device=device),
                       torch.zeros(tiles, dtype=torch.int32, device=device))
     return cache[key]
+
+
+def epilogue_operands(out: torch.Tensor, residual, norm_squares, squares_out) -> tuple[tuple, tuple]:
+    """The GEMMs' optional epilogue tensors as their kernels take them: the (residual, norm_squares, squares_out)
+    pointers, `out` standing in for an absent one (its constexpr flag keeps it untouched), and their row strides,
+    0 for an absent one."""
+    given = (residual, norm_squares, squares_out)
+    return (tuple(out if tensor is None else tensor for tensor in given),
+            tuple(0 if tensor is None else tensor.stride(0) for tensor in given))

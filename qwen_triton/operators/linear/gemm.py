@@ -84,8 +84,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...tuning import active
 from ..common import (allow_next_kernel, autotune_configs, hopper_or_later, interpreting, keep_preferred,
                       launch_options, preferred_entry, shared_memory_limit, wait_for_previous_kernel)
-from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, load_row_squares, prologue, row_rstd, split_workspace,
-                     store_tile)
+from .fusion import (SQUARES_COLUMNS, SWIGLU, accumulate, dot, epilogue_operands, load_row_squares, prologue,
+                     row_rstd, split_workspace, store_tile)
 
 
 MAX_SPLIT_ROWS = 256  # split-K serves prompts of at most this many tokens
@@ -410,12 +410,12 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     parts = 1 if norm_squares is None else norm_squares.shape[1]
+    (residual_operand, squares_in, squares_operand), strides = epilogue_operands(out, residual, norm_squares,
+                                                                                  squares_out)
     kernel[grid](
-        x_operand, w_operand, out, out if residual is None else residual, partial, counters,
-        out if norm_squares is None else norm_squares, out if squares_out is None else squares_out,
+        x_operand, w_operand, out, residual_operand, partial, counters, squares_in, squares_operand,
         M, N, K, bucket, parts,
-        x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        0 if norm_squares is None else norm_squares.stride(0), 0 if squares_out is None else squares_out.stride(0),
+        x.stride(0), weight.stride(0), out.stride(0), *strides,
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
         FOLDED_NORM=norm_squares is not None, WRITE_SQUARES=squares_out is not None,

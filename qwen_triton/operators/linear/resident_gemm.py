@@ -34,7 +34,8 @@ import triton.language as tl
 
 from ..common import allow_next_kernel, launch_options, wait_for_previous_kernel
 from .gemm import apply_prologue
-from .fusion import SQUARES_COLUMNS, SWIGLU, dot, load_row_squares, split_workspace, store_tile
+from .fusion import (SQUARES_COLUMNS, SWIGLU, dot, epilogue_operands, load_row_squares, split_workspace,
+                     store_tile)
 
 MAX_ROWS = 128  # the rows a call takes (a decode step's largest bucket)
 BLOCK_M = 16  # rows a dot: the tensor cores' smallest tile of rows
@@ -131,12 +132,12 @@ def resident_gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None,
         partial, counters = x, x  # never touched
     parts = 1 if norm_squares is None else norm_squares.shape[1]
     grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
+    (residual_operand, squares_in, squares_operand), strides = epilogue_operands(out, residual, norm_squares,
+                                                                                  squares_out)
     _resident_kernel[grid](
-        x, weight, out, out if residual is None else residual, partial, counters,
-        out if norm_squares is None else norm_squares, out if squares_out is None else squares_out,
+        x, weight, out, residual_operand, partial, counters, squares_in, squares_operand,
         M, N, K, columns, parts,
-        x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
-        0 if norm_squares is None else norm_squares.stride(0), 0 if squares_out is None else squares_out.stride(0),
+        x.stride(0), weight.stride(0), out.stride(0), *strides,
         eps,
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, FOLDED_NORM=norm_squares is not None,
         WRITE_SQUARES=squares_out is not None, BLOCK_PARTS=triton.next_power_of_2(parts), BLOCK_M=BLOCK_M,
