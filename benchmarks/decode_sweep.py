@@ -9,6 +9,7 @@ in the model, and each launch overlaps its neighbours as in the model. Prints, p
 time per launch and its share of the copy bandwidth, and the autotuner's own pick.
 
     python3 benchmarks/decode_sweep.py [--parts gemv,step,tail,attention] [--pdl on|off|both] [--out sweep.json]
+        [--step-rows 1,16,128] [--step-configs tuned|wider]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 
 import torch
+import triton
 
 from qwen_triton.benchmark.harness import measure_hbm_bandwidth, time_graph
 from qwen_triton.operators.gated_delta_rule import fused_decode
@@ -78,20 +80,29 @@ def sweep_gemv(layers: int, hbm: float, pdl: bool) -> list[dict]:
     return rows
 
 
-def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
+# configs of the fused step beyond its autotuner's space, timed with --step-configs wider (larger value blocks: at
+# every batch the autotuner picked its largest, BLOCK_V 32 with 4 warps, on the H100; tuning/picks)
+WIDER_STEP_CONFIGS = [
+    triton.Config({"BLOCK_V": 32}, num_warps=8), triton.Config({"BLOCK_V": 64}, num_warps=4),
+    triton.Config({"BLOCK_V": 64}, num_warps=8), triton.Config({"BLOCK_V": 128}, num_warps=8),
+]
+
+
+def sweep_delta_step(layers: int, hbm: float, pdl: bool, batch: int = 1, wider: bool = False) -> list[dict]:
     heads, dim, channels, width = 16, 128, 6144, 4
-    states = [torch.randn(1, heads, dim, dim, device="cuda") * 0.1 for _ in range(layers)]
-    conv_states = [torch.randn(1, channels, width - 1, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
-    projection = torch.randn(1, channels + heads * dim + 2 * heads, device="cuda", dtype=torch.bfloat16)
+    states = [torch.randn(batch, heads, dim, dim, device="cuda") * 0.1 for _ in range(layers)]
+    conv_states = [torch.randn(batch, channels, width - 1, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(layers)]
+    projection = torch.randn(batch, channels + heads * dim + 2 * heads, device="cuda", dtype=torch.bfloat16)
     x, z = projection[:, :channels], projection[:, channels:channels + heads * dim]
     b, a = projection[:, channels + heads * dim:channels + heads * dim + heads], projection[:, -heads:]
     conv_weight = torch.randn(channels, width, device="cuda", dtype=torch.bfloat16)
     a_log = torch.randn(heads, device="cuda")
     dt_bias = torch.randn(heads, device="cuda")
     norm = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(1, heads * dim, device="cuda", dtype=torch.bfloat16)
-    delta_out = torch.empty(1, heads, dim, device="cuda", dtype=torch.bfloat16)
-    moved = 2 * heads * dim * dim * 4
+    out = torch.empty(batch, heads * dim, device="cuda", dtype=torch.bfloat16)
+    delta_out = torch.empty(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    moved = 2 * heads * dim * dim * 4 * batch
 
     def launch(i):
         gated_delta_rule_decode_fused(x, z, a, b, conv_weight, conv_states[i], a_log, dt_bias, norm, 1e-6, states[i],
@@ -101,10 +112,10 @@ def sweep_delta_step(layers: int, hbm: float, pdl: bool) -> list[dict]:
     launch(0)
     pick = fused_decode._fused_step_kernel.best_config
     rows = []
-    for config in all_configs:
+    for config in all_configs + (WIDER_STEP_CONFIGS if wider else []):
         with_configs(fused_decode._fused_step_kernel, [config])
         us = graph_time_us(launch, layers)
-        rows.append(dict(shape="deltanet step (fused kernel)", config=str(config), us=us,
+        rows.append(dict(shape=f"deltanet step (fused kernel), {batch} rows", config=str(config), us=us,
                          pct_hbm=100 * moved / (us * 1e-6) / (hbm * 1e12), autotuner_pick=str(config) == str(pick),
                          pdl=pdl))
     with_configs(fused_decode._fused_step_kernel, all_configs)
@@ -198,6 +209,9 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--parts", default="gemv,step,tail", help="gemv, step, tail, attention (comma-separated)")
     parser.add_argument("--pdl", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--step-rows", default="1", help="the fused step's batches, e.g. 1,16,128 (--parts step)")
+    parser.add_argument("--step-configs", choices=("tuned", "wider"), default="tuned",
+                        help="wider: also WIDER_STEP_CONFIGS, beyond the autotuner's space")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts or parts - {"gemv", "step", "tail", "attention"}:
@@ -208,7 +222,8 @@ def main() -> None:
         if "gemv" in parts:
             rows += sweep_gemv(args.layers, hbm, pdl)
         if "step" in parts:
-            rows += sweep_delta_step(18, hbm, pdl)
+            for batch in map(int, args.step_rows.split(",")):
+                rows += sweep_delta_step(18, hbm, pdl, batch, args.step_configs == "wider")
         if "tail" in parts:
             rows += sweep_layer_tail(args.layers, hbm, pdl)
         if "attention" in parts:

@@ -97,6 +97,10 @@ class Options:
     # past the table's GEMV hidden limit (its slices were measured at the 0.8B's widths; the 4B's one-row step took
     # 4,642 us through it against 3,442 tiled, H100)
     resident_gemm: bool = True
+    # greedy rows past the screened head's buckets, and temperature-only rows past the GEMV's: the argmax (or
+    # Gumbel-max) inside a tiled LM head (lm_head/argmax.py, tiled=True: the head read once for all rows, no logits);
+    # False: the float32 logits, then the sampler's pass over them
+    tiled_argmax_head: bool = True
     pdl: bool | None = None  # programmatic dependent launch (None: where the device has it)
     fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
     # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
@@ -143,6 +147,7 @@ class Plan:
     output_norm_in_projection: bool
     projected_delta: bool  # a one-row decode's DeltaNet layer is the projected step
     screened_rows: int  # greedy and top-k decode buckets of up to this many rows use the screened heads (0: none)
+    tiled_argmax_head: bool  # greedy / temperature buckets past those heads take the tiled argmax head
     lm_head_pdl: bool
     screened_lm_head_pdl: bool
     prefill_pdl_tokens: int  # prefills of up to this many tokens launch with PDL (0: none)
@@ -172,15 +177,19 @@ class Plan:
         """A decode step's LM head for a sampling mode ("greedy", "temperature", "logits", or a mode whose LM head
         writes logits for the sampling kernels: "min-p", "top-k", "sample", "penalized", "penalized-top-k",
         "penalized-sample"; engine/device_sampling.py). The top-k modes' screened head applies the penalties too.
-        Past gemv_rows the argmax heads (which read the head once a row) give way to the logits, read once for all
-        rows, and the sampler's draw (greedy rows at temperature 0)."""
+        Past gemv_rows the argmax heads take their tiled form (the head read once for all rows: `argmax_tiled`), or
+        without tiled_argmax_head give way to the logits and the sampler's draw (greedy rows at temperature 0)."""
         if mode == "greedy" and rows <= self.screened_rows:
             return HEAD_SCREENED
         if mode in TOP_K_MODES and rows <= self.screened_rows:
             return HEAD_SCREENED_TOP_K
-        if mode in ("greedy", "temperature") and rows <= self.gemv_rows:
+        if mode in ("greedy", "temperature") and (rows <= self.gemv_rows or self.tiled_argmax_head):
             return HEAD_ARGMAX if mode == "greedy" else HEAD_GUMBEL
         return HEAD_LOGITS
+
+    def argmax_tiled(self, rows: int) -> bool:
+        """Whether a decode bucket's argmax and Gumbel heads run tiled (lm_head_argmax(tiled=True))."""
+        return rows > self.gemv_rows
 
     def decode_folded_norm(self, rows: int) -> bool:
         """Whether a decode step of this bucket applies the folded norms in the GEMM's epilogue from the rows'
@@ -280,6 +289,7 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         output_norm_in_projection=options.output_norm_in_projection,
         projected_delta=projected,
         screened_rows=tuning.screened_rows if options.screened_lm_head and screened_head_fits(config) else 0,
+        tiled_argmax_head=options.tiled_argmax_head,
         lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
         screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
         prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
@@ -305,7 +315,7 @@ _DELTA_KERNELS = {
 }
 _HEAD_KERNELS = {
     HEAD_SCREENED: "lm_head.screened (int8 screen, exact check)",
-    HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel + _argmax_reduce_kernel",
+    HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel (tiled past one row) + _argmax_reduce_kernel",
     HEAD_SCREENED_TOP_K: "lm_head.screened_top_k (int8 screen, exact check; penalties in it)",
     HEAD_LOGITS: "lm_head logits (linear.gemm:_gemm_kernel past one row; + penalties), then the sampler",
 }
@@ -394,7 +404,8 @@ def _left_out(plan: Plan, config: ModelConfig) -> list[str]:
                        f"(hidden {config.hidden_size} > the {plan.tuning.name} table's {plan.tuning.gemv_hidden_limit}: "
                        "the decode GEMM runs its projections, as for several sequences)")
     if options.screened_lm_head and not screened_head_fits(config):
-        serving = ("the bf16 argmax head serves greedy decode, the logits head top-k sampling" if plan.gemv_rows
+        serving = ("the bf16 argmax head serves greedy decode, the logits head top-k sampling"
+                   if plan.gemv_rows or plan.tiled_argmax_head
                    else "the logits head serves greedy decode and top-k sampling")
         reasons.append(f"the screened LM heads (hidden {config.hidden_size} > their {SCREEN_MAX_COLUMNS} columns; "
                        f"{serving})")

@@ -212,12 +212,15 @@ class TritonModel:
                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                 gated=False, eps=c.rms_norm_eps, out=step.out("attention_q"), pdl=step.pdl,
             )
-        attended = self._attend(i, q, step)
         gate = qkv[:, :gate_width] if c.attn_output_gate else None
-        return self._layer_tail(i, "attention gate + out-projection", attended.view(step.rows, -1), w.out, x, mlp,
-                                step, gate=gate)
+        # a decode step whose tail is three projections gates the attention's output in its merge, one launch fewer
+        merge_gate = step.buffers is not None and self.plan.decode_tail(step.rows) == TAIL_LINEAR
+        attended = self._attend(i, q, step, gate=gate if merge_gate else None)
+        return self._layer_tail(i, "attention " + ("" if merge_gate else "gate + ") + "out-projection",
+                                attended.view(step.rows, -1), w.out, x, mlp, step, gate=None if merge_gate else gate)
 
-    def _attend(self, i, q, step: ForwardPass):
+    def _attend(self, i, q, step: ForwardPass, gate=None):
+        """The attention of q over layer i's cache; gate (a decode step's): its output gate applied in the merge."""
         c, element = self.config, self.embed.element_size()
         key, value = self.state.key[i], self.state.value[i]
         if step.packed is not None:
@@ -231,7 +234,7 @@ class TritonModel:
         with self._traced("attention (split-KV decode + merge)", i, costs.attention_decode, c, step.rows,
                           self.trace_context, element):
             return attention_decode(q, key, value, step.buffers.lengths, out=step.buffers.attention_out,
-                                    slots=step.slots, num_splits=self.decode_splits, pdl=step.pdl)
+                                    slots=step.slots, num_splits=self.decode_splits, gate=gate, pdl=step.pdl)
 
     def _split_projection(self, projection):
         c = self.config
@@ -525,10 +528,10 @@ class TritonModel:
                                        buffers.top_k, top_k_bound=sample_options(mode)["top_k_bound"], **penalties,
                                        **dict(final, pdl=plan.screened_lm_head_pdl))
             elif head == HEAD_ARGMAX:
-                lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, **final)
+                lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, tiled=plan.argmax_tiled(size), **final)
             elif head == HEAD_GUMBEL:  # Gumbel-max inside the LM head: no logits written
                 lm_head_argmax(x, self.lm_head, out=buffers.next_tokens, temperature=buffers.temperature,
-                               seed=buffers.seed, step=buffers.step, **final)
+                               seed=buffers.seed, step=buffers.step, tiled=plan.argmax_tiled(size), **final)
             else:
                 lm_head_logits(x, self.lm_head, out=buffers.logits, gemv=size <= plan.gemv_rows, **final)
         if penalized and head != HEAD_SCREENED_TOP_K:

@@ -156,4 +156,7 @@ TABLE = Tuning(
     lm_head_pdl=False,
     screened_lm_head_pdl=True,
     screened_rows=16,  # one pass over the int8 copy serves up to 16 rows
+    # the autotuner's picks on the H100 for the greedy head at 32, 64 and 128 rows (docs/decisions.md, D177); the
+    # buckets of fewer rows (temperature-only sampling) take the 32-row pick
+    lm_head_tiled_by_rows=((32, (128, 128, 8, 3)), (64, (64, 64, 4, 4)), (None, (256, 64, 8, 3))),
 )

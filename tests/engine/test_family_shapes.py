@@ -118,17 +118,20 @@ def test_hidden_past_4096_columns(tmp_path):
 
 
 def test_hidden_past_the_screened_heads_columns():
-    # past the screen's 8,192 columns the plan leaves the screened heads out and says why; the logits head serves
-    # greedy decode (past the GEMV's hidden limit one row runs the decode GEMM, D165), or, with the GEMV at every
-    # size, the bf16 argmax head
+    # past the screen's 8,192 columns the plan leaves the screened heads out and says why; the bf16 argmax head
+    # serves greedy decode, tiled past the GEMV's hidden limit (one row runs the decode GEMM there, D165), a row a
+    # program with the GEMV at every size; without the tiled head, the logits head
     config = parse_config(official_config(dict(PRESETS["27b"], hidden_size=8320)))
     plan = resolve_plan(config, DEVICES["h200"])
-    assert plan.screened_rows == 0 and plan.decode_lm_head(1, "greedy") == plans.HEAD_LOGITS
-    assert ("the screened LM heads (hidden 8320 > their 8192 columns; the logits head serves greedy decode and "
-            "top-k sampling)") in plan.describe(config)
+    assert plan.screened_rows == 0 and plan.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX and plan.argmax_tiled(1)
+    assert ("the screened LM heads (hidden 8320 > their 8192 columns; the bf16 argmax head serves greedy decode, the "
+            "logits head top-k sampling)") in plan.describe(config)
     unlimited = resolve_plan(config, DEVICES["h200"], tuning=dataclasses.replace(plan.tuning, gemv_hidden_limit=None))
     assert unlimited.screened_rows == 0 and unlimited.decode_lm_head(1, "greedy") == plans.HEAD_ARGMAX
-    assert "the bf16 argmax head serves greedy decode" in unlimited.describe(config)
+    assert not unlimited.argmax_tiled(1)
+    untiled = resolve_plan(config, DEVICES["h200"], Options(tiled_argmax_head=False))
+    assert untiled.decode_lm_head(1, "greedy") == plans.HEAD_LOGITS
+    assert "the logits head serves greedy decode and top-k sampling" in untiled.describe(config)
 
 
 FAMILY = ("4b", "9b", "27b")

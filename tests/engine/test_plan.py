@@ -26,10 +26,14 @@ def test_the_h200_plan_of_the_0_8b_model():
     assert [plan.decode_delta(rows) for rows in (1, 2, 3, 32)] == [plans.DELTA_PROJECTED] + [
         plans.DELTA_FUSED_NORM] * 3
     assert [plan.decode_folded_norm(rows) for rows in (1, 2, 3, 128)] == [False, True, True, True]
+    # greedy past the screened head's 16 rows, and temperature past one row: the argmax heads, tiled
     assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
-        plans.HEAD_LOGITS]
-    assert plan.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
-    assert plan.decode_lm_head(2, "temperature") == plans.HEAD_LOGITS
+        plans.HEAD_ARGMAX]
+    assert plan.decode_lm_head(1, "temperature") == plan.decode_lm_head(2, "temperature") == plans.HEAD_GUMBEL
+    assert [plan.argmax_tiled(rows) for rows in (1, 2, 128)] == [False, True, True]
+    untiled = resolve_plan(CONFIG, H200, Options(tiled_argmax_head=False))
+    assert untiled.decode_lm_head(32, "greedy") == untiled.decode_lm_head(2, "temperature") == plans.HEAD_LOGITS
+    assert untiled.decode_lm_head(1, "temperature") == plans.HEAD_GUMBEL
     two_rows = resolve_plan(CONFIG, H200, tuning=dataclasses.replace(plan.tuning, gemv_most_rows=2))
     assert two_rows.gemv_rows == 2 and two_rows.decode_tail(2) == plans.TAIL_FUSED
     assert not two_rows.decode_folded_norm(2) and two_rows.decode_folded_norm(3)
@@ -49,8 +53,8 @@ def test_without_batched_projections_several_rows_run_the_gemv():
     assert [plan.decode_delta(rows) for rows in (1, 2, 32)] == [plans.DELTA_PROJECTED, plans.DELTA_FUSED,
                                                                plans.DELTA_FUSED_NORM]
     assert [plan.decode_lm_head(rows, "greedy") for rows in (1, 16, 32)] == [plans.HEAD_SCREENED] * 2 + [
-        plans.HEAD_LOGITS]
-    assert plan.decode_lm_head(16, "temperature") == plans.HEAD_GUMBEL
+        plans.HEAD_ARGMAX]
+    assert plan.decode_lm_head(16, "temperature") == plans.HEAD_GUMBEL and not plan.argmax_tiled(16)
     assert not plan.decode_folded_norm(16) and plan.decode_folded_norm(17)
     assert not plan.prefill_folded_norm(16) and plan.prefill_folded_norm(17)
 
@@ -63,7 +67,8 @@ def test_batch_invariant_runs_one_row_as_several():
     assert resolve_plan(CONFIG, H200).step_tuning_rows is None
     for rows in (1, 2, 128):
         assert plan.decode_tail(rows) == plans.TAIL_LINEAR and plan.decode_delta(rows) == plans.DELTA_FUSED_NORM
-        assert plan.decode_folded_norm(rows) and plan.decode_lm_head(rows, "temperature") == plans.HEAD_LOGITS
+        assert plan.decode_folded_norm(rows) and plan.decode_lm_head(rows, "temperature") == plans.HEAD_GUMBEL
+        assert plan.argmax_tiled(rows)
     assert plan.decode_lm_head(1, "greedy") == plan.decode_lm_head(16, "greedy") == plans.HEAD_SCREENED
     with pytest.raises(ValueError, match="batch_invariant=True needs batched_projections=True"):
         resolve_plan(CONFIG, H200, Options(batch_invariant=True, batched_projections=False))

@@ -30,6 +30,7 @@ from qwen_triton.operators.attention import (
 from qwen_triton.operators import attention
 from qwen_triton.operators.attention import decode as decode_module
 from qwen_triton.reference import functional as fn
+from qwen_triton.operators.linear.gemm import apply_prologue
 
 # the interpreter converts one-element arrays to scalars in runtime-bounded loops (numpy deprecation)
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -274,6 +275,30 @@ def test_attention_decode_over_slots(device):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     with pytest.raises(ValueError, match="slots has dtype"):
         attention_decode(q, key_cache, value_cache, lengths, slots=slots.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_decode_gate_in_the_merge(dtype, device):
+    """With gate, out is the ungated output times sigmoid(gate), bit for bit the out-projection's gate prologue
+    (gemm.apply_prologue) (so the decode step's bits do not change when the gate moves into the merge); a strided gate (q | gate columns
+    of one projection) reads its own columns; a gate of the wrong shape is refused."""
+    torch.manual_seed(8)
+    heads, kv_heads, dim, max_length = 4, 2, 40, 50
+    q = torch.randn(3, heads, dim, device=device, dtype=dtype)
+    key_cache = torch.randn(5, kv_heads, max_length, dim, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    lengths = torch.tensor([37, 9, 20], device=device, dtype=torch.int32)
+    slots = torch.tensor([3, 1, -1], device=device, dtype=torch.int32)
+    projection = torch.randn(3, 2 * heads * dim, device=device, dtype=dtype) * 3
+    gate = projection[:, heads * dim:]  # row stride 2 * heads * dim
+    options = dict(slots=slots, num_splits=3, split_align=16)
+    plain = attention_decode(q, key_cache, value_cache, lengths, **options)
+    gated = attention_decode(q, key_cache, value_cache, lengths, gate=gate, **options)
+    assert torch.equal(gated.view(3, -1), apply_prologue(plain.view(3, -1), gate, None, 1e-6))
+    torch.testing.assert_close(gated.float(), plain.float() * torch.sigmoid(gate.float()).view_as(plain),
+                               **tolerance(dtype))
+    with pytest.raises(ValueError, match="gate"):
+        attention_decode(q, key_cache, value_cache, lengths, gate=gate[:, :-1], **options)
 
 
 PACKED_LENGTHS = (1, 5, 63, 64, 65, 130)
@@ -546,6 +571,22 @@ def test_gpu_attention_decode(lengths):
     ref = reference_decode(q.double(), key_cache.double(), value_cache.double(), lengths)
     assert_bf16_close(out, ref)
     assert torch.equal(out, attention_decode(q, key_cache, value_cache, lengths))
+
+
+@pytest.mark.gpu
+def test_gpu_attention_decode_gate_in_the_merge():
+    """bf16 at the 0.8B's heads: the gated merge equals the ungated output through the out-projection's gate prologue
+    (gemm.apply_prologue), bit for bit."""
+    torch.manual_seed(14)
+    device, dtype = "cuda", torch.bfloat16
+    q = torch.randn(16, HEADS, DIM, device=device, dtype=dtype) * 2
+    key_cache = torch.randn(16, KV_HEADS, 512, DIM, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    lengths = torch.randint(1, 513, (16,), device=device, dtype=torch.int32)
+    gate = torch.randn(16, 2 * HEADS * DIM, device=device, dtype=dtype)[:, :HEADS * DIM]
+    plain = attention_decode(q, key_cache, value_cache, lengths)
+    gated = attention_decode(q, key_cache, value_cache, lengths, gate=gate)
+    assert torch.equal(gated.view(16, -1), apply_prologue(plain.view(16, -1), gate, None, 1e-6))
 
 
 @pytest.mark.gpu

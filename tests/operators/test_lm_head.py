@@ -3,7 +3,8 @@
 CPU: float16 / float32 inputs, a vocabulary (101) that is no multiple of the interpreter's 32-token
 tiles (4 tiles, reduced 2 at a time), M = 1, 3 and 17, the final norm fused; ties across and within tiles
 go to the lowest id; the Gumbel path is checked token for token against argmax(logits / T + G) with G
-from gumbel_noise_reference (allowing a float32 near-tie).
+from gumbel_noise_reference (allowing a float32 near-tie); each also with the rows as tensor-core tiles
+(`tiled=True`; 2-130 rows: one row block of the bucket, and two of 128).
 GPU: bfloat16 at the real shape (248320 x 1024). Logits: the kernel computes in float32 from the same
 bf16 values as a float64 reference, so the relative error is float32 summation (~1e-6); we allow 1e-4
 (the fused norm can flip the bf16 rounding of an element of x when 1/rms differs by an ulp).
@@ -58,6 +59,20 @@ def test_lm_head_logits_and_argmax(device, dtype, M, norm):
     ids = lm_head_argmax(x, weight, norm_weight=norm_weight)
     assert ids.dtype == torch.int64
     assert_argmax(ids, ref, 1e-3)
+    tiled = lm_head_argmax(x, weight, norm_weight=norm_weight, tiled=True)
+    assert_argmax(tiled, ref, 1e-3)
+
+
+@pytest.mark.parametrize("M", [2, 17, 40, 130])
+def test_lm_head_argmax_tiled_rows(device, M):
+    """The tiled kernel over several row blocks (130 rows: two blocks of 128), the norm in its pass: each row's id
+    the argmax of its own logits, the same whichever rows share the call."""
+    x = make((M, 40), torch.float16, device, seed=M)
+    weight = make((101, 40), torch.float16, device, seed=1, scale=0.5)
+    norm_weight = make((40,), torch.float16, device, seed=2, scale=0.3)
+    ids = lm_head_argmax(x, weight, norm_weight=norm_weight, tiled=True)
+    assert_argmax(ids, reference_logits(x, weight, norm_weight), 1e-2)
+    assert torch.equal(lm_head_argmax(x[:1], weight, norm_weight=norm_weight, tiled=True), ids[:1])
 
 
 @pytest.mark.parametrize("K", [4160, 5120])  # past the screened head's 4,096 columns (the 27B: 5,120)
@@ -72,11 +87,12 @@ def test_lm_head_logits_and_argmax_at_hidden_sizes_past_4096(device, K):
 
 
 @pytest.mark.parametrize("M", [1, 3])
-def test_lm_head_argmax_ties_take_the_lowest_id(device, M):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_lm_head_argmax_ties_take_the_lowest_id(device, M, tiled):
     weight = make((101, 40), torch.float32, device, seed=3, scale=0.1)
     x = torch.ones(M, 40, device=device)
     weight[[5, 6, 40, 90]] = 1.0  # within the first tile (5, 6) and across tiles (40, 90)
-    assert lm_head_argmax(x, weight).tolist() == [5] * M
+    assert lm_head_argmax(x, weight, tiled=tiled).tolist() == [5] * M
 
 
 def test_lm_head_argmax_deterministic_and_out(device):
@@ -88,13 +104,14 @@ def test_lm_head_argmax_deterministic_and_out(device):
 
 
 @pytest.mark.parametrize("M, per_row_seed", [(1, False), (3, False), (3, True)])
-def test_lm_head_argmax_gumbel_sampling(device, M, per_row_seed):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_lm_head_argmax_gumbel_sampling(device, M, per_row_seed, tiled):
     x = make((M, 40), torch.float32, device, seed=6)
     weight = make((101, 40), torch.float32, device, seed=7, scale=0.2)
     temperature = torch.tensor([0.7, 0.0, 1.5][:M], device=device)
     seed = torch.tensor([11, 12, 13][:M] if per_row_seed else [11], dtype=torch.int64, device=device)
     step = torch.tensor([4, 5, 6][:M], dtype=torch.int64, device=device)
-    ids = lm_head_argmax(x, weight, temperature=temperature, seed=seed, step=step)
+    ids = lm_head_argmax(x, weight, temperature=temperature, seed=seed, step=step, tiled=tiled)
     logits = reference_logits(x, weight).float().cpu()
     stream = torch.zeros(M, dtype=torch.int64) if per_row_seed and M > 1 else torch.arange(M)
     seeds = seed.cpu().expand(M)
@@ -102,7 +119,7 @@ def test_lm_head_argmax_gumbel_sampling(device, M, per_row_seed):
     t = temperature.cpu()[:, None]
     scores = torch.where(t > 0, logits / torch.where(t > 0, t, 1.0) + noise, logits).double()
     assert_argmax(ids, scores, 1e-4)
-    assert torch.equal(ids, lm_head_argmax(x, weight, temperature=temperature, seed=seed, step=step))
+    assert torch.equal(ids, lm_head_argmax(x, weight, temperature=temperature, seed=seed, step=step, tiled=tiled))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -136,7 +153,7 @@ def gpu_head(M, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("M", [1, 4, 32, 128])
 def test_gpu_lm_head(M):
     x, weight, norm_weight = gpu_head(M)
     ref = reference_logits(x, weight, norm_weight)
@@ -145,6 +162,10 @@ def test_gpu_lm_head(M):
     ids = lm_head_argmax(x, weight, norm_weight=norm_weight)
     assert_argmax(ids, ref, 1e-2)
     assert torch.equal(ids, lm_head_argmax(x, weight, norm_weight=norm_weight))
+    tiled = lm_head_argmax(x, weight, norm_weight=norm_weight, tiled=True)
+    assert_argmax(tiled, ref, 1e-2)
+    assert torch.equal(tiled, lm_head_argmax(x, weight, norm_weight=norm_weight, tiled=True))
+    assert torch.equal(tiled[:1], lm_head_argmax(x[:1], weight, norm_weight=norm_weight, tiled=True))
 
 
 @pytest.mark.gpu
@@ -161,13 +182,15 @@ def test_gpu_lm_head_at_the_27b_shape():
 
 
 @pytest.mark.gpu
-def test_gpu_lm_head_argmax_sampling():
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gpu_lm_head_argmax_sampling(tiled):
     M = 4
     x, weight, norm_weight = gpu_head(M, seed=1)
     temperature = torch.tensor([0.0, 0.6, 1.0, 1.4], device="cuda")
     seed = torch.tensor([42], dtype=torch.int64, device="cuda")
     step = torch.tensor([0, 1, 2, 3], dtype=torch.int64, device="cuda")
-    ids = lm_head_argmax(x, weight, norm_weight=norm_weight, temperature=temperature, seed=seed, step=step)
+    ids = lm_head_argmax(x, weight, norm_weight=norm_weight, temperature=temperature, seed=seed, step=step,
+                         tiled=tiled)
     logits = lm_head_logits(x, weight, norm_weight=norm_weight).cpu()
     noise = gumbel_noise_reference(42, step.cpu()[:, None], torch.arange(M)[:, None], torch.arange(VOCAB)[None, :])
     t = temperature.cpu()[:, None]

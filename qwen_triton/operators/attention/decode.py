@@ -15,7 +15,8 @@ Batch-1 decode has only Hkv = 2 KV heads, far too few programs for 132 SMs, so t
      fp32 accumulator a_s. Splits past L_b (split s with s split_length >= L_b) write nothing.
   2. merge: grid (Hq, B, D / BLOCK_D). It recomputes the active split count ceil(L_b / split_length)
      from the device length and folds them in a fixed order: M = max m_s,
-     out = sum_s exp2(m_s - M) a_s / sum_s exp2(m_s - M) l_s.
+     out = sum_s exp2(m_s - M) a_s / sum_s exp2(m_s - M) l_s,
+     times sigmoid(gate) when a gate is given (Qwen3.5's output gate, otherwise a pass before the out-projection).
 The grid depends only on B, Hkv, S and D (S is chosen on the host from B, Hkv, max_length and the SM
 count), never on device data (the kernels read the slots and lengths), and the workspace is cached per shape:
 the pair is CUDA-graph capturable and allocates nothing after the first call. Summation order depends only on
@@ -141,13 +142,13 @@ def _merge_configs():
 @triton.autotune(configs=_merge_configs(), key=["HEAD_DIM", "num_splits", "split_align"], cache_results=True)
 @triton.jit
 def _decode_merge_kernel(
-    partial_acc, partial_max, partial_sum, lengths, slots, out,
+    partial_acc, partial_max, partial_sum, lengths, slots, out, gate,
     num_splits, split_align,
     stride_partial_batch, stride_partial_head, stride_partial_split,
     stride_stat_batch, stride_stat_head,
-    stride_out_batch, stride_out_head,
+    stride_out_batch, stride_out_head, stride_gate_batch,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, HAS_GATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     allow_next_kernel(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -183,9 +184,12 @@ def _decode_merge_kernel(
         acc += weight[:, None] * tile
     denominator = tl.sum(total, axis=0)
     denominator = tl.where(denominator > 0.0, denominator, 1.0)  # length 0: zeros, not NaN
-    result = tl.sum(acc, axis=0) / denominator
-    tl.store(out + batch.to(tl.int64) * stride_out_batch + head * stride_out_head + lanes,
-             result.to(out.dtype.element_ty), mask=in_head)
+    result = (tl.sum(acc, axis=0) / denominator).to(out.dtype.element_ty)
+    if HAS_GATE:  # the output gate, rounded as the projection's prologue rounds it (linear/fusion.py, prologue)
+        gate_value = tl.load(gate + batch.to(tl.int64) * stride_gate_batch + head * HEAD_DIM + lanes, mask=in_head,
+                             other=0.0).to(tl.float32)
+        result = (result.to(tl.float32) * tl.sigmoid(gate_value)).to(out.dtype.element_ty)
+    tl.store(out + batch.to(tl.int64) * stride_out_batch + head * stride_out_head + lanes, result, mask=in_head)
 
 
 _WORKSPACES: dict = {}
@@ -226,6 +230,7 @@ def attention_decode(
     slots: torch.Tensor | None = None,
     num_splits: int | None = None,
     split_align: int = DEFAULT_SPLIT_ALIGN,
+    gate: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, D] (one token of each of B sequences) over the first lengths[b] keys of cache slot
@@ -236,6 +241,9 @@ def attention_decode(
     negative slot: a padding row, zeros; None: row b is slot b). max_length (default: the cache's) is the
     longest length the call must serve; with B and the SM count it fixes the split count, unless num_splits is
     given.
+    gate [B, Hq * D] (row stride free, unit column stride): out is multiplied by sigmoid(gate) as the merge stores it,
+    rounded to q's dtype before and after, as the out-projection's gate prologue would (Qwen3.5's output gate, one
+    launch fewer).
     Returns out [B, Hq, D] in q's dtype. Host-read free: capturable in a CUDA graph after a warm-up call
     at the same shapes (the warm-up autotunes and allocates the workspace). pdl: launch both kernels with
     programmatic dependent launch (Hopper; operators/common.py).
@@ -259,7 +267,10 @@ def attention_decode(
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, device=q.device, dtype=q.dtype)
     check_tensor("out", out, shape=(batch, num_heads, head_dim), dtype=q.dtype)
-    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, lengths=lengths, slots=slots, out=out)
+    if gate is not None:
+        check_tensor("gate", gate, shape=(batch, num_heads * head_dim), dtype=q.dtype)
+    check_same_device(q=q, key_cache=key_cache, value_cache=value_cache, lengths=lengths, slots=slots, out=out,
+                      gate=gate)
     if batch == 0:
         return out
     if num_splits is None:
@@ -282,12 +293,12 @@ def attention_decode(
     )
     merge_grid = lambda meta: (num_heads, batch, triton.cdiv(head_dim, meta["BLOCK_D"]))  # noqa: E731
     _decode_merge_kernel[merge_grid](
-        partial_acc, partial_max, partial_sum, lengths, slots, out,
+        partial_acc, partial_max, partial_sum, lengths, slots, out, out if gate is None else gate,
         num_splits, split_align,
         partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2),
         partial_max.stride(0), partial_max.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HAS_SLOTS=has_slots, USE_PDL=pdl, **launch_options(pdl),
+        out.stride(0), out.stride(1), 0 if gate is None else gate.stride(0),
+        HEAD_DIM=head_dim, HAS_SLOTS=has_slots, HAS_GATE=gate is not None, USE_PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -11,6 +11,13 @@ x [M, H], W [V, H] (Qwen3.5-0.8B: V = 248320, H = 1024, bf16, tied to the embedd
    that number follows the autotuned BLOCK_V.
 Deterministic: no atomics; every reduction has a fixed order.
 
+Many rows (`tiled=True`, a decode step of 32-128 sequences): kernel 1 becomes `_lm_head_argmax_tiled_kernel`,
+grid (cdiv(V, BLOCK_V), cdiv(M, BLOCK_M)), BLOCK_M the rows' bucket up to 128: each program multiplies BLOCK_M rows of
+x against BLOCK_V rows of W on the tensor cores (the GEMM's pipelined `accumulate`), so W is read once for all the
+rows, and scores and stores its tile's (max, index) per row as above. The final norm then runs as the GEMM's
+prologue pass (gemm.apply_prologue: x normed and rounded as the logits GEMM sees it). It replaces the float32 logits
+GEMM and the sampler's pass over those logits: at 128 rows 127 MB of logits written and read again.
+
 Floor at M = 1: the 508.6 MB of weights (106 us at 4.8 TB/s), 0.51 GFLOP; the partials are
 8 bytes per tile per row (31 KB at BLOCK_V = 64) instead of 1 MB of float32 logits.
 
@@ -24,16 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tuning import active
 from ..common import (
     allow_next_kernel,
     autotune_configs,
     check_same_device,
     check_tensor,
     interpreting,
+    keep_preferred,
     launch_options,
+    preferred_entry,
     wait_for_previous_kernel,
 )
-from ..linear.fusion import accumulate_row, load_weight_tile, row_rstd
+from ..linear.fusion import accumulate, accumulate_row, load_weight_tile, row_rstd
+from ..linear.gemm import apply_prologue
 from ..sampling.noise import check_noise_keys, gumbel_noise
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -105,6 +116,72 @@ def _lm_head_argmax_kernel(
         tl.store(tiles_ptr, tl.num_programs(0))
 
 
+def _tiled_configs() -> list[triton.Config]:
+    # (BLOCK_V, BLOCK_K, warps, stages); BLOCK_M is the launch's (the rows' bucket)
+    return autotune_configs([
+        triton.Config({"BLOCK_V": block_v, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+        for block_v, block_k, warps, stages in [
+            (64, 64, 4, 4), (128, 64, 8, 4), (64, 128, 4, 4), (128, 128, 8, 3), (256, 64, 8, 3), (32, 128, 4, 4),
+        ]])
+
+
+TILED_CONFIGS = _tiled_configs()
+MIN_BLOCK_V = min(MIN_BLOCK_V, *(c.kwargs["BLOCK_V"] for c in TILED_CONFIGS))
+TILED_MAX_ROWS = 128  # BLOCK_M's largest: more rows take more row blocks
+TILED_FIELDS = ("BLOCK_V", "BLOCK_K", "num_warps", "num_stages")
+
+
+def _prune_tiled(configs, named_args, **kwargs):
+    """The tuning table's pin for the bucket of rows where it is a candidate (tuning: lm_head_tiled_by_rows)."""
+    return keep_preferred(configs, preferred_entry(active().lm_head_tiled_by_rows, named_args["M_BUCKET"],
+                                                   TILED_FIELDS))
+
+
+@triton.autotune(configs=TILED_CONFIGS, key=["M_BUCKET", "V", "K", "SAMPLE"],
+                 prune_configs_by={"early_config_prune": _prune_tiled}, cache_results=True)
+@triton.jit
+def _lm_head_argmax_tiled_kernel(
+    x_ptr, w_ptr, temperature_ptr, seed_ptr, step_ptr, value_ptr, index_ptr, tiles_ptr,
+    M, V, K, M_BUCKET, stride_xm, stride_wv, MAX_TILES,
+    SAMPLE: tl.constexpr, SEED_PER_ROW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Kernel 1 for BLOCK_M rows a program: their logits against BLOCK_V rows of W on the tensor cores, scored as
+    `_lm_head_argmax_kernel` scores them, each row's (max, lowest index of the max) stored. M_BUCKET keys the
+    autotuning only."""
+    allow_next_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    pid_v = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_mask = offs_m < M
+    v_mask = offs_v < V
+    logits, _ = accumulate(x_ptr, stride_xm, w_ptr, stride_wv, 0, offs_m, offs_v, M, V, 0, K, False,
+                           BLOCK_M, BLOCK_V, BLOCK_K)
+    score = logits
+    if SAMPLE:
+        temperature = tl.load(temperature_ptr + offs_m, mask=m_mask, other=0.0)
+        sampling = temperature > 0
+        scale = tl.where(sampling, temperature, 1.0)
+        if SEED_PER_ROW:
+            seed = tl.load(seed_ptr + offs_m, mask=m_mask, other=0)
+            stream = offs_m * 0
+        else:
+            seed = tl.load(seed_ptr + offs_m * 0)
+            stream = offs_m
+        step = tl.load(step_ptr + offs_m, mask=m_mask, other=0)
+        noise = gumbel_noise(seed[:, None], step[:, None], stream[:, None], offs_v[None, :])
+        score = tl.where(sampling[:, None], logits / scale[:, None] + noise, logits)
+    score = tl.where(v_mask[None, :], score, float("-inf"))
+    best = tl.max(score, axis=1)
+    best_index = tl.argmax(score, axis=1, tie_break_left=True) + pid_v * BLOCK_V
+    slots = offs_m * MAX_TILES + pid_v
+    tl.store(value_ptr + slots, best, mask=m_mask)
+    tl.store(index_ptr + slots, best_index.to(tl.int32), mask=m_mask)
+    if (pid_v == 0) & (tl.program_id(1) == 0):
+        tl.store(tiles_ptr, tl.num_programs(0))
+
+
 @triton.jit
 def _argmax_reduce_kernel(value_ptr, index_ptr, tiles_ptr, out_ptr, MAX_TILES, reset_ptr, kept_ptr,
                           BLOCK_T: tl.constexpr, RESET: tl.constexpr, USE_PDL: tl.constexpr):
@@ -173,6 +250,7 @@ def lm_head_argmax(
     seed: torch.Tensor | None = None,
     step: torch.Tensor | None = None,
     pdl: bool = False,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """int64 ids [M]: the argmax over the vocabulary of x [M, H] @ weight[V, H].T, lowest id on ties.
 
@@ -181,6 +259,8 @@ def lm_head_argmax(
     draw from softmax(logits / T) by the Gumbel-max trick with sampling.gumbel_noise (the same noise as
     sampling.sample for the same seed, step and row); rows with T = 0 stay greedy.
     pdl: launch both kernels with programmatic dependent launch (Hopper; operators/common.py).
+    tiled: the rows as tiles of one tensor-core product (W read once for all rows; the norm as a pass first)
+    instead of a row a program (W read once a row).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -205,6 +285,26 @@ def lm_head_argmax(
     if M == 0:
         return out
     max_tiles, values, indices, tiles = _workspace(x.device, M, V)
+    if tiled:
+        if norm_weight is not None:
+            x = apply_prologue(x, None, norm_weight, eps, pdl)
+        block_m = min(TILED_MAX_ROWS, max(16, triton.next_power_of_2(M)))
+        kernel, explicit = _lm_head_argmax_tiled_kernel, {}
+        if interpreting() and V > 4096:  # the interpreter pays per program: wide vocabulary blocks there
+            kernel = _lm_head_argmax_tiled_kernel.fn
+            explicit = dict(BLOCK_V=max(1024, triton.next_power_of_2(triton.cdiv(V, 16))), BLOCK_K=64,
+                            num_warps=4, num_stages=2)
+        kernel[lambda meta: (triton.cdiv(V, meta["BLOCK_V"]), triton.cdiv(M, block_m))](
+            x, weight, temperature if sample else x, seed if sample else x, step if sample else x,
+            values, indices, tiles,
+            M, V, K, triton.next_power_of_2(M), x.stride(0), weight.stride(0), max_tiles,
+            SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1, BLOCK_M=block_m,
+            USE_PDL=pdl, **explicit, **launch_options(pdl),
+        )
+        _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, values, values,
+                                    BLOCK_T=reduce_block(max_tiles), RESET=False,
+                                    USE_PDL=pdl, num_warps=8, **launch_options(pdl))
+        return out
     # one row per program whatever M: a row's choice does not depend on its batch
 
     def grid(meta):
