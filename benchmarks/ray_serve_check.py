@@ -19,9 +19,12 @@ in front of one replica (D175):
   carry [".whl"]:
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
       .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-      && python3 benchmarks/ray_serve_check.py --phase ray --ray-args "--replicas 1 --proxy haproxy" --concurrency 64
       && python3 benchmarks/ray_serve_check.py --phase single --concurrency 64
-(the phases in either order: the second writes compare.json where it finds the first's JSON in --keep).
+      && python3 benchmarks/ray_serve_check.py --phase ray --ray-args "--replicas 1 --proxy haproxy" --concurrency 64
+      ; cp /tmp/ray_serve_check/*/server.log files under $OUT to read a start that failed
+(the phases in either order: the second writes compare.json where it finds the first's JSON in --keep; the single
+phase first, because its cold start fills the Triton cache that the replica's start then loads from: on a fresh
+H100 the Ray phase run first did not serve within 200 s, twice, while the single server after it started in 65 s).
 """
 
 from __future__ import annotations
