@@ -24,7 +24,7 @@ in front of one replica (D175):
       ; cp /tmp/ray_serve_check/*/server.log files under $OUT to read a start that failed
 (the phases in either order: the second writes compare.json where it finds the first's JSON in --keep; the single
 phase first, because its cold start fills the Triton cache that the replica's start then loads from: on a fresh
-H100 the Ray phase run first did not serve within 200 s, twice, while the single server after it started in 65 s).
+H100 the Ray phase run first did not serve within 200 s, and the single server after it started in 65 s).
 """
 
 from __future__ import annotations
