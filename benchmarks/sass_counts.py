@@ -15,6 +15,7 @@ GPU.
         [--constant NAME=VALUE]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py gemm-epilogues [--variant "in-projection folded" --sequence]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py resident [--sequence]
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py argmax-tiled
 
 gemm-epilogues: the GEMM's code with and without the folded norm's epilogues, for the tiles a prefill of 4096
 tokens runs (TMA loads, 8 warps, 3 stages): the DeltaNet in-projection (128 x 128, with and without the folded
@@ -25,6 +26,10 @@ runs it); with --variant NAME --sequence that variant's PTX operations in order.
 
 resident: the resident-weights GEMM's code for the 0.8B's projections with the engine's configs (the CPU test
 `tests/operators/test_resident_gemm.py::test_resident_gemm_compiles_for_hopper_without_spills` runs it).
+
+argmax-tiled: the tiled LM head's kernel (lm_head/argmax.py) at the 0.8B's head with the tuning table's pin of each
+bucket of rows, greedy and sampling (the CPU test `tests/operators/test_lm_head.py::test_tiled_head_compiles_for_hopper`
+runs it).
 
 --sequence prints the PTX's shared-memory, tensor-core, barrier and global-memory operations in program order (runs
 of one operation collapsed to `op xN`): what a loop's step waits on. --constant NAME=VALUE sets a constexpr of the
@@ -197,6 +202,30 @@ def resident(sequence: bool) -> None:
     print(json.dumps(results))
 
 
+def argmax_tiled() -> None:
+    """The tiled LM head's counts (lm_head/argmax.py, `_lm_head_argmax_tiled_kernel`) for each bucket of rows of the
+    tuning table's pins (tuning/h200.py, lm_head_tiled_by_rows), greedy and sampling, as one line of JSON."""
+    import json
+
+    from qwen_triton.operators.common import preferred_entry
+    from qwen_triton.operators.lm_head import argmax
+    from qwen_triton.tuning import H200
+
+    types = {"temperature_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64", "value_ptr": "*fp32",
+             "index_ptr": "*i32", "tiles_ptr": "*i32", **{n: "i32" for n in ("M", "V", "K", "M_BUCKET", "MAX_TILES")}}
+    results = {}
+    for rows in (16, 32, 64, 128):
+        pin = preferred_entry(H200.lm_head_tiled_by_rows, rows, argmax.TILED_FIELDS)
+        for sample in (False, True):
+            constants = dict(SAMPLE=sample, SEED_PER_ROW=False, BLOCK_M=rows, BLOCK_V=pin["BLOCK_V"],
+                             BLOCK_K=pin["BLOCK_K"], USE_PDL=True)
+            counts = compile_counts(argmax._lm_head_argmax_tiled_kernel.fn, constants, pin["num_warps"],
+                                    pin["num_stages"], types=types)
+            results[f"{rows} rows" + (", sampling" if sample else "")] = {
+                key: counts[key] for key in ("registers", "stack_bytes", "shared_bytes", "tensor_core")}
+    print(json.dumps(results))
+
+
 RESIDENT_VARIANTS = (  # name, K, SwiGLU pair, residual (+ the sums of squares), folded norm
     ("in-projection", 1024, False, False, True),
     ("gate/up", 1024, True, False, True),
@@ -208,7 +237,7 @@ RESIDENT_VARIANTS = (  # name, K, SwiGLU pair, residual (+ the sums of squares),
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output", "gemm-epilogues",
-                                           "resident"])
+                                           "resident", "argmax-tiled"])
     parser.add_argument("--variant", choices=[variant[0] for variant in GEMM_VARIANTS],
                         help="gemm-epilogues: this variant alone")
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
@@ -225,6 +254,9 @@ def main() -> None:
         return
     if args.kernel == "resident":
         resident(args.sequence)
+        return
+    if args.kernel == "argmax-tiled":
+        argmax_tiled()
         return
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",

@@ -64,6 +64,33 @@ CONFIGS = _configs()
 MIN_BLOCK_V = min(c.kwargs["BLOCK_V"] for c in CONFIGS)
 
 
+@triton.jit
+def store_tile_best(logits, offs_m, m_mask, offs_v, v_mask, pid_v, temperature_ptr, seed_ptr, step_ptr, value_ptr,
+                    index_ptr, MAX_TILES, SAMPLE: tl.constexpr, SEED_PER_ROW: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Kernel 1's epilogue: a tile's logits [rows, BLOCK_V] scored (the logit, or with SAMPLE logit / T + Gumbel
+    noise for rows at T > 0), each row's (max, lowest index of the max) stored at its tile's slot."""
+    score = logits
+    if SAMPLE:
+        temperature = tl.load(temperature_ptr + offs_m, mask=m_mask, other=0.0)
+        sampling = temperature > 0
+        scale = tl.where(sampling, temperature, 1.0)
+        if SEED_PER_ROW:
+            seed = tl.load(seed_ptr + offs_m, mask=m_mask, other=0)
+            stream = offs_m * 0
+        else:
+            seed = tl.load(seed_ptr + offs_m * 0)
+            stream = offs_m
+        step = tl.load(step_ptr + offs_m, mask=m_mask, other=0)
+        noise = gumbel_noise(seed[:, None], step[:, None], stream[:, None], offs_v[None, :])
+        score = tl.where(sampling[:, None], logits / scale[:, None] + noise, logits)
+    score = tl.where(v_mask[None, :], score, float("-inf"))
+    best = tl.max(score, axis=1)
+    best_index = tl.argmax(score, axis=1, tie_break_left=True) + pid_v * BLOCK_V
+    slots = offs_m * MAX_TILES + pid_v
+    tl.store(value_ptr + slots, best, mask=m_mask)
+    tl.store(index_ptr + slots, best_index.to(tl.int32), mask=m_mask)
+
+
 @triton.autotune(configs=CONFIGS, key=["V", "K", "HAS_NORM", "SAMPLE"], cache_results=True)
 @triton.jit
 def _lm_head_argmax_kernel(
@@ -92,26 +119,8 @@ def _lm_head_argmax_kernel(
         x_ptr, row.to(tl.int64) * stride_xm, w_ptr, w_rows, 0, v_mask, x_ptr, 0, norm_ptr, rstd,
         offs_m, K, 0, K, w, w, False, False, HAS_NORM, BLOCK_V, BLOCK_K, "",
     )
-    score = logits
-    if SAMPLE:
-        temperature = tl.load(temperature_ptr + offs_m, mask=m_mask, other=0.0)
-        sampling = temperature > 0
-        scale = tl.where(sampling, temperature, 1.0)
-        if SEED_PER_ROW:
-            seed = tl.load(seed_ptr + offs_m, mask=m_mask, other=0)
-            stream = offs_m * 0
-        else:
-            seed = tl.load(seed_ptr + offs_m * 0)
-            stream = offs_m
-        step = tl.load(step_ptr + offs_m, mask=m_mask, other=0)
-        noise = gumbel_noise(seed[:, None], step[:, None], stream[:, None], offs_v[None, :])
-        score = tl.where(sampling[:, None], logits / scale[:, None] + noise, logits)
-    score = tl.where(v_mask[None, :], score, float("-inf"))
-    best = tl.max(score, axis=1)
-    best_index = tl.argmax(score, axis=1, tie_break_left=True) + pid_v * BLOCK_V
-    slots = offs_m * MAX_TILES + pid_v
-    tl.store(value_ptr + slots, best, mask=m_mask)
-    tl.store(index_ptr + slots, best_index.to(tl.int32), mask=m_mask)
+    store_tile_best(logits, offs_m, m_mask, offs_v, v_mask, pid_v, temperature_ptr, seed_ptr, step_ptr, value_ptr,
+                    index_ptr, MAX_TILES, SAMPLE, SEED_PER_ROW, BLOCK_V)
     if (pid_v == 0) & (row == 0):
         tl.store(tiles_ptr, tl.num_programs(0))
 
@@ -158,26 +167,8 @@ def _lm_head_argmax_tiled_kernel(
     v_mask = offs_v < V
     logits, _ = accumulate(x_ptr, stride_xm, w_ptr, stride_wv, 0, offs_m, offs_v, M, V, 0, K, False,
                            BLOCK_M, BLOCK_V, BLOCK_K)
-    score = logits
-    if SAMPLE:
-        temperature = tl.load(temperature_ptr + offs_m, mask=m_mask, other=0.0)
-        sampling = temperature > 0
-        scale = tl.where(sampling, temperature, 1.0)
-        if SEED_PER_ROW:
-            seed = tl.load(seed_ptr + offs_m, mask=m_mask, other=0)
-            stream = offs_m * 0
-        else:
-            seed = tl.load(seed_ptr + offs_m * 0)
-            stream = offs_m
-        step = tl.load(step_ptr + offs_m, mask=m_mask, other=0)
-        noise = gumbel_noise(seed[:, None], step[:, None], stream[:, None], offs_v[None, :])
-        score = tl.where(sampling[:, None], logits / scale[:, None] + noise, logits)
-    score = tl.where(v_mask[None, :], score, float("-inf"))
-    best = tl.max(score, axis=1)
-    best_index = tl.argmax(score, axis=1, tie_break_left=True) + pid_v * BLOCK_V
-    slots = offs_m * MAX_TILES + pid_v
-    tl.store(value_ptr + slots, best, mask=m_mask)
-    tl.store(index_ptr + slots, best_index.to(tl.int32), mask=m_mask)
+    store_tile_best(logits, offs_m, m_mask, offs_v, v_mask, pid_v, temperature_ptr, seed_ptr, step_ptr, value_ptr,
+                    index_ptr, MAX_TILES, SAMPLE, SEED_PER_ROW, BLOCK_V)
     if (pid_v == 0) & (tl.program_id(1) == 0):
         tl.store(tiles_ptr, tl.num_programs(0))
 
