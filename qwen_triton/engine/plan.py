@@ -315,7 +315,7 @@ _DELTA_KERNELS = {
 }
 _HEAD_KERNELS = {
     HEAD_SCREENED: "lm_head.screened (int8 screen, exact check)",
-    HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel (tiled past one row) + _argmax_reduce_kernel",
+    HEAD_ARGMAX: "lm_head.argmax:_lm_head_argmax_kernel + _argmax_reduce_kernel",
     HEAD_SCREENED_TOP_K: "lm_head.screened_top_k (int8 screen, exact check; penalties in it)",
     HEAD_LOGITS: "lm_head logits (linear.gemm:_gemm_kernel past one row; + penalties), then the sampler",
 }
@@ -355,6 +355,10 @@ def triton_bucket(tokens: int) -> int:
     return size
 
 
+def _argmax_kernel(plan: Plan, rows: int) -> str:
+    return "_lm_head_argmax_tiled_kernel" if plan.argmax_tiled(rows) else "_lm_head_argmax_kernel"
+
+
 def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
     tail = plan.decode_tail(rows)
     head = plan.decode_lm_head(rows, "greedy")
@@ -366,15 +370,19 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
     return {
         "attention in-projection": projection + (" (norm in the prologue)" if gemv else " (norm folded)"),
         "q/k norm + rotary": "attention.qk_norm_rotary:_qk_norm_rotary_kernel",
-        "attention": "attention.decode:_decode_split_kernel + _decode_merge_kernel",
+        "attention": "attention.decode:_decode_split_kernel + _decode_merge_kernel"
+        + (" (the output gate in the merge)" if tail == TAIL_LINEAR else ""),
         "deltanet layer": _DELTA_KERNELS[plan.decode_delta(rows)].replace("linear.gemv:_gemv_kernel", projection),
         "out-projection + MLP": _TAIL_KERNELS[tail] if tail != TAIL_LINEAR or gemv else projection + " x3",
-        "LM head (greedy)": _HEAD_KERNELS[head] + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED
-                                                              else plan.lm_head_pdl) else ""),
+        "LM head (greedy)": _HEAD_KERNELS[head].replace("_lm_head_argmax_kernel", _argmax_kernel(plan, rows))
+        + (", PDL" if (plan.screened_lm_head_pdl if head == HEAD_SCREENED else plan.lm_head_pdl) else ""),
         "LM head (top-k <= 64; penalties)": _HEAD_KERNELS[top_k_head] + (
             ", PDL" if top_k_head == HEAD_SCREENED_TOP_K and plan.screened_lm_head_pdl else "")
         + " + sampling.sample:_top_k_kernel, _draw_kernel",
-        "LM head (temperature / top-p)": "lm_head.argmax (Gumbel-max) / lm_head logits + sampling.sample",
+        "LM head (temperature / top-p)": (f"lm_head.argmax:{_argmax_kernel(plan, rows)} (Gumbel-max)"
+                                          if plan.decode_lm_head(rows, "temperature") == HEAD_GUMBEL
+                                          else "lm_head logits + sampling.sample")
+        + " / lm_head logits + sampling.sample",
         "LM head (min-p / penalties)": "lm_head logits + sampling.sample (stats + draw; the search for top-k, top-p) "
                                        "/ + sampling.penalties:_penalties_kernel before it, _count_kernel after",
         "PDL": "yes" if plan.pdl else "no",

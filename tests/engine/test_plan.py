@@ -85,6 +85,18 @@ def test_the_resident_gemm_serves_the_buckets_past_the_gemv_up_to_its_rows():
     assert lines and "resident_gemm:_resident_kernel" in lines[0] and "gemm:_gemm_kernel" in lines[0]
 
 
+def test_the_printed_plan_names_the_tiled_head_and_the_gated_merge():
+    described = resolve_plan(CONFIG, H200).describe(CONFIG, decode_rows=(1, 32), prefill_tokens=(16,))
+    decode_table = described.split("| decode rows (bucket) |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in decode_table.splitlines()
+            if line.startswith("| ")}
+    assert "_lm_head_argmax_tiled_kernel" not in rows["LM head (greedy)"][0]
+    assert "_lm_head_argmax_tiled_kernel" in rows["LM head (greedy)"][1]
+    assert "_lm_head_argmax_kernel (Gumbel-max)" in rows["LM head (temperature / top-p)"][0]
+    assert "_lm_head_argmax_tiled_kernel (Gumbel-max)" in rows["LM head (temperature / top-p)"][1]
+    assert "output gate in the merge" not in rows["attention"][0] and "output gate in the merge" in rows["attention"][1]
+
+
 def test_options_turn_variants_off():
     plan = resolve_plan(CONFIG, H200, Options(out_projection_mlp=False, screened_lm_head=False, pdl=False,
                                               fold_norms=False))
