@@ -276,44 +276,27 @@ def lm_head_argmax(
     if M == 0:
         return out
     max_tiles, values, indices, tiles = _workspace(x.device, M, V)
-    if tiled:
+    noise_keys = (temperature, seed, step) if sample else (x, x, x)
+    options = dict(SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1, USE_PDL=pdl,
+                   **launch_options(pdl))
+    kernel = _lm_head_argmax_tiled_kernel if tiled else _lm_head_argmax_kernel
+    if interpreting() and V > 4096:
+        # the interpreter pays per program: wide vocabulary blocks there (at most 16 programs a row block)
+        kernel = kernel.fn
+        options.update(BLOCK_V=max(1024, triton.next_power_of_2(triton.cdiv(V, 16))), BLOCK_K=64)
+    if tiled:  # the rows in blocks of their bucket (up to TILED_MAX_ROWS), the final norm as a pass first
         if norm_weight is not None:
             x = apply_prologue(x, None, norm_weight, eps, pdl)
         block_m = min(TILED_MAX_ROWS, max(16, triton.next_power_of_2(M)))
-        kernel, explicit = _lm_head_argmax_tiled_kernel, {}
-        if interpreting() and V > 4096:  # the interpreter pays per program: wide vocabulary blocks there
-            kernel = _lm_head_argmax_tiled_kernel.fn
-            explicit = dict(BLOCK_V=max(1024, triton.next_power_of_2(triton.cdiv(V, 16))), BLOCK_K=64,
-                            num_warps=4, num_stages=2)
         kernel[lambda meta: (triton.cdiv(V, meta["BLOCK_V"]), triton.cdiv(M, block_m))](
-            x, weight, temperature if sample else x, seed if sample else x, step if sample else x,
-            values, indices, tiles,
-            M, V, K, triton.next_power_of_2(M), x.stride(0), weight.stride(0), max_tiles,
-            SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1, BLOCK_M=block_m,
-            USE_PDL=pdl, **explicit, **launch_options(pdl),
+            x, weight, *noise_keys, values, indices, tiles,
+            M, V, K, triton.next_power_of_2(M), x.stride(0), weight.stride(0), max_tiles, BLOCK_M=block_m, **options,
         )
-        _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, values, values,
-                                    BLOCK_T=reduce_block(max_tiles), RESET=False,
-                                    USE_PDL=pdl, num_warps=8, **launch_options(pdl))
-        return out
-    # one row per program whatever M: a row's choice does not depend on its batch
-
-    def grid(meta):
-        return (triton.cdiv(V, meta["BLOCK_V"]), M)
-
-    kernel, explicit = _lm_head_argmax_kernel, {}
-    if interpreting() and V > 4096:
-        # the interpreter pays per program: wide vocabulary blocks there (at most 16 programs a row)
-        kernel = _lm_head_argmax_kernel.fn
-        explicit = dict(BLOCK_V=max(1024, triton.next_power_of_2(triton.cdiv(V, 16))), BLOCK_K=64)
-    kernel[grid](
-        x, weight, x if norm_weight is None else norm_weight,
-        temperature if sample else x, seed if sample else x, step if sample else x,
-        values, indices, tiles,
-        M, V, K, x.stride(0), weight.stride(0), eps, max_tiles,
-        HAS_NORM=norm_weight is not None, SAMPLE=sample, SEED_PER_ROW=sample and seed.shape[0] == M and M > 1,
-        USE_PDL=pdl, **explicit, **launch_options(pdl),
-    )
+    else:  # one row per program whatever M: a row's choice does not depend on its batch
+        kernel[lambda meta: (triton.cdiv(V, meta["BLOCK_V"]), M)](
+            x, weight, x if norm_weight is None else norm_weight, *noise_keys, values, indices, tiles,
+            M, V, K, x.stride(0), weight.stride(0), eps, max_tiles, HAS_NORM=norm_weight is not None, **options,
+        )
     _argmax_reduce_kernel[(M,)](values, indices, tiles, out, max_tiles, values, values,
                                 BLOCK_T=reduce_block(max_tiles), RESET=False,
                                 USE_PDL=pdl, num_warps=8, **launch_options(pdl))
