@@ -11,7 +11,7 @@ measured in the same run. A decode step runs each K's projections with one confi
 warps, stages) over the step's projections of each K.
 
     python3 benchmarks/decode_gemm_sweep.py [--preset 0.8b|4b|9b|27b] [--rows 2,16,64,128] [--out decode-gemm.json]
-        [--resident]
+        [--resident] [--wide]
 
 --resident times the resident-weights GEMM (linear/resident_gemm.py) instead: its default config (`resident`) and
 each of RESIDENT_CANDIDATES, against the tiled GEMM's pick (`engine`).
@@ -64,6 +64,13 @@ DECODE_CANDIDATES = [
     (32, 128, 8, 4, 4), (16, 128, 8, 4, 4), (64, 64, 8, 4, 4), (32, 64, 8, 4, 4),
     # wider tiles and longer splits, for the larger sizes' K of 2,560-12,288
     (128, 64, 1, 4, 4), (64, 256, 2, 4, 3), (64, 128, 8, 4, 3),
+]
+# --wide adds these: 8 warps, wider tiles, for steps of 32-128 rows (a program then covers more of the bucket's rows
+# and columns, so that x and the weights cross from L2 fewer times)
+WIDE_CANDIDATES = [
+    (64, 64, 1, 8, 4), (64, 128, 1, 8, 3), (128, 64, 1, 8, 3), (128, 128, 1, 8, 3), (256, 64, 1, 8, 3),
+    (64, 128, 2, 8, 3), (128, 64, 2, 8, 3), (128, 128, 2, 8, 3), (64, 128, 4, 8, 3), (128, 64, 4, 8, 3),
+    (64, 64, 2, 8, 4), (64, 64, 4, 8, 4), (128, 128, 4, 8, 3),
 ]
 
 
@@ -132,7 +139,7 @@ def sweep_resident(name, weight_rows, K, fusions, M, hbm, record):
     torch.cuda.empty_cache()
 
 
-def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1)):
+def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1), wide=False):
     """Time the engine's pick and each candidate (with part=(i, n), n > 1: only compile every n-th candidate from
     the i-th, into Triton's cache, for a timing run after)."""
     compile_only = part[1] > 1
@@ -150,7 +157,7 @@ def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1))
                     floor_us=floor_us))
     bucket = triton.next_power_of_2(M)
     candidates = [(block_m, *c) for block_m in sorted({max(16, bucket), min(max(16, bucket), 64)})
-                  for c in DECODE_CANDIDATES]
+                  for c in DECODE_CANDIDATES + (WIDE_CANDIDATES if wide else [])]
     for index, (block_m, block_n, block_k, split_k, warps, stages) in enumerate(candidates):
         if (split_k > 1 and K // split_k < block_k or index % part[1] != part[0]
                 or "residual" in fusions and block_n < SQUARES_COLUMNS):  # the sums of squares need whole groups
@@ -178,6 +185,7 @@ def main() -> None:
     parser.add_argument("--rows", default="2,16,64,128")
     parser.add_argument("--out")
     parser.add_argument("--resident", action="store_true", help="the resident-weights GEMM's configs")
+    parser.add_argument("--wide", action="store_true", help="WIDE_CANDIDATES too (8 warps, wider tiles)")
     parser.add_argument("--compile-part", default="0/1", help="i/n: only compile every n-th config from the i-th")
     args = parser.parse_args()
     part = tuple(int(v) for v in args.compile_part.split("/"))
@@ -199,7 +207,7 @@ def main() -> None:
             if args.resident:
                 sweep_resident(name, weight_rows, K, fusions, M, hbm, record)
             else:
-                sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part)
+                sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part, args.wide)
         print(f"M={M} swept at {time.perf_counter() - started:.0f} s", flush=True)
     if part[1] > 1:
         return

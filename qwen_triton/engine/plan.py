@@ -101,6 +101,9 @@ class Options:
     # Gumbel-max) inside a tiled LM head (lm_head/argmax.py, tiled=True: the head read once for all rows, no logits);
     # False: the float32 logits, then the sampler's pass over them
     tiled_argmax_head: bool = True
+    # a decode step's tiled GEMMs take their bucket's own pick where the tuning table has one (gemm_decode_by_rows);
+    # not with batch_invariant, whose buckets share one pick per K
+    bucket_gemm_picks: bool = True
     pdl: bool | None = None  # programmatic dependent launch (None: where the device has it)
     fold_norms: bool | None = None  # the pre-projection norms' (1 + w) folded into the weights (None: yes)
     # the decode attention's one autotuning pick made over the whole cache (TritonModel._tune_decode_attention)
@@ -148,6 +151,7 @@ class Plan:
     projected_delta: bool  # a one-row decode's DeltaNet layer is the projected step
     screened_rows: int  # greedy and top-k decode buckets of up to this many rows use the screened heads (0: none)
     tiled_argmax_head: bool  # greedy / temperature buckets past those heads take the tiled argmax head
+    bucket_gemm_picks: bool  # a decode step's tiled GEMMs take their bucket's own pick (gemm(bucket_picks=True))
     lm_head_pdl: bool
     screened_lm_head_pdl: bool
     prefill_pdl_tokens: int  # prefills of up to this many tokens launch with PDL (0: none)
@@ -290,6 +294,7 @@ def resolve_plan(config: ModelConfig, device: DeviceProperties, options: Options
         projected_delta=projected,
         screened_rows=tuning.screened_rows if options.screened_lm_head and screened_head_fits(config) else 0,
         tiled_argmax_head=options.tiled_argmax_head,
+        bucket_gemm_picks=options.bucket_gemm_picks and not options.batch_invariant,
         lm_head_pdl=pdl and _given(options.lm_head_pdl, tuning.lm_head_pdl),
         screened_lm_head_pdl=pdl and _given(options.screened_lm_head_pdl, tuning.screened_lm_head_pdl),
         prefill_pdl_tokens=_given(options.prefill_pdl_tokens, tuning.prefill_pdl_tokens) if pdl else 0,
@@ -366,6 +371,8 @@ def _decode_rows(plan: Plan, rows: int) -> dict[str, str]:
     projection = "linear.gemv:_gemv_kernel" if gemv else "linear.gemm:_gemm_kernel"
     if not gemv and rows <= plan.resident_rows:
         projection = "linear.resident_gemm:_resident_kernel"
+    elif not gemv and plan.bucket_gemm_picks and rows in dict(plan.tuning.gemm_decode_by_rows or ()):
+        projection += " (the bucket's own picks)"
     top_k_head = plan.decode_lm_head(rows, "penalized-top-k")
     return {
         "attention in-projection": projection + (" (norm in the prologue)" if gemv else " (norm folded)"),

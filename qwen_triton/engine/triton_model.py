@@ -187,10 +187,11 @@ class TritonModel:
         keeps the tiled GEMM at any length: a prompt then gets the same bits alone (its own rows) as in a packed
         pass (the rows of its token bucket)."""
         rows = x.shape[0]
-        resident = step.buffers is not None and self.plan.gemv_rows < rows <= self.plan.resident_rows
+        decode = step.buffers is not None
+        resident = decode and self.plan.gemv_rows < rows <= self.plan.resident_rows
         with self._traced(kind, layer, costs.linear, x, weight, **options):
             return linear(x, weight, out=out, split_k=self.plan.split_k, pdl=step.pdl, gemv=rows <= self.plan.gemv_rows,
-                          resident=resident, **options)
+                          resident=resident, bucket_picks=decode and self.plan.bucket_gemm_picks, **options)
 
     # ---- the layers, shared by prefill and decode ------------------------------------------------
     def _norm(self, norm_weight, squares) -> dict:

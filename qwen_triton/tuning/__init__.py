@@ -81,6 +81,11 @@ class Tuning:
     # lm_head.argmax's tiled kernel (a decode step's argmax and Gumbel heads past one row): (BLOCK_V, BLOCK_K,
     # num_warps, num_stages) by the largest bucket of rows served (None: autotune, some 4 s a key)
     lm_head_tiled_by_rows: tuple | None = None
+    # linear.gemm in a decode step whose rows need not match their bits at other batch sizes (not batch_invariant):
+    # ((bucket of rows, ((largest K served, (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)), ...)),
+    # ...), where a bucket's own pick beats gemm_decode_by_k's one pick for every bucket (None or a bucket not
+    # listed: gemm_decode_by_k)
+    gemm_decode_by_rows: tuple | None = None
 
 
 def without_picks(table: Tuning, name: str = "default") -> Tuning:
@@ -88,7 +93,7 @@ def without_picks(table: Tuning, name: str = "default") -> Tuning:
     return dataclasses.replace(table, name=name, gemv_by_k=None, gemm_by_k=None, gemm_decode_by_k=None, gemm_long_by_n=None,
                                gemm_medium_by_n=None, conv_prefill_pick=None, conv_long_prefill_pick=None,
                                qk_long_rows_pick=None, chunk_short_prompt_picks={}, chunk_long_prompt_picks={},
-                               lm_head_tiled_by_rows=None)
+                               lm_head_tiled_by_rows=None, gemm_decode_by_rows=None)
 
 
 from .h200 import TABLE as H200  # noqa: E402  (h200.py imports Tuning from here)

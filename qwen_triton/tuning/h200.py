@@ -29,6 +29,15 @@ GEMM_BY_K = ((1024, (64, 64, 64, 1)), (None, (64, 64, 128, 4)))  # (BLOCK_M, BLO
 # --preset 4b --rows 1,16 on the H100; docs/decisions.md, D168).
 GEMM_DECODE_BY_K = ((1024, (64, 128, 1, 4, 4)), (2048, (32, 256, 2, 4, 3)), (2560, (32, 128, 1, 4, 4)),
                     (None, (32, 128, 4, 4, 4)))
+# A decode step of 64 rows where a row's bits may depend on its batch (not batch_invariant): the bucket's own picks,
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) by K. K = 1024 32 x 128 tiles, one a program; 2048 and
+# 3584 32 x 256 tiles, K split in four; the 4B's 2560 restated from GEMM_DECODE_BY_K, so that no K of another size
+# takes a 0.8B pick (K past 3584: GEMM_DECODE_BY_K). The 0.8B at context 128 on the H100, a step of 64 rows 2,252.0
+# against 2,308.2 us with the one pick per K (three alternating rounds). The same search at 32 and 128 rows, 8-warp
+# and 128-row tiles among the candidates, gained nothing end to end (benchmarks/decode_gemm_sweep.py --wide, then
+# batched_decode.py --bucket-picks; docs/decisions.md, D180).
+GEMM_DECODE_BY_ROWS = ((64, ((1024, (64, 32, 128, 1, 4, 4)), (2048, (64, 32, 256, 4, 4, 3)),
+                             (2560, (64, 32, 128, 1, 4, 4)), (3584, (64, 32, 256, 4, 4, 3)))),)
 # Prompts of gemm_long_prompt_rows tokens or more: the configs fastest in the same setting at M = 4096
 # (benchmarks/gemm_sweep.py, commit 23ea421; docs/decisions.md, D58): 128 x 256
 # tiles for the N = 1024 projections (out-projections, down: 33.1 and 53.7 us), 128 x 128 for the wide ones
@@ -136,6 +145,7 @@ TABLE = Tuning(
     # 64; the rest is one pick per K for every bucket, so that a row's result does not depend on how many rows
     # share its step (batch invariance)
     gemm_decode_by_k=GEMM_DECODE_BY_K,
+    gemm_decode_by_rows=GEMM_DECODE_BY_ROWS,
     gemm_long_by_n=GEMM_LONG_BY_N,
     gemm_medium_by_n=GEMM_MEDIUM_BY_N,
     gemm_long_prompt_rows=4096,

@@ -43,6 +43,13 @@ def test_the_h200_plan_of_the_0_8b_model():
     assert not plan.lm_head_pdl and plan.screened_lm_head_pdl
     assert plan.prefill_pdl(256) and not plan.prefill_pdl(257)
     assert not plan.prefill_folded_norm(1) and plan.prefill_folded_norm(2)
+    # the 64-row bucket's own GEMM picks (the table's gemm_decode_by_rows), not with batch_invariant or without the
+    # option
+    assert plan.bucket_gemm_picks and 64 in dict(plan.tuning.gemm_decode_by_rows)
+    assert not resolve_plan(CONFIG, H200, Options(batch_invariant=True)).bucket_gemm_picks
+    assert not resolve_plan(CONFIG, H200, Options(bucket_gemm_picks=False)).bucket_gemm_picks
+    assert "(the bucket's own picks)" in plans._decode_rows(plan, 64)["attention in-projection"]
+    assert "own picks" not in plans._decode_rows(plan, 128)["attention in-projection"]
 
 
 def test_without_batched_projections_several_rows_run_the_gemv():

@@ -484,6 +484,45 @@ def test_gpu_decode_rows_through_the_gemm_are_batch_invariant(name, rows, K, opt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+def test_gpu_decode_rows_with_the_tables_bucket_picks(monkeypatch, name, rows, K, options):
+    """A decode step of 64 rows through the tuning table's picks for that bucket (gemm_decode_by_rows), in bf16: as
+    accurate as the one pick per K, the same bits from call to call."""
+    from qwen_triton.operators.linear import gemm
+
+    x, weight, kwargs = gpu_inputs(64, rows, K, options, seed=17)
+    ref = reference(x, weight, **kwargs)
+    assert gemm.bucket_pick(64, K, int("swiglu" in options), "residual" in options, x) is not None
+    _one_pick_per_k_refused(monkeypatch)
+    out = linear(x.clone(), weight, gemv=False, bucket_picks=True, **kwargs)
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    assert torch.equal(linear(x.clone(), weight, gemv=False, bucket_picks=True, **kwargs), out)
+
+
+# a decode bucket's own picks (gemm(bucket_picks=True)): (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages),
+# the wider tiles of benchmarks/decode_gemm_sweep.py --wide among them
+BUCKET_PICKS = [(128, 64, 128, 1, 8, 3), (128, 128, 64, 2, 8, 3), (64, 128, 128, 4, 8, 3), (128, 64, 128, 4, 8, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pick", BUCKET_PICKS, ids=[str(p) for p in BUCKET_PICKS])
+@pytest.mark.parametrize("name, rows, K, options", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+def test_gpu_decode_bucket_picks(monkeypatch, name, rows, K, options, pick):
+    """A 128-row decode bucket's own pick, in bf16 on the tensor cores: as accurate as the one pick per K, and the
+    same bits from call to call (split-K reduced in a fixed order). A pick the shape cannot take falls back."""
+    from qwen_triton.operators.linear import gemm
+
+    monkeypatch.setattr(gemm, "PREFERRED_DECODE_BY_ROWS", {128: ((None, pick),)})
+    x, weight, kwargs = gpu_inputs(128, rows, K, options, seed=13)
+    ref = reference(x, weight, **kwargs)
+    if gemm.bucket_pick(128, K, int("swiglu" in options), False, x) is not None:
+        _one_pick_per_k_refused(monkeypatch)  # the pick itself runs, whatever QWEN_TRITON_AUTOTUNE says
+    out = linear(x.clone(), weight, gemv=False, bucket_picks=True, **kwargs)
+    assert relative_norm_error(out, ref) < GPU_BOUND
+    assert torch.equal(linear(x.clone(), weight, gemv=False, bucket_picks=True, **kwargs), out)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name, rows, K, options, M", [
     ("mlp_gate_up", 7168, HIDDEN, ("norm", "swiglu"), 4096),
     ("mlp_down", HIDDEN, 3584, ("residual",), 4096),
@@ -844,3 +883,61 @@ def test_prefill_gemm_keeps_the_in_graph_winner_for_medium_prompts_on_tma():
     assert kept(1024, 8224) == [(128, 128)]  # in-projections, gate/up
     assert kept(1024, 1024, tma=False) == [(64, 128), (128, 128), (128, 64)]
     assert kept(2048, 1024) == [(64, 128), (128, 128), (128, 64)]
+
+
+def test_decode_bucket_takes_its_own_pick_where_the_table_has_one(monkeypatch):
+    """gemm(bucket_picks=True) in a bucket of gemm_decode_by_rows: that bucket's pick for its K, where the shape
+    takes it; otherwise none (the one pick per K serves)."""
+    from qwen_triton.operators.linear import gemm
+
+    monkeypatch.setattr(gemm, "PREFERRED_DECODE_BY_ROWS", {128: ((1024, (128, 128, 64, 1, 4, 3)),
+                                                                 (2048, (64, 16, 256, 4, 8, 3)),
+                                                                 (3584, (64, 32, 256, 64, 8, 3)))})
+
+    def pick(bucket, K, activation=0, write_squares=False):
+        settings = gemm.bucket_pick(bucket, K, activation, write_squares)
+        return settings and tuple(settings[name] for name in gemm.BUCKET_FIELDS)
+
+    assert pick(128, 1024) == (128, 128, 64, 1, 4, 3)
+    assert pick(128, 1000) == (128, 128, 64, 1, 4, 3)  # the first entry that serves K
+    assert pick(64, 1024) is None  # a bucket without its own picks
+    assert pick(128, 4096) is None  # a K the bucket's picks do not serve
+    assert pick(128, 3584) is None  # 64 splits: more than the workspace holds
+    assert pick(128, 1024, activation=1) is None  # two 128 x 128 accumulators: 4 warps too few
+    assert pick(128, 2048) == (64, 16, 256, 4, 8, 3)
+    assert pick(128, 2048, write_squares=True) is None  # 16 columns: no sums of squares
+
+
+def _one_pick_per_k_refused(monkeypatch):
+    """The autotuned launchers made to fail: a call that runs must have taken a bucket's own pick."""
+    from qwen_triton.operators.linear import gemm
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the one pick per K ran, not the bucket's own")
+
+    monkeypatch.setattr(gemm, "_gemm_split", type("Refused", (), {"__getitem__": refused})())
+
+
+@pytest.mark.parametrize("options", [("norm", "swiglu"), ("residual",)])
+def test_gemm_bucket_pick_matches_the_reference(device, monkeypatch, options):
+    """A decode bucket's own pick runs (32 rows, K split in two) and agrees with the reference."""
+    from qwen_triton.operators.linear import gemm
+
+    monkeypatch.setattr(gemm, "PREFERRED_DECODE_BY_ROWS", {32: ((None, (32, 32, 32, 2, 4, 2)),)})
+    x, weight, kwargs = inputs(20, 100, 70, torch.float16, device, options, seed=3)
+    ref = reference(x, weight, **kwargs)
+    _one_pick_per_k_refused(monkeypatch)
+    assert_close(linear(x, weight, gemv=False, bucket_picks=True, **kwargs), ref, torch.float16)
+
+
+@pytest.mark.parametrize("K", [1024, 2048, 3584])
+def test_gemm_the_tables_bucket_picks_match_the_reference(device, monkeypatch, K):
+    """The H200 table's own picks for 64-row decode steps (the table the interpreter takes), at the 0.8B's K (split
+    in four past 1024), against the reference, in float16 (the interpreter's bf16 products are wrong)."""
+    from qwen_triton.operators.linear import gemm
+
+    assert gemm.bucket_pick(64, K, 0, True) is not None
+    x, weight, kwargs = inputs(64, K, 64, torch.float16, device, ("residual",), seed=K)
+    ref = reference(x, weight, **kwargs)
+    _one_pick_per_k_refused(monkeypatch)
+    assert_close(linear(x, weight, gemv=False, bucket_picks=True, **kwargs), ref, torch.float16)

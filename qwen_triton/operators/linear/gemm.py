@@ -70,7 +70,9 @@ MAX_SPLIT_ROWS tokens, and of LONG_PROMPT_ROWS or more, the config measured fast
 candidate (PREFERRED_BY_K, PREFERRED_LONG_BY_N; at 4096 tokens the same tiles won with the TMA loads). A decode
 step of 2-128 rows (DECODE_ROWS) takes PREFERRED_DECODE_BY_K, one pick per K for every bucket but BLOCK_M (the
 bucket's rows): a row's result then does not depend on how many rows share the step (measured with PDL as the step
-launches them: benchmarks/decode_gemm_sweep.py; docs/decisions.md, D149).
+launches them: benchmarks/decode_gemm_sweep.py; docs/decisions.md, D149). Where rows may depend on their batch (the
+engine without batch_invariant asks for `bucket_picks`), a bucket with its own picks in the table
+(PREFERRED_DECODE_BY_ROWS: 64 rows, D180) launches the kernel with its pick for K directly, no autotuner.
 """
 
 from __future__ import annotations
@@ -162,6 +164,8 @@ MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in SPLIT_CONFIGS + TMA_SPLIT_CONFIGS
 PREFERRED_BY_K = active().gemm_by_k  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) by the largest K it serves
 DECODE_ROWS = active().gemm_decode_rows  # buckets of up to this many rows take PREFERRED_DECODE_BY_K instead
 PREFERRED_DECODE_BY_K = active().gemm_decode_by_k  # DECODE_FIELDS by K; BLOCK_M the bucket's rows, 16 to 64
+# a decode bucket's own pick (gemm(bucket_picks=True)): bucket of rows -> BUCKET_FIELDS by K
+PREFERRED_DECODE_BY_ROWS = dict(active().gemm_decode_by_rows or ())
 LONG_PROMPT_ROWS = active().gemm_long_prompt_rows
 PREFERRED_LONG_BY_N = active().gemm_long_by_n  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by N
 MEDIUM_PROMPT_BUCKET = active().gemm_medium_prompt_bucket
@@ -170,6 +174,9 @@ PREFERRED_MEDIUM_BY_N = active().gemm_medium_by_n
 
 TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # of the tables by N
 DECODE_FIELDS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")  # of the decode table, by K
+BUCKET_FIELDS = ("BLOCK_M",) + DECODE_FIELDS  # of a decode bucket's own picks, by K
+# the split workspace's partials: as many as any config (however few the autotuning space keeps) or any bucket's pick
+WORKSPACE_SPLITS = max([MAX_SPLIT_K] + [values[3] for table in PREFERRED_DECODE_BY_ROWS.values() for _, values in table])
 
 
 def pipeline_bytes(config, element_size: int, weight_tiles: int) -> int:
@@ -224,6 +231,26 @@ def _prune(configs, named_args, **kwargs):
     first = configs[0]
     return [triton.Config(dict(first.kwargs, SPLIT_K=1), num_warps=first.num_warps, num_stages=first.num_stages,
                           pre_hook=first.pre_hook)]
+
+
+def bucket_pick(bucket: int, K: int, activation: int, write_squares: bool, x=None) -> dict | None:
+    """A decode bucket's own pick for K (PREFERRED_DECODE_BY_ROWS) as launch settings, where the shape takes it (the
+    accumulators' registers, the sums of squares' column groups, the split workspace, the shared memory); None
+    where the table has none or the shape does not take it (the one pick per K then serves)."""
+    table = PREFERRED_DECODE_BY_ROWS.get(bucket)
+    values = next((values for limit, values in table if limit is None or K <= limit), None) if table else None
+    if values is None:
+        return None
+    pick = dict(zip(BUCKET_FIELDS, values), GROUP_M=8)
+    config = triton.Config({name: pick[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K")},
+                           num_warps=pick["num_warps"], num_stages=pick["num_stages"])
+    accumulators = 2 if activation == SWIGLU else 1
+    if (pick["BLOCK_M"] * pick["BLOCK_N"] * accumulators <= 128 * 32 * pick["num_warps"]
+            and (pick["BLOCK_N"] >= SQUARES_COLUMNS or not write_squares)
+            and pick["SPLIT_K"] <= WORKSPACE_SPLITS
+            and fits_shared_memory(config, x, accumulators)):
+        return pick
+    return None
 
 
 @triton.jit
@@ -341,7 +368,7 @@ def _workspace(device: torch.device, rows: int, N: int):
     """The split-K partials and arrival counters for M <= rows (a power of two: one workspace per bucket of
     M; fusion.split_workspace)."""
     tiles = triton.cdiv(rows, MIN_BLOCK) * triton.cdiv(N, MIN_BLOCK)
-    return split_workspace(_workspaces, device, MAX_SPLIT_K, rows, N, tiles)
+    return split_workspace(_workspaces, device, WORKSPACE_SPLITS, rows, N, tiles)
 
 
 def apply_prologue(x, gate, norm_weight, eps, pdl=False):
@@ -378,14 +405,16 @@ def _described(t: torch.Tensor) -> TensorDescriptor:
 
 
 def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6, activation=0, split_k=True,
-         tma=None, pdl=False, norm_squares=None, squares_out=None):
+         tma=None, pdl=False, norm_squares=None, squares_out=None, bucket_picks=False):
     """Launch the prologue pass (with gate or norm_weight) and the GEMM on checked arguments (see
     linear.linear, which checks them). split_k: allow splits of K for M <= MAX_SPLIT_ROWS (the autotuner
     chooses). tma: load the tiles through tensor descriptors (None: for 16-bit x from TMA_ROWS rows on, where
     the device has them); x and weight must then be describable (16-byte aligned rows), else the pointer
     loads serve. pdl: launch both with programmatic dependent launch (Hopper; operators/common.py).
     norm_squares [M, P] float32: x's rows' sums of squares, for the folded norm (no prologue pass);
-    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written."""
+    squares_out [M, cdiv(N, SQUARES_COLUMNS)] float32: the output rows' sums of squares, written.
+    bucket_picks: a decode bucket with its own pick in the tuning table (gemm_decode_by_rows) takes it; a row's bits
+    then depend on its bucket (the engine asks for it in decode steps without batch_invariant)."""
     if gate is not None or norm_weight is not None:
         x = apply_prologue(x, gate, norm_weight, eps, pdl)
     M, K = x.shape
@@ -405,8 +434,14 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
     else:
         kernel = _gemm_split if split_k else _gemm_no_split
         x_operand, w_operand = x, weight
+    # a decode bucket's own pick: the kernel launched with it, no autotuner
+    pick = (bucket_pick(bucket, K, activation, squares_out is not None, x)
+            if bucket_picks and split_allowed and not tma else None)
+    if pick is not None:
+        kernel = _gemm_kernel
 
     def grid(meta):
+        meta = pick or meta
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     parts = 1 if norm_squares is None else norm_squares.shape[1]
@@ -420,6 +455,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         ACTIVATION=activation, HAS_RESIDUAL=residual is not None, SPLIT_ALLOWED=split_allowed,
         FOLDED_NORM=norm_squares is not None, WRITE_SQUARES=squares_out is not None,
         BLOCK_PARTS=triton.next_power_of_2(parts), TMA=tma, USE_PDL=pdl,
-        **launch_options(pdl),
+        **(pick or {}), **launch_options(pdl),
     )
     return out

@@ -95,6 +95,7 @@ def linear(
     squares_out: torch.Tensor | None = None,
     gemv: bool | None = None,
     resident: bool = False,
+    bucket_picks: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x @ weight.T with the fusions above. See the module docstring.
 
@@ -109,6 +110,7 @@ def linear(
     gemv: run the GEMV (True; M <= 16) or the GEMM (False); None: the GEMV for M <= 16. The engine's plan says
     which (`Plan.gemv_rows`): the GEMV reads each weight once a row, the GEMM once for all rows.
     resident: where the GEMM runs, its resident-weights form (resident_gemm.py; M <= 128: a decode step's rows).
+    bucket_picks: where the tiled GEMM runs, its bucket's own pick if the tuning table has one (gemm.py).
     """
     check_tensor("x", x, shape=(None, None), dtype=FLOAT_DTYPES)
     M, K = x.shape
@@ -179,4 +181,4 @@ def linear(
             raise ValueError(f"resident=True serves at most {RESIDENT_ROWS} rows, x has {M}")
         return resident_gemm(x, weight, out, pdl=pdl, norm_squares=norm_squares, squares_out=squares_out, **options)
     return gemm(x, weight, out, split_k=split_k, pdl=pdl, norm_squares=norm_squares, squares_out=squares_out,
-                **options)
+                bucket_picks=bucket_picks, **options)
