@@ -16,6 +16,7 @@ GPU.
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py gemm-epilogues [--variant "in-projection folded" --sequence]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py resident [--sequence]
     TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py argmax-tiled
+    TRITON_INTERPRET=0 python3 benchmarks/sass_counts.py bucket-picks
 
 gemm-epilogues: the GEMM's code with and without the folded norm's epilogues, for the tiles a prefill of 4096
 tokens runs (TMA loads, 8 warps, 3 stages): the DeltaNet in-projection (128 x 128, with and without the folded
@@ -26,6 +27,9 @@ runs it); with --variant NAME --sequence that variant's PTX operations in order.
 
 resident: the resident-weights GEMM's code for the 0.8B's projections with the engine's configs (the CPU test
 `tests/operators/test_resident_gemm.py::test_resident_gemm_compiles_for_hopper_without_spills` runs it).
+
+bucket-picks: the decode GEMM's code for the 0.8B's projections with each decode bucket's own picks in the tuning
+table (the CPU test `tests/operators/test_linear.py::test_bucket_picks_compile_for_hopper` runs it).
 
 argmax-tiled: the tiled LM head's kernel (lm_head/argmax.py) at the 0.8B's head with the tuning table's pin of each
 bucket of rows, greedy and sampling (the CPU test `tests/operators/test_lm_head.py::test_tiled_head_compiles_for_hopper`
@@ -226,6 +230,35 @@ def argmax_tiled() -> None:
     print(json.dumps(results))
 
 
+def bucket_picks() -> None:
+    """The decode GEMM's counts (linear/gemm.py, `_gemm_kernel` over pointer loads, PDL) for the 0.8B's projections
+    with each decode bucket's own picks in the tuning table (tuning/h200.py, gemm_decode_by_rows) and, beside them,
+    the one pick per K they replace there, as one line of JSON."""
+    import json
+
+    from qwen_triton.operators.common import preferred_entry
+    from qwen_triton.operators.linear import gemm
+    from qwen_triton.tuning import H200
+
+    types = dict({pointer: "*fp32" for pointer in ("partial_ptr", "norm_squares_ptr", "squares_ptr")},
+                 counter_ptr="*i32", **{integer: "i32" for integer in ("M", "N", "K", "M_BUCKET", "PARTS")})
+    results = {}
+    for bucket, table in H200.gemm_decode_by_rows:
+        for name, K, pair, residual, folded in RESIDENT_VARIANTS:
+            one_per_k = preferred_entry(H200.gemm_decode_by_k, K, gemm.DECODE_FIELDS)
+            for variant, pick in (("", gemm.bucket_pick(bucket, K, int(pair), residual)),
+                                  (", one pick per K", dict(one_per_k, BLOCK_M=min(bucket, 64)))):
+                constants = dict(ACTIVATION=int(pair), HAS_RESIDUAL=residual, SPLIT_ALLOWED=True, FOLDED_NORM=folded,
+                                 WRITE_SQUARES=residual, BLOCK_PARTS=32, BLOCK_M=pick["BLOCK_M"],
+                                 BLOCK_N=pick["BLOCK_N"], BLOCK_K=pick["BLOCK_K"], GROUP_M=8, SPLIT_K=pick["SPLIT_K"],
+                                 TMA=False, USE_PDL=True)
+                counts = compile_counts(gemm._gemm_kernel, constants, pick["num_warps"], pick["num_stages"],
+                                        types=types)
+                results[f"{bucket} rows {name}{variant}"] = {key: counts[key] for key in (
+                    "registers", "stack_bytes", "shared_bytes", "tensor_core")}
+    print(json.dumps(results))
+
+
 RESIDENT_VARIANTS = (  # name, K, SwiGLU pair, residual (+ the sums of squares), folded norm
     ("in-projection", 1024, False, False, True),
     ("gate/up", 1024, True, False, True),
@@ -237,7 +270,7 @@ RESIDENT_VARIANTS = (  # name, K, SwiGLU pair, residual (+ the sums of squares),
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("kernel", choices=["prepare", "inverse", "products", "state", "output", "gemm-epilogues",
-                                           "resident", "argmax-tiled"])
+                                           "resident", "argmax-tiled", "bucket-picks"])
     parser.add_argument("--variant", choices=[variant[0] for variant in GEMM_VARIANTS],
                         help="gemm-epilogues: this variant alone")
     parser.add_argument("--warps", type=int, nargs="+", default=[8, 4])
@@ -257,6 +290,9 @@ def main() -> None:
         return
     if args.kernel == "argmax-tiled":
         argmax_tiled()
+        return
+    if args.kernel == "bucket-picks":
+        bucket_picks()
         return
     kernel = getattr(chunk, f"_chunk_{args.kernel}_kernel").fn
     constants = dict(V_HEADS=16, GROUP=1, K_DIM=128, V_DIM=128, BLOCK_K=128, CHUNK_ROWS=args.chunk, PRECISION="tf32",

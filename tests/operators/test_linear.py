@@ -332,6 +332,26 @@ def test_gemm_folded_norm_epilogues_compile_for_hopper():
     assert squares["shared_stores"] <= plain["shared_stores"] + 8, results
 
 
+BUCKET_PICKS_SASS = f"""
+import runpy, sys
+sys.argv = ["sass_counts.py", "bucket-picks"]
+runpy.run_path({str(BENCHMARKS / "sass_counts.py")!r}, run_name="__main__")
+"""
+
+
+def test_bucket_picks_compile_for_hopper():
+    """The tuning table's own picks of a decode bucket (64 rows) compile for sm_90 at the 0.8B's projections: products
+    on the tensor cores, the pipeline within a Hopper SM's shared memory, and no more stack a thread than the one
+    pick per K already keeps somewhere (its gate/up tiles 24 bytes, its 32 x 256 tiles of K = 2048 16; the picks'
+    32 x 256 tiles of K = 2048 and 3584 keep 16)."""
+    results = run_without_interpreter(BUCKET_PICKS_SASS)
+    assert len(results) == 8, results
+    one_per_k_stack = max(r["stack_bytes"] for name, r in results.items() if name.endswith("one pick per K"))
+    for name, result in results.items():
+        assert result["tensor_core"]["HGMMA"] > 0 and result["shared_bytes"] <= 227 * 1024, (name, result)
+        assert result["stack_bytes"] <= one_per_k_stack, (name, results)
+
+
 # The GEMM's tiles through tensor descriptors (gemm(tma=True); the interpreter emulates TMA): K and the
 # row strides 16-byte aligned (K 64 / 96 / 128 in float16, 40 in float32), M and N no multiple of a block.
 TMA_CASES = [
