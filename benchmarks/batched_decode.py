@@ -43,12 +43,12 @@ def step_function(model, batch: int, context: int, temperature: float = 0.0):
 
 def bucket_picks_from_sweep(path: str) -> dict:
     """{bucket of rows: ((K, (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)), ...)}: per bucket and K
-    the config of the least time summed over that K's projections of a step (each weighted by its count a step)."""
+    the config of the least time summed over that K's projections of a step (decode_gemm_sweep.step_totals)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from decode_gemm_sweep import projections
+    from decode_gemm_sweep import projections, step_totals
 
     with open(path) as f:
         sweep = json.load(f)
@@ -57,19 +57,14 @@ def bucket_picks_from_sweep(path: str) -> dict:
     by_k = {name: K for name, _, K, _, _ in shapes}
     picks = {}
     for M in sorted({row["M"] for row in sweep["rows"]}):
-        bucket = 1 << (M - 1).bit_length()
+        rows = [row for row in sweep["rows"] if row["M"] == M]
         entries = []
         for K in sorted(set(by_k.values())):
-            names = [name for name in counts if by_k[name] == K]
-            totals = {}
-            for row in sweep["rows"]:
-                if row["M"] == M and row["variant"] == "config" and by_k[row["shape"]] == K and row["us"] == row["us"]:
-                    key = (row["block_m"], *row["config"][:3], *row["config"][3:])
-                    totals.setdefault(key, {})[row["shape"]] = row["us"] * counts[row["shape"]]
-            complete = {key: sum(v.values()) for key, v in totals.items() if len(v) == len(names)}
-            if complete:
-                entries.append((K, min(complete, key=complete.get)))
-        picks[bucket] = tuple(entries)
+            totals = step_totals(rows, counts, by_k, K)
+            if totals:
+                block_m, config = min(totals, key=totals.get)
+                entries.append((K, (block_m, *config)))
+        picks[1 << (M - 1).bit_length()] = tuple(entries)
     return picks
 
 

@@ -179,6 +179,18 @@ def sweep_projection(name, weight_rows, K, fusions, M, hbm, record, part=(0, 1),
     torch.cuda.empty_cache()
 
 
+def step_totals(rows, counts: dict, by_k: dict, K: int) -> dict:
+    """{(BLOCK_M, (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)): us} over one row count's timings `rows`: each config's
+    time summed over the step's projections of this K (each weighted by its count a step: `counts`, by projection
+    name; `by_k`, each projection's K), for the configs timed at every one of them."""
+    totals = {}
+    for r in rows:
+        if r["variant"] == "config" and by_k[r["shape"]] == K and r["us"] == r["us"]:
+            totals.setdefault((r["block_m"], tuple(r["config"])), {})[r["shape"]] = r["us"] * counts[r["shape"]]
+    shapes = sum(1 for name in counts if by_k[name] == K)
+    return {key: sum(v.values()) for key, v in totals.items() if len(v) == shapes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="0.8b", choices=sorted(PRESETS))
@@ -229,13 +241,8 @@ def main() -> None:
                       f"{default['config']}")
         # one config per K for the step: the sum over that K's projections, weighted by their count in a step
         for K in sorted(set(by_k.values())):
-            totals = {}
-            for r in mine:
-                if r["variant"] == "config" and by_k[r["shape"]] == K and r["us"] == r["us"]:
-                    key = (r["block_m"], tuple(r["config"]))
-                    totals.setdefault(key, {})[r["shape"]] = r["us"] * counts[r["shape"]]
+            complete = step_totals(mine, counts, by_k, K)
             shapes = [name for name in counts if by_k[name] == K]
-            complete = {key: sum(v.values()) for key, v in totals.items() if len(v) == len(shapes)}
             engine = sum(next(r["us"] for r in mine if r["shape"] == name and r["variant"] == "engine") * counts[name]
                          for name in shapes)
             ranked = sorted(complete.items(), key=lambda item: item[1])[:3]

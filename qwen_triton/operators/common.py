@@ -154,10 +154,10 @@ def keep_preferred(configs: list, preferred: dict | None) -> list:
 
 def preferred_entry(table, size: int, fields: tuple[str, ...]) -> dict | None:
     """A pin table's entry for `size` as config settings: table = ((largest size served, or None for any,
-    (value per field)), ...), the first entry that serves `size`; None for no table (a GPU without tuning)."""
-    if table is None:
-        return None
-    return dict(zip(fields, next(values for limit, values in table if limit is None or size <= limit)))
+    (value per field)), ...), the first entry that serves `size`; None for no table (a GPU without tuning) or
+    where no entry serves `size` (a table without a None entry)."""
+    values = next((values for limit, values in table or () if limit is None or size <= limit), None)
+    return None if values is None else dict(zip(fields, values))
 
 
 def built_on_first_call(build):

@@ -13,6 +13,8 @@ def test_preferred_entry_takes_the_first_entry_that_serves_the_size():
     assert preferred_entry(table, 1024, fields) == {"BLOCK_N": 64, "SPLIT_K": 1}
     assert preferred_entry(table, 1025, fields) == {"BLOCK_N": 128, "SPLIT_K": 4}
     assert preferred_entry(table, 10**6, fields) == {"BLOCK_N": 256, "SPLIT_K": 8}
+    assert preferred_entry(table[:2], 4096, fields) is None  # no entry serves it
+    assert preferred_entry(None, 1024, fields) is None  # no table
 
 
 def test_keep_preferred():

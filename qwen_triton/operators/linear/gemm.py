@@ -196,6 +196,16 @@ def fits_shared_memory(config, x, weight_tiles: int) -> bool:
     return limit is None or pipeline_bytes(config, x.element_size(), weight_tiles) <= limit
 
 
+def shape_takes(config, x, activation: int, write_squares: bool) -> bool:
+    """Whether a config serves a launch's shape: its accumulators within 128 float32 registers a thread (two with
+    SwiGLU), whole groups of SQUARES_COLUMNS columns where the epilogue writes the sums of squares, and its pipeline
+    within the GPU's shared memory."""
+    accumulators = 2 if activation == SWIGLU else 1
+    return (config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * config.num_warps
+            and (config.kwargs["BLOCK_N"] >= SQUARES_COLUMNS or not write_squares)
+            and fits_shared_memory(config, x, accumulators))
+
+
 def _prune(configs, named_args, **kwargs):
     """Drop tiles taller than the bucket of M (or shorter than 64 rows past 64 rows), accumulators over 128 float32
     registers per thread, and splits of K where not allowed (M > MAX_SPLIT_ROWS, or the caller's split_k=False); for a short prompt,
@@ -204,15 +214,12 @@ def _prune(configs, named_args, **kwargs):
     for this N (PREFERRED_LONG_BY_N), and on the TMA loads for one of 513-1024 tokens that of
     PREFERRED_MEDIUM_BY_N."""
     bucket = named_args["M_BUCKET"]
-    accumulators = 2 if kwargs["ACTIVATION"] == 1 else 1
     split_allowed = kwargs["SPLIT_ALLOWED"] and bucket <= MAX_SPLIT_ROWS
     kept = [
         c for c in configs
         if c.kwargs["BLOCK_M"] <= max(bucket, 64) and (c.kwargs["BLOCK_M"] >= 64 or bucket <= 64)
-        and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * accumulators <= 128 * 32 * c.num_warps
         and (c.kwargs["SPLIT_K"] == 1 or split_allowed)
-        and (c.kwargs["BLOCK_N"] >= SQUARES_COLUMNS or not kwargs.get("WRITE_SQUARES"))
-        and fits_shared_memory(c, named_args.get("x_ptr"), accumulators)
+        and shape_takes(c, named_args.get("x_ptr"), kwargs["ACTIVATION"], kwargs.get("WRITE_SQUARES"))
     ]
     if bucket <= DECODE_ROWS and "K" in named_args:
         preferred = preferred_entry(PREFERRED_DECODE_BY_K, named_args["K"], DECODE_FIELDS)
@@ -234,23 +241,16 @@ def _prune(configs, named_args, **kwargs):
 
 
 def bucket_pick(bucket: int, K: int, activation: int, write_squares: bool, x=None) -> dict | None:
-    """A decode bucket's own pick for K (PREFERRED_DECODE_BY_ROWS) as launch settings, where the shape takes it (the
-    accumulators' registers, the sums of squares' column groups, the split workspace, the shared memory); None
-    where the table has none or the shape does not take it (the one pick per K then serves)."""
-    table = PREFERRED_DECODE_BY_ROWS.get(bucket)
-    values = next((values for limit, values in table if limit is None or K <= limit), None) if table else None
-    if values is None:
+    """A decode bucket's own pick for K (PREFERRED_DECODE_BY_ROWS) as launch settings, where the shape takes it
+    (`shape_takes`, and the split workspace); None where the table has none or the shape does not take it (the one
+    pick per K then serves)."""
+    pick = preferred_entry(PREFERRED_DECODE_BY_ROWS.get(bucket), K, BUCKET_FIELDS)
+    if pick is None:
         return None
-    pick = dict(zip(BUCKET_FIELDS, values), GROUP_M=8)
+    pick["GROUP_M"] = 8
     config = triton.Config({name: pick[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K")},
                            num_warps=pick["num_warps"], num_stages=pick["num_stages"])
-    accumulators = 2 if activation == SWIGLU else 1
-    if (pick["BLOCK_M"] * pick["BLOCK_N"] * accumulators <= 128 * 32 * pick["num_warps"]
-            and (pick["BLOCK_N"] >= SQUARES_COLUMNS or not write_squares)
-            and pick["SPLIT_K"] <= WORKSPACE_SPLITS
-            and fits_shared_memory(config, x, accumulators)):
-        return pick
-    return None
+    return pick if pick["SPLIT_K"] <= WORKSPACE_SPLITS and shape_takes(config, x, activation, write_squares) else None
 
 
 @triton.jit
@@ -441,7 +441,6 @@ def gemm(x, weight, out, *, residual=None, gate=None, norm_weight=None, eps=1e-6
         kernel = _gemm_kernel
 
     def grid(meta):
-        meta = pick or meta
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     parts = 1 if norm_squares is None else norm_squares.shape[1]
