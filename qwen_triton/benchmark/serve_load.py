@@ -17,7 +17,10 @@ Per level (the JSON's `serve.levels`; `requests` has every request):
                       first to last id over its ids after the first), which a server that falls behind and sends
                       its chunks in bursts cannot make look short;
   time to first token from sending the request to its first id: p50 and p99;
-  requests            sent, succeeded, failed (an HTTP error or an error event), with the first error's text.
+  requests            sent, succeeded, failed (an HTTP error or an error event), with the first error's text;
+  server              the server's own means over the level, from its /metrics before and after (SERVER_MEANS:
+                      a sequence's arrival to its first id, split at its slot; the engine's step and rows a step),
+                      so that a first token's time at the client splits into the server's and the wire's.
 Floors (benchmark/floor.py, over the ceilings `qwen-triton bench` measures): a decode step of `concurrency` rows
 at the level's mean context during decode (mean prompt + output_tokens / 2) moves floor.decode_bytes(batch=rows):
 its time over the copy bandwidth is the per-token latency's floor, rows / that time the output tokens/s' floor; the
@@ -296,6 +299,46 @@ class ServerProcess:
         return self.process.returncode
 
 
+# the server's own histograms a level reports the mean of (GET /metrics, before and after the level)
+# (their names in /metrics after the qwen_triton_ prefix; seconds unless named _size)
+SERVER_MEANS = {"time_to_first_token_seconds": "arrival to first id", "queue_time_seconds": "arrival to slot",
+                "prefill_time_seconds": "slot to first id", "step_seconds": "engine step",
+                "decode_batch_size": "rows a step"}
+
+
+def server_sums(url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of each of SERVER_MEANS' histograms in the server's /metrics; None where it has none (a
+    server that is not qwen-triton's)."""
+    import httpx
+
+    try:
+        response = httpx.get(url + "/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("qwen_triton_") and name.endswith(("_sum", "_count")):
+            values[name] = float(value)
+    sums = {key: (values.get(f"qwen_triton_{key}_sum"), values.get(f"qwen_triton_{key}_count"))
+            for key in SERVER_MEANS}
+    return None if any(None in pair for pair in sums.values()) else sums
+
+
+def server_means(before: dict | None, after: dict | None) -> dict[str, float | None] | None:
+    """Each histogram's mean over what the server observed between two server_sums (times in ms)."""
+    if before is None or after is None:
+        return None
+    means = {}
+    for key in SERVER_MEANS:
+        total, count = (a - b for a, b in zip(after[key], before[key]))
+        name = key + "_mean" if key.endswith("_size") else key.removesuffix("_seconds") + "_ms_mean"
+        means[name] = (total / count * (1 if key.endswith("_size") else 1e3)) if count else None
+    return means
+
+
 def served_model(url: str) -> tuple[str, int | None]:
     """The name and context length of the model a server at url serves."""
     import httpx
@@ -355,16 +398,22 @@ def run_serve_load(preset: str, device: str, hbm: float, matmul: float, sizes: S
         for index, concurrency in enumerate(sizes.concurrencies):
             prompts = level_prompts(sizes, concurrency, config.vocab_size, sizes.requests_per_client,
                                     sizes.seed + index)
+            before = server_sums(url)
             records = processes.run(url, name, prompts, sizes.output_tokens)
             level = add_floors(summarize(records, concurrency), config, sizes, hbm, matmul,
                                targets=device == "cuda" and preset == "0.8b")
+            level["server"] = server_means(before, server_sums(url))
             level["requests"] = [dict(prompt_tokens=r["prompt_tokens"], tokens=r["tokens"], error=r["error"],
                                       ttft_ms=None if r["first"] is None else (r["first"] - r["sent"]) * 1e3,
                                       total_ms=(r["ended"] - r["sent"]) * 1e3) for r in records]
             levels.append(level)
+            server_mean = level["server"] and level["server"]["time_to_first_token_ms_mean"]
             log(f"serve: concurrency {concurrency}: {level['output_tokens_per_s']:.1f} output tokens/s, per-token "
                 f"p50 {_ms(level['per_token_ms_p50'])} ms, time to first token p50 {_ms(level['ttft_ms_p50'])} / "
-                f"p99 {_ms(level['ttft_ms_p99'])} ms; {level['succeeded']}/{level['sent']} requests succeeded")
+                f"p99 {_ms(level['ttft_ms_p99'])} ms (the server's own mean {_ms(server_mean)} ms: queue "
+                f"{_ms(level['server'] and level['server']['queue_time_ms_mean'])}, prefill "
+                f"{_ms(level['server'] and level['server']['prefill_time_ms_mean'])}); "
+                f"{level['succeeded']}/{level['sent']} requests succeeded")
     finally:
         processes.close()
         exit_status = server.stop() if server is not None else None

@@ -13,7 +13,8 @@ import torch
 
 from qwen_triton import LLM
 from qwen_triton.benchmark.floor import decode_bytes, prefill_flops
-from qwen_triton.benchmark.serve_load import CPU_SIZES, level_prompts, percentile, run_serve_load, summarize
+from qwen_triton.benchmark.serve_load import (CPU_SIZES, SERVER_MEANS, level_prompts, percentile, run_serve_load,
+                                              server_means, summarize)
 from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.cli import default_model, main
 from qwen_triton.config import parse_config
@@ -80,6 +81,22 @@ def test_the_load_against_a_server_given_by_url_from_client_processes(monkeypatc
     assert not section["started_server"] and section["url"] == server.url
     assert (level["sent"], level["succeeded"], level["output_tokens"]) == (4, 4, 8)
     assert served == 2 + 4  # the warm-up's requests, then the level's
+    # the server's own split of the level, from its /metrics: the first id's wait splits at the slot
+    server = level["server"]
+    assert server["time_to_first_token_ms_mean"] > 0 and server["step_ms_mean"] > 0
+    assert server["time_to_first_token_ms_mean"] == pytest.approx(
+        server["queue_time_ms_mean"] + server["prefill_time_ms_mean"], rel=1e-6)
+    assert 1 <= server["decode_batch_size_mean"] <= 2
+
+
+def test_the_servers_means_are_over_the_level_alone():
+    before = {key: (1.0, 4) for key in SERVER_MEANS}
+    after = {key: (1.5, 6) for key in SERVER_MEANS}
+    means = server_means(before, after)
+    assert means["time_to_first_token_ms_mean"] == pytest.approx(250.0)  # 0.5 s over 2 observations
+    assert means["decode_batch_size_mean"] == pytest.approx(0.25)
+    assert server_means(None, after) is None
+    assert server_means(before, before)["queue_time_ms_mean"] is None  # nothing observed
 
 
 def test_a_chunk_of_several_ids_counts_as_many_gaps():
