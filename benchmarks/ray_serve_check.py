@@ -7,6 +7,8 @@ Two phases, each its own process and server (each fits one device call of 10 min
   --phase ray     the same command with `--replicas 2 --gpus-per-replica 0.5` (--ray-args): the same prompts,
                   sent until two replicas have answered (the x-qwen-triton-replica header) or each was sent four
                   times; the same load; SIGTERM. Writes ray.json.
+With --mps the server's processes run under an MPS control daemon of their own (the replicas' kernels side by
+side on the one GPU instead of time-sliced, D147), the daemon quit when the phase ends.
 The second phase run also writes compare.json (the first's JSON from --keep, or --single): greedy outputs equal,
 the replicas that answered, output tokens/s through Ray over the single server's (issue 36: within 15%), and the
 latencies of both.
@@ -63,11 +65,11 @@ def log(message: str) -> None:
 class Server:
     """A serve command in a process of its own, its log in `log_path`; `url` once it serves."""
 
-    def __init__(self, command: list[str], log_path: Path, timeout: float):
+    def __init__(self, command: list[str], log_path: Path, timeout: float, env: dict | None = None):
         self.log_path = log_path
         started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_path.open("w"),
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         while not (found := re.search(r"serving \S+ at (http://[^/\s]+)/v1", log_path.read_text())):
             if self.process.poll() is not None or time.monotonic() - started > timeout:
                 self.kill()
@@ -90,6 +92,24 @@ class Server:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class MultiProcessService:
+    """NVIDIA's MPS control daemon for the server's processes alone: its pipe and log folders under `folder`,
+    named to the server through CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY (`env`), so that the replicas'
+    CUDA contexts share the GPU's SMs at once instead of taking turns (D147's time-slicing). No GPU setting
+    changes; `stop()` quits the daemon."""
+
+    def __init__(self, folder: Path):
+        self.env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(folder / "pipe"),
+                        CUDA_MPS_LOG_DIRECTORY=str(folder / "log"))
+        for name in ("pipe", "log"):
+            (folder / name).mkdir(parents=True, exist_ok=True)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=self.env, check=True, timeout=30)
+        log(f"MPS control daemon started (pipes in {folder / 'pipe'})")
+
+    def stop(self) -> None:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=self.env, timeout=60)
 
 
 def complete(url: str, prompt: str) -> tuple[str, str | None]:
@@ -132,8 +152,16 @@ def run_phase(args) -> dict:
     if args.phase == "ray":
         command += shlex.split(args.ray_args)
     log(f"server: {' '.join(command)}")
-    server = Server(command, directory / "server.log", timeout=args.start_timeout)
-    result: dict = {"phase": args.phase, "command": command, "startup_s": round(server.startup_s, 1)}
+    service = MultiProcessService(args.keep / "mps") if args.mps else None
+    try:
+        server = Server(command, directory / "server.log", timeout=args.start_timeout,
+                        env=service.env if service else None)
+    except BaseException:
+        if service:
+            service.stop()
+        raise
+    result: dict = {"phase": args.phase, "command": command, "startup_s": round(server.startup_s, 1),
+                    "mps": bool(args.mps)}
     try:
         texts, replicas = {}, {}
         probes = PROBES * (4 if args.phase == "ray" else 1)  # until both replicas have answered
@@ -150,6 +178,8 @@ def run_phase(args) -> dict:
         result["serve"] = run_bench(args.bench, server.url, args.concurrency, directory)
     finally:
         result["exit_status"] = server.stop()
+        if service:
+            service.stop()
     return result
 
 
@@ -179,6 +209,8 @@ def main() -> None:
     parser.add_argument("--bench", default=BENCH, help=f"the load generator (default: {BENCH})")
     parser.add_argument("--concurrency", default="64", help="the load's levels, N,N,... (issue 35: 1,8,64,128)")
     parser.add_argument("--compare-at", type=int, default=64, help="the level the two phases are compared at")
+    parser.add_argument("--mps", action="store_true", help="the server's processes under an MPS control daemon of "
+                        "their own (replicas sharing a GPU run their kernels side by side)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--start-timeout", type=float, default=420, help="seconds for the server to serve")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/ray_serve_check/out")))
