@@ -20,7 +20,8 @@ Per level (the JSON's `serve.levels`; `requests` has every request):
   requests            sent, succeeded, failed (an HTTP error or an error event), with the first error's text;
   server              the server's own means over the level, from its /metrics before and after (SERVER_MEANS:
                       a sequence's arrival to its first id, split at its slot; the engine's step and rows a step),
-                      so that a first token's time at the client splits into the server's and the wire's.
+                      so that a first token's time at the client splits into the server's and the wire's; and the
+                      Python garbage collector's pauses in the server's and the engine's processes (SERVER_PAUSES).
 Floors (benchmark/floor.py, over the ceilings `qwen-triton bench` measures): a decode step of `concurrency` rows
 at the level's mean context during decode (mean prompt + output_tokens / 2) moves floor.decode_bytes(batch=rows):
 its time over the copy bandwidth is the per-token latency's floor, rows / that time the output tokens/s' floor; the
@@ -304,11 +305,14 @@ class ServerProcess:
 SERVER_MEANS = {"time_to_first_token_seconds": "arrival to first id", "queue_time_seconds": "arrival to slot",
                 "prefill_time_seconds": "slot to first id", "step_seconds": "engine step",
                 "decode_batch_size": "rows a step"}
+# the garbage collector's pauses a level reports (server/heap.py): the server's process and the engine process
+SERVER_PAUSES = {"gc_pause_seconds": "server_process", "engine_gc_pause_seconds": "engine_process"}
+LONG_PAUSE = "0.01"  # a pause past this bucket's bound (10 ms) is counted apart
 
 
-def server_sums(url: str) -> dict[str, tuple[float, float]] | None:
-    """(sum, count) of each of SERVER_MEANS' histograms in the server's /metrics; None where it has none (a
-    server that is not qwen-triton's)."""
+def server_sums(url: str) -> dict[str, tuple[float, ...]] | None:
+    """(sum, count) of each of SERVER_MEANS' histograms in the server's /metrics, and (sum, count, count within
+    LONG_PAUSE) of SERVER_PAUSES'; None where it has them not (a server that is not qwen-triton's)."""
     import httpx
 
     try:
@@ -319,23 +323,28 @@ def server_sums(url: str) -> dict[str, tuple[float, float]] | None:
         return None
     values = {}
     for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("qwen_triton_") and name.endswith(("_sum", "_count")):
-            values[name] = float(value)
-    sums = {key: (values.get(f"qwen_triton_{key}_sum"), values.get(f"qwen_triton_{key}_count"))
-            for key in SERVER_MEANS}
-    return None if any(None in pair for pair in sums.values()) else sums
+        name, _, value = line.rpartition(" ")
+        if name.startswith("qwen_triton_"):
+            values[name.removeprefix("qwen_triton_")] = float(value)
+    sums = {key: (values.get(f"{key}_sum"), values.get(f"{key}_count")) for key in SERVER_MEANS}
+    sums.update({key: (values.get(f"{key}_sum"), values.get(f"{key}_count"),
+                       values.get(f'{key}_bucket{{le="{LONG_PAUSE}"}}')) for key in SERVER_PAUSES})
+    return None if any(None in numbers for numbers in sums.values()) else sums
 
 
-def server_means(before: dict | None, after: dict | None) -> dict[str, float | None] | None:
-    """Each histogram's mean over what the server observed between two server_sums (times in ms)."""
+def server_means(before: dict | None, after: dict | None) -> dict | None:
+    """Over what the server observed between two server_sums: each of SERVER_MEANS' means (times in ms), and per
+    process the collector's pauses (how many, their total ms, how many past LONG_PAUSE)."""
     if before is None or after is None:
         return None
-    means = {}
+    means: dict = {}
     for key in SERVER_MEANS:
         total, count = (a - b for a, b in zip(after[key], before[key]))
         name = key + "_mean" if key.endswith("_size") else key.removesuffix("_seconds") + "_ms_mean"
         means[name] = (total / count * (1 if key.endswith("_size") else 1e3)) if count else None
+    for key, process in SERVER_PAUSES.items():
+        total, count, short = (a - b for a, b in zip(after[key], before[key]))
+        means[f"gc_pauses_{process}"] = dict(count=int(count), total_ms=total * 1e3, over_10_ms=int(count - short))
     return means
 
 
@@ -413,7 +422,7 @@ def run_serve_load(preset: str, device: str, hbm: float, matmul: float, sizes: S
                 f"p99 {_ms(level['ttft_ms_p99'])} ms (the server's own mean {_ms(server_mean)} ms: queue "
                 f"{_ms(level['server'] and level['server']['queue_time_ms_mean'])}, prefill "
                 f"{_ms(level['server'] and level['server']['prefill_time_ms_mean'])}); "
-                f"{level['succeeded']}/{level['sent']} requests succeeded")
+                f"{level['succeeded']}/{level['sent']} requests succeeded{_pauses(level['server'])}")
     finally:
         processes.close()
         exit_status = server.stop() if server is not None else None
@@ -422,6 +431,16 @@ def run_serve_load(preset: str, device: str, hbm: float, matmul: float, sizes: S
                 sizes_for="gpu" if sizes == GPU_SIZES else "cpu" if sizes == CPU_SIZES else "custom",
                 sizes=dataclasses.asdict(sizes), clients_per_process=CLIENTS_PER_PROCESS, hbm_copy_TBps=hbm,
                 matmul_TFLOPs=matmul, levels=levels, seconds=time.perf_counter() - started)
+
+
+def _pauses(server: dict | None) -> str:
+    if server is None:
+        return ""
+    parts = [f"{process.replace('_', ' ')} {pauses['count']} ({pauses['over_10_ms']} over 10 ms, "
+             f"{pauses['total_ms']:.1f} ms in all)"
+             for process, pauses in ((key.removeprefix("gc_pauses_"), value) for key, value in server.items()
+                                     if key.startswith("gc_pauses_"))]
+    return "; garbage collections: " + ", ".join(parts)
 
 
 def _ms(value: float | None) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import secrets
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from . import heap
 from .detokenizer import IncrementalDetokenizer
 from .metrics import ServerMetrics
 from .protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -461,10 +463,17 @@ def create_app(
 
         scheduler.emit = lambda outputs: loop.call_soon_threadsafe(deliver, outputs)
         scheduler.start()
+        # the start's heap frozen (heap.py; with the engine on a thread, the model's too), then every pause counted
+        app.state.frozen_objects = heap.freeze_startup_heap()
+        pauses = heap.Pauses(metrics.gc_pause).start()
+        metrics.pauses.append(pauses)
         try:
             yield
         finally:
             await asyncio.to_thread(scheduler.stop, drain_timeout)
+            pauses.close()
+            metrics.pauses.remove(pauses)
+            gc.unfreeze()  # the process goes on (a test's): what was frozen is collected again
 
     app = FastAPI(title="qwen-triton", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service, app.state.scheduler, app.state.metrics = service, scheduler, metrics

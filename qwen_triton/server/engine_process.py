@@ -37,6 +37,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+from . import heap
 from .metrics import ServerMetrics
 from .scheduler import STOPPING, QueueFull, Scheduler, SchedulerStatistics, ShuttingDown, StepRecord, check_sequence
 from .sequence import Sequence, SequenceOutput
@@ -82,12 +83,15 @@ def engine_main(connection, build: Callable, scheduler_options: dict) -> None:
     try:
         backend, sampler = build()
         scheduler = Scheduler(backend, sampler=sampler, emit=emit, metrics=ServerMetrics(), **scheduler_options)
+        # the start's heap (the model, its graphs, the modules) frozen: collections walk only what comes after it
+        frozen = heap.freeze_startup_heap()
+        scheduler.metrics.pauses.append(heap.Pauses(scheduler.metrics.engine_gc_pause).start())
         scheduler.start()
     except BaseException as error:  # noqa: BLE001 - every failure to start is reported to the HTTP side
         send(("failed", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
         connection.close()
         raise SystemExit(1) from None
-    send(("ready", dict(max_length=scheduler.max_length, vocab_size=scheduler.vocab_size)))
+    send(("ready", dict(max_length=scheduler.max_length, vocab_size=scheduler.vocab_size, frozen_objects=frozen)))
 
     def snapshot() -> dict:
         statistics = scheduler.statistics
@@ -140,6 +144,7 @@ class EngineProcess:
         self.scheduler_options = dict(max_num_seqs=max_num_seqs, prefill_chunk=prefill_chunk,
                                       max_prefill_tokens=max_prefill_tokens)
         self.max_length = self.vocab_size = None  # the engine's, once started
+        self.frozen_objects: int | None = None  # the objects the engine process froze after its start (heap.py)
         self.emit: Callable[[list[tuple[Sequence, SequenceOutput]]], None] = lambda outputs: None
         self.metrics = ServerMetrics()  # create_app gives its own
         self.process = None
@@ -187,6 +192,7 @@ class EngineProcess:
             self.process.join(10)
             raise RuntimeError(f"the engine failed to start: {payload}")
         self.max_length, self.vocab_size = payload["max_length"], payload["vocab_size"]
+        self.frozen_objects = payload["frozen_objects"]
         self._reader = threading.Thread(target=self._read, name="qwen-triton-engine-pipe", daemon=True)
         self._reader.start()
 

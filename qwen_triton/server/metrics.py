@@ -150,14 +150,25 @@ class ServerMetrics:
         self.prefill_time = Histogram("prefill_time_seconds", "from a sequence's slot to its first generated token")
         self.time_per_output_token = Histogram("time_per_output_token_seconds",
                                                "between consecutive generated tokens of a sequence")
+        # the garbage collector's pauses (heap.py): this process's, and the engine process's
+        self.gc_pause = Histogram("gc_pause_seconds", "the Python garbage collector's pauses in the server's process "
+                                  "(the HTTP side; with --engine thread, the engine too)")
+        self.engine_gc_pause = Histogram("engine_gc_pause_seconds", "the Python garbage collector's pauses in the "
+                                         "engine process")
+        self.pauses: list = []  # heap.Pauses recording into the histograms above, flushed before they are read
         self.gauges: list[Gauge] = []
 
     # what the scheduler observes: in an engine process of its own, copied to the HTTP side's metrics before they
     # are rendered (`engine_state`, `load_engine_state`; engine_process.py)
     ENGINE_METRICS = ("steps", "prefill_chunks", "step_seconds", "decode_batch", "time_to_first_token",
-                      "queue_time", "prefill_time", "time_per_output_token")
+                      "queue_time", "prefill_time", "time_per_output_token", "engine_gc_pause")
+
+    def flush_pauses(self) -> None:
+        for pauses in self.pauses:
+            pauses.flush()
 
     def engine_state(self) -> dict:
+        self.flush_pauses()
         return {name: getattr(self, name).state() for name in self.ENGINE_METRICS}
 
     def load_engine_state(self, state: dict) -> None:
@@ -168,7 +179,9 @@ class ServerMetrics:
         self.gauges.append(Gauge(name, description, read))
 
     def render(self) -> str:
+        self.flush_pauses()
         metrics = [self.requests, self.prompt_tokens, self.generation_tokens, *self.gauges, self.steps,
                    self.prefill_chunks, self.step_seconds, self.decode_batch, self.time_to_first_token,
-                   self.queue_time, self.prefill_time, self.time_per_output_token]
+                   self.queue_time, self.prefill_time, self.time_per_output_token, self.gc_pause,
+                   self.engine_gc_pause]
         return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

@@ -13,8 +13,8 @@ import torch
 
 from qwen_triton import LLM
 from qwen_triton.benchmark.floor import decode_bytes, prefill_flops
-from qwen_triton.benchmark.serve_load import (CPU_SIZES, SERVER_MEANS, level_prompts, percentile, run_serve_load,
-                                              server_means, summarize)
+from qwen_triton.benchmark.serve_load import (CPU_SIZES, SERVER_MEANS, SERVER_PAUSES, level_prompts, percentile,
+                                              run_serve_load, server_means, summarize)
 from qwen_triton.checkpoint import PRESETS, official_config
 from qwen_triton.cli import default_model, main
 from qwen_triton.config import parse_config
@@ -87,14 +87,18 @@ def test_the_load_against_a_server_given_by_url_from_client_processes(monkeypatc
     assert server["time_to_first_token_ms_mean"] == pytest.approx(
         server["queue_time_ms_mean"] + server["prefill_time_ms_mean"], rel=1e-6)
     assert 1 <= server["decode_batch_size_mean"] <= 2
+    pauses = server["gc_pauses_server_process"]
+    assert pauses["count"] >= pauses["over_10_ms"] >= 0 and pauses["total_ms"] >= 0
 
 
 def test_the_servers_means_are_over_the_level_alone():
-    before = {key: (1.0, 4) for key in SERVER_MEANS}
-    after = {key: (1.5, 6) for key in SERVER_MEANS}
+    before = {**{key: (1.0, 4) for key in SERVER_MEANS}, **{key: (0.5, 10, 9) for key in SERVER_PAUSES}}
+    after = {**{key: (1.5, 6) for key in SERVER_MEANS}, **{key: (0.75, 13, 10) for key in SERVER_PAUSES}}
     means = server_means(before, after)
     assert means["time_to_first_token_ms_mean"] == pytest.approx(250.0)  # 0.5 s over 2 observations
     assert means["decode_batch_size_mean"] == pytest.approx(0.25)
+    # 3 pauses of 250 ms in all, 2 of them past 10 ms
+    assert means["gc_pauses_engine_process"] == dict(count=3, total_ms=pytest.approx(250.0), over_10_ms=2)
     assert server_means(None, after) is None
     assert server_means(before, before)["queue_time_ms_mean"] is None  # nothing observed
 

@@ -5,6 +5,7 @@ decode together and each equals its result when sent alone, and a long prompt is
 another stream keeps decoding."""
 
 import asyncio
+import gc
 import json
 import math
 
@@ -36,8 +37,26 @@ def test_models_health_and_metrics(server, client):
     for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total", "running_sequences",
                  "waiting_sequences", "step_seconds_bucket", "time_to_first_token_seconds_bucket",
                  "queue_time_seconds_bucket", "prefill_time_seconds_bucket",
-                 "time_per_output_token_seconds_bucket", "decode_batch_size_bucket"):
+                 "time_per_output_token_seconds_bucket", "decode_batch_size_bucket", "gc_pause_seconds_bucket",
+                 "engine_gc_pause_seconds_bucket"):
         assert f"qwen_triton_{name}" in text, name
+
+
+def test_the_heap_of_the_start_is_frozen_and_the_collectors_pauses_counted(server):
+    """server/heap.py: while the server serves, its start's heap (and, in an engine process, that process's) is
+    frozen; a collection in the HTTP process is a pause in /metrics."""
+    assert server.app.state.frozen_objects > 1000 and gc.get_freeze_count() > 0
+    engine = server.app.state.scheduler
+    if hasattr(engine, "frozen_objects"):  # the engine process froze its own
+        assert engine.frozen_objects > 1000
+
+    def pauses():
+        text = httpx.get(server.url + "/metrics").text
+        return int(next(line for line in text.splitlines()
+                        if line.startswith("qwen_triton_gc_pause_seconds_count")).split()[-1])
+    before = pauses()
+    gc.collect()
+    assert pauses() >= before + 1
 
 
 def test_greedy_completion_equals_generate_with_exact_usage(client, oracle):
