@@ -227,6 +227,20 @@ def limit_compile_workers(gpu_share: float, environment=None) -> None:
         environment.setdefault(WORKERS_VARIABLE, "0")
 
 
+def shared_gpu_note(gpus_per_replica: float, environment=None) -> str | None:
+    """What replicas that share a GPU should know, where they do (0 < gpus_per_replica < 1) and no MPS control
+    daemon's pipe is found (CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps): None otherwise."""
+    environment = os.environ if environment is None else environment
+    if not 0 < gpus_per_replica < 1:
+        return None
+    pipes = environment.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    if os.path.exists(os.path.join(pipes, "control")):
+        return None
+    return ("replicas that share a GPU take turns on it without NVIDIA's MPS (two on one H100 served 0.39x one "
+            "server's tokens/s, docs/decisions.md D147); `nvidia-cuda-mps-control -d` on each node before Ray starts "
+            "lets their kernels run side by side (not yet measured here)")
+
+
 @serve.ingress()
 class QwenTritonReplica:
     """One engine: starts its engine process (which loads the model) when Ray starts the replica, then builds
@@ -453,6 +467,8 @@ def serve_command(args) -> None:
                 raise UsageError(message + " (--gpus-per-replica 0.5 puts two replicas on one GPU)")
             note(f"{message}: the replicas wait until nodes with room join it")
         device = args.device or ("cuda" if gpus > 0 else "cpu")
+        if (shared := shared_gpu_note(gpus)) is not None:
+            note(shared)
         if args.model is None:
             model = str(default_model(device))
         else:

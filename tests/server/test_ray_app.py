@@ -239,3 +239,13 @@ def test_haproxy_is_ray_serves_own_mode_on_ports_of_its_own():
         RayServer(host="127.0.0.1", port=8000, ray_address="auto", proxy="haproxy")
     with pytest.raises(ValueError, match="proxy must be 'ray' or 'haproxy'"):
         RayServer(host="127.0.0.1", port=8000, proxy="nginx")
+
+
+def test_replicas_sharing_a_gpu_are_told_about_mps_unless_its_daemon_runs(tmp_path):
+    from qwen_triton.server.ray_app import shared_gpu_note
+
+    environment = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert "nvidia-cuda-mps-control -d" in shared_gpu_note(0.5, environment)
+    assert shared_gpu_note(1.0, environment) is None and shared_gpu_note(0.0, environment) is None
+    (tmp_path / "control").touch()  # the daemon's control pipe
+    assert shared_gpu_note(0.5, environment) is None
