@@ -416,13 +416,13 @@ def run_serve_load(preset: str, device: str, hbm: float, matmul: float, sizes: S
                                       ttft_ms=None if r["first"] is None else (r["first"] - r["sent"]) * 1e3,
                                       total_ms=(r["ended"] - r["sent"]) * 1e3) for r in records]
             levels.append(level)
-            server_mean = level["server"] and level["server"]["time_to_first_token_ms_mean"]
+            split = level["server"] or {}
             log(f"serve: concurrency {concurrency}: {level['output_tokens_per_s']:.1f} output tokens/s, per-token "
                 f"p50 {_ms(level['per_token_ms_p50'])} ms, time to first token p50 {_ms(level['ttft_ms_p50'])} / "
-                f"p99 {_ms(level['ttft_ms_p99'])} ms (the server's own mean {_ms(server_mean)} ms: queue "
-                f"{_ms(level['server'] and level['server']['queue_time_ms_mean'])}, prefill "
-                f"{_ms(level['server'] and level['server']['prefill_time_ms_mean'])}); "
-                f"{level['succeeded']}/{level['sent']} requests succeeded{_pauses(level['server'])}")
+                f"p99 {_ms(level['ttft_ms_p99'])} ms (the server's own mean "
+                f"{_ms(split.get('time_to_first_token_ms_mean'))} ms: queue {_ms(split.get('queue_time_ms_mean'))}, "
+                f"prefill {_ms(split.get('prefill_time_ms_mean'))}); {level['succeeded']}/{level['sent']} requests "
+                f"succeeded{_pauses(split)}")
     finally:
         processes.close()
         exit_status = server.stop() if server is not None else None
@@ -433,14 +433,12 @@ def run_serve_load(preset: str, device: str, hbm: float, matmul: float, sizes: S
                 matmul_TFLOPs=matmul, levels=levels, seconds=time.perf_counter() - started)
 
 
-def _pauses(server: dict | None) -> str:
-    if server is None:
-        return ""
-    parts = [f"{process.replace('_', ' ')} {pauses['count']} ({pauses['over_10_ms']} over 10 ms, "
-             f"{pauses['total_ms']:.1f} ms in all)"
-             for process, pauses in ((key.removeprefix("gc_pauses_"), value) for key, value in server.items()
-                                     if key.startswith("gc_pauses_"))]
-    return "; garbage collections: " + ", ".join(parts)
+def _pauses(split: dict) -> str:
+    """A level's collector pauses per process (server_means' gc_pauses_*), for its log line."""
+    parts = [f"{key.removeprefix('gc_pauses_').replace('_', ' ')} {pauses['count']} ({pauses['over_10_ms']} over "
+             f"10 ms, {pauses['total_ms']:.1f} ms in all)"
+             for key, pauses in split.items() if key.startswith("gc_pauses_")]
+    return "; garbage collections: " + ", ".join(parts) if parts else ""
 
 
 def _ms(value: float | None) -> str:
